@@ -1,0 +1,36 @@
+"""The built-in CPU backend plugin, registered through the ``cadence.backends`` entry point
+exactly as a third-party backend would be."""
+
+from __future__ import annotations
+
+from cadence.hookspecs import hookimpl
+
+
+@hookimpl
+def cadence_register_backends(register) -> None:
+    from cadence.backends.cpu.backend import CpuBackend
+
+    register(CpuBackend)
+
+
+@hookimpl
+def cadence_add_cli_options(parser) -> None:
+    from cadence.backends.cpu.backend import OVERLAP_STRATEGIES
+
+    parser.add_argument(
+        "--cpu-overlap", choices=OVERLAP_STRATEGIES, default=None,
+        help="CPU overlap strategy: 'sync' (default, fastest measured on 2 cores) or 'thread' "
+             "(forward on a worker thread while the caller runs post_sample)")
+    parser.add_argument("--cpu-kv-cache-gb", type=float, default=None,
+                        help="host memory for the KV cache in GiB (default 2)")
+
+
+@hookimpl
+def cadence_configure(config) -> None:
+    if config.get("backend") != "cpu":
+        return
+    opts = config.setdefault("backend_options", {})
+    if config.get("cpu_overlap"):
+        opts["overlap"] = config["cpu_overlap"]
+    if config.get("cpu_kv_cache_gb"):
+        opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]

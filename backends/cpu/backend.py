@@ -1,0 +1,97 @@
+"""CPU backend: torch on the host, attention over the paged cache in torch ops.
+
+torch CPU ops are synchronous, so "enqueue the forward" is not possible on one thread;
+overlap needs a second worker. Strategies (``backend_options["overlap"]``):
+
+- ``sync``: forward -> sample -> post_sample. The default: measured fastest on 2 cores
+  (docs/backends/cpu.md has the numbers).
+- ``thread``: the forward and sampling run on a worker thread while the calling thread runs
+  post_sample. Correct, but on 2 cores the GIL hand-over per op and two OpenMP pools make
+  both sides slower; kept for machines with cores to spare.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cadence.backend import Backend, ModelInput, PostSample, ProbeResult, SamplerOutput
+from cadence.config import EngineConfig
+
+# torch is imported inside methods: registering and probing this backend (engine backends,
+# engine --help) must not load torch.
+
+OVERLAP_STRATEGIES = ("sync", "thread")
+DEFAULT_KV_CACHE_GB = 2.0
+
+
+class CpuBackend(Backend):
+    """Runs the model with torch on the CPU."""
+
+    name = "cpu"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.overlap = str(config.backend_option("overlap", "sync"))
+        if self.overlap not in OVERLAP_STRATEGIES:
+            raise ValueError(
+                f"cpu overlap must be one of {OVERLAP_STRATEGIES}, got {self.overlap!r}")
+        from cadence.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config, "cpu")
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        return ProbeResult(True, "torch CPU")
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def allocate_kv_cache(self) -> int:
+        gb = float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
+        num_blocks = self.runner.num_blocks_for_bytes(int(gb * (1 << 30)))
+        from cadence.layers.paged_attention import TorchPagedAttention
+
+        k, v = self.runner.allocate_kv_cache(num_blocks)
+        spec = self.runner.kv_cache_spec()
+        self.runner.attn = TorchPagedAttention(k, v, spec.head_dim ** -0.5)
+        return num_blocks
+
+    def forward(self, model_input: ModelInput) -> Any:
+        return self.runner.forward(model_input)
+
+    def sample(self, logits, sampling):
+        return self.runner.sample(logits, sampling)
+
+    def to_host(self, sampled) -> SamplerOutput:
+        return self.runner.to_host(sampled)
+
+    def _forward_and_sample(self, model_input: ModelInput) -> SamplerOutput:
+        return self.to_host(self.sample(self.forward(model_input), model_input.sampling))
+
+    def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
+        if self.overlap == "sync":
+            return super().execute(model_input, post_sample)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
+        future = self._pool.submit(self._forward_and_sample, model_input)
+        try:
+            post_sample()
+        finally:
+            # Never leave the worker running while the caller raises: the next step would
+            # race it for the KV cache.
+            out = future.result()
+        return out
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def env_info(self) -> dict[str, str]:
+        import torch
+
+        return {"torch": torch.__version__, "cpu_threads": str(torch.get_num_threads()),
+                "cpu_count": str(os.cpu_count())}

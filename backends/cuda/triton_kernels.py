@@ -1,0 +1,131 @@
+"""Triton kernels of the CUDA backend: the KV-cache write and paged-attention decode.
+
+Imported only when a CUDA backend is built (never by ``probe`` or the plugin module), so
+``import cadence.backends.cuda`` stays free of triton. On a CPU, set ``TRITON_INTERPRET=1``
+before triton is first imported and these kernels run on CPU tensors (how CI tests them).
+
+Cache layout, per layer (shared with the torch reference in ``cadence.layers.paged_attention``):
+``[num_blocks * block_size, num_kv_heads, head_dim]``, "flat slots", slot = block * block_size
++ offset. Every kernel upcasts to float32 right after loading: the arithmetic is fp32 whatever
+the storage dtype (bf16 arithmetic is also broken in the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: copy its [num_kv_heads, head_dim] K and V rows into the slot.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    # Padding tokens (CUDA-graph buckets) carry slot -1: the mask turns them into no-ops.
+    # (A scalar bool in a mask is rejected by the interpreter, hence the broadcast slot.)
+    valid = (h[:, None] * 0 + slot) >= 0
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM) & valid
+    dst = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+    scale,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    # One program per (sequence, kv head): the GQA group of query heads sharing that kv head
+    # is handled together, so each K/V block is loaded once per group, not once per head.
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_SIZE)
+    gd_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gd_mask, other=0.0).to(tl.float32) * scale  # [G, D]
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
+    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i in range(tl.cdiv(seq_len, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + seq * stride_bt + i).to(tl.int64)
+        n_mask = i * BLOCK_SIZE + n < seq_len  # the last block may be partly filled
+        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        off = (block * BLOCK_SIZE + n)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
+        v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)  # 0 on the first block (m = -inf)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dim with stride 1; views from a fused qkv keep that."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, KVH, D] into the flat-slot caches at ``slot_mapping`` [T]; slot < 0 skips."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _inner_contiguous(k), _inner_contiguous(v)
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D] over the paged cache -> [B, H, D].
+
+    ``block_tables`` [B, W] (int32/int64) must cover ``seq_lens[b]`` tokens; entries past
+    that are never read. ``seq_lens[b] >= 1`` (graph padding rows point at a dummy block).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    q = _inner_contiguous(q)
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and block_size & (block_size - 1) == 0
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+    )
+    return out

@@ -1,0 +1,160 @@
+"""Static-shape paged attention for the HPU backend, and the graphed forward it runs in.
+
+Every tensor here has a bucket shape (see ``buckets.py``), so one compiled graph serves all
+steps of that bucket. The KV cache is the core's flat-slot layout per layer,
+``[num_blocks * block_size, num_kv_heads, head_dim]``, viewed as blocks for the gather.
+
+- decode: gather the ``num_blocks`` blocks of every row's block table with one
+  ``index_select`` ([B, NB * block_size] keys), mask keys past ``seq_len``, softmax.
+- prefill without cached context: causal attention over the chunk's own K/V, through
+  Habana's fused SDPA when the bridge has it, else torch SDPA.
+- prefill after cached context: the chunk's K/V are written first, then the whole context
+  is gathered like a decode, with a causal-by-position mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence.backends.hpu.buckets import PaddedBatch
+from cadence.forward_context import set_forward_context
+
+
+@dataclass(slots=True)
+class HpuAttentionMetadata:
+    """Per-step attention inputs, all of bucket shape."""
+
+    is_decode: bool
+    batch_size: int
+    query_len: int
+    slot_mapping: torch.Tensor  # [B * Q] int64; padding -> the dummy slot
+    block_tables: torch.Tensor  # [B, NB] int64; padding -> the dummy block
+    # decode: [B, 1, 1, L]; prefill with context: [B, 1, Q, L]; None: causal over the chunk.
+    attn_mask: torch.Tensor | None
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int
+                  ) -> torch.Tensor:
+    """cache [S, KVH, D] (S = blocks * block_size), block_tables [B, NB] -> [B, NB*bs, KVH, D]."""
+    s, kvh, d = cache.shape
+    b, nb = block_tables.shape
+    blocks = cache.view(s // block_size, block_size, kvh, d)
+    return blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [B, H, D], k/v [B, L, KVH, D], mask [B, 1, 1, L] (True = attend) -> [B, H, D]."""
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.to(q.dtype)) * scale  # [B, KVH, G, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("bkgl,blkd->bkgd", probs, v.to(q.dtype)).reshape(b, h, d)
+
+
+SdpaFn = Callable[..., torch.Tensor]
+
+
+class HpuPagedAttention:
+    """``AttentionImpl`` for the HPU backend (see the module docstring)."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 block_size: int, scale: float, fused_sdpa: SdpaFn | None = None) -> None:
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.block_size = block_size
+        self.scale = scale
+        self.fused_sdpa = fused_sdpa
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, Q, D], k/v [B, H, L, D]; mask None = causal, else [B, 1, Q, L] bool."""
+        if self.fused_sdpa is not None:
+            # FusedSDPA takes an additive mask; every row attends to at least key 0, so the
+            # large negative never turns a whole row into NaN.
+            add = None if mask is None else torch.where(
+                mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+            return self.fused_sdpa(q, k, v, add, 0.0, mask is None, self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=self.scale)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                md: HpuAttentionMetadata) -> torch.Tensor:
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        if md.is_decode:
+            kb = gather_blocks(kc, md.block_tables, self.block_size)
+            vb = gather_blocks(vc, md.block_tables, self.block_size)
+            return decode_attention(q, kb, vb, md.attn_mask, self.scale)
+        b, ql = md.batch_size, md.query_len
+        _, h, d = q.shape
+        if md.attn_mask is None:
+            kb, vb = k.view(b, ql, -1, d), v.view(b, ql, -1, d)
+        else:
+            kb = gather_blocks(kc, md.block_tables, self.block_size).to(q.dtype)
+            vb = gather_blocks(vc, md.block_tables, self.block_size).to(q.dtype)
+        kvh = kb.shape[2]
+        qt = q.view(b, ql, h, d).transpose(1, 2)  # [B, H, Q, D]
+        kt = kb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, L, D]
+        vt = vb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
+        out = self._sdpa(qt, kt, vt, md.attn_mask)  # [B, H, Q, D]
+        return out.transpose(1, 2).reshape(b * ql, h, d)
+
+
+class GraphedForward(nn.Module):
+    """The model's forward plus the logits of one row per sequence, for one kind of shape.
+
+    Every per-step tensor is a ``forward`` argument and the attention metadata is built
+    inside, because an HPU graph replays with new values only for its inputs: a tensor read
+    from a global would be baked into the graph. One instance per kind (decode, prefill,
+    prefill with context) keeps shapes of different kinds from sharing a graph cache.
+    """
+
+    def __init__(self, model: nn.Module, attn: HpuPagedAttention, kind: str) -> None:
+        super().__init__()
+        self.model = model
+        self.attn = attn
+        self.kind = kind
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        b = logits_indices.shape[0]
+        ql = input_ids.shape[0] // b
+        mask = None
+        if self.kind != "prefill":
+            keys = torch.arange(block_tables.shape[1] * self.attn.block_size,
+                                device=input_ids.device)
+            within = keys.view(1, 1, -1) < seq_lens.view(b, 1, 1)  # [B, 1, L]
+            if self.kind == "decode":
+                mask = within.view(b, 1, 1, -1)
+            else:
+                causal = keys.view(1, 1, -1) <= positions.view(b, ql, 1)  # [B, Q, L]
+                mask = (causal & within).view(b, 1, ql, -1)
+        md = HpuAttentionMetadata(self.kind == "decode", b, ql, slot_mapping, block_tables, mask)
+        with set_forward_context(self.attn, md):
+            hidden = self.model(input_ids, positions)  # [B * Q, hidden]
+        return self.model.compute_logits(hidden.index_select(0, logits_indices))  # [B, V]
+
+
+def graph_kind(pb: PaddedBatch) -> str:
+    if pb.shape.kind == "decode":
+        return "decode"
+    return "prefill_ctx" if pb.shape.num_blocks else "prefill"
+
+
+def to_tensors(pb: PaddedBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The ``GraphedForward`` arguments of a padded batch, on ``device``."""
+    def t(x: list) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+    return (t(pb.input_ids), t(pb.positions), t(pb.slot_mapping),
+            t(pb.block_tables).view(pb.shape.batch_size, pb.shape.num_blocks),
+            t(pb.seq_lens), t(pb.logits_indices))

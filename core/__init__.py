@@ -1,0 +1,39 @@
+"""cadence: an LLM inference engine with an asynchronous output processor.
+
+``import cadence`` stays light (no torch): backends may need to set environment variables
+before torch loads. The heavy names are imported on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cadence.hookspecs import hookimpl
+from cadence.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
+           "EngineArgs", "hookimpl", "__version__"]
+
+_LAZY = {
+    "LLM": "cadence.llm",
+    "LLMEngine": "cadence.engine",
+    "EngineArgs": "cadence.engine_args",
+    "RequestOutput": "cadence.outputs",
+    "CompletionOutput": "cadence.outputs",
+}
+
+if TYPE_CHECKING:
+    from cadence.engine import LLMEngine
+    from cadence.engine_args import EngineArgs
+    from cadence.llm import LLM
+    from cadence.outputs import CompletionOutput, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cadence' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,207 @@
+"""The Backend contract: what a device plugin implements. No torch import here.
+
+A backend is selected once at start-up (through pluggy, see ``cadence.plugins``); after that
+the engine calls its methods directly, once per step, never through pluggy.
+
+The data that crosses the boundary is plain host data (lists of ints and floats), so a
+``ModelInput`` can be pickled to a worker process and holds no closure (vLLM #9931).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from cadence.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """Whether a backend can run here, and if not, why (shown by ``engine backends``)."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per sampled row (one per entry of ``ModelInput.sample_seq_indices``), host data.
+
+    Seeded rows are reproducible without generator state: the sampler seeds the row's
+    generator from ``(seeds[i], output_lens[i])``, i.e. from the request's seed and how many
+    tokens it has generated, so the draw is the same whatever the batch, after a preemption,
+    and with async output processing on or off.
+    """
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int | None]
+    output_lens: list[int]
+    all_greedy: bool
+    # Penalties: filled only when some row uses one (otherwise empty lists).
+    presence_penalty: list[float] = field(default_factory=list)
+    frequency_penalty: list[float] = field(default_factory=list)
+    repetition_penalty: list[float] = field(default_factory=list)
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    # Token ids each row may not sample yet (EOS and stop ids while below min_tokens).
+    banned_token_ids: list[list[int]] = field(default_factory=list)
+    # Top-k logprobs wanted per row (-1: none); max_num_logprobs < 0 when no row wants any.
+    num_logprobs: list[int] = field(default_factory=list)
+    max_num_logprobs: int = -1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.repetition_penalty)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """One forward pass, described with host data.
+
+    Sequences are ordered decodes first (``num_decodes`` of them, one query token each),
+    then prefill chunks. Token-level lists are flattened over sequences in that order.
+    ``slot_mapping[t]`` is where token ``t``'s K/V goes in the paged cache
+    (``block * block_size + offset``).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_seq_indices: list[int]
+    sampling: SamplingMetadata
+    request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == len(self.query_lens)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Host copy of one step's samples, one entry per sampled row.
+
+    ``logprobs[i]`` is ``None`` or ``(sampled_logprob, sampled_rank, top_ids, top_logprobs)``.
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
+
+
+class PostSample:
+    """The post-sample callback handed to ``Backend.execute``.
+
+    Call it with no arguments at most once per step, while the device is busy. It runs the
+    previous step's host work (detokenization, stop strings, outputs, freeing blocks, stats).
+    It never touches device tensors, so calling it between launching work and waiting for it
+    is always safe. A second call raises: that is a backend bug.
+    """
+
+    __slots__ = ("_fn", "called", "caller_thread")
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+        self.called = False
+        self.caller_thread: int | None = None
+
+    def __call__(self) -> None:
+        if self.called:
+            raise RuntimeError("post_sample called twice in one step: backend bug")
+        import threading
+
+        self.called = True
+        self.caller_thread = threading.get_ident()
+        if self._fn is not None:
+            self._fn()
+
+
+class Backend(ABC):
+    """Base class of every device backend (the plugin author's contract).
+
+    Lifecycle, in order: ``probe()`` (class method, before construction) ->
+    ``__init__(config)`` -> ``load_model()`` -> ``allocate_kv_cache()`` -> ``warmup()`` ->
+    ``execute()`` once per engine step -> ``shutdown()``.
+
+    What a backend may assume: ``execute`` is called from one thread, steps never overlap
+    each other, and a ``ModelInput``'s block tables only name blocks below the count
+    returned by ``allocate_kv_cache``.
+
+    What it must never do: call ``post_sample`` more than once per step, call it from inside
+    the forward (it must run on the host while the device works), import its device library
+    at module import time or in ``probe``, or acquire the device in ``probe``.
+    """
+
+    #: The name users pass as ``--backend``; must match the entry-point name.
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Cheaply say whether this backend can run here; never acquire the device."""
+
+    @abstractmethod
+    def load_model(self) -> None:
+        """Build the model from ``config.model_config`` and put its weights on the device."""
+
+    @abstractmethod
+    def allocate_kv_cache(self) -> int:
+        """Allocate the paged KV cache; return the number of blocks it holds."""
+
+    def warmup(self) -> None:
+        """Run whatever must happen before serving (graph capture, bucket compilation)."""
+
+    @abstractmethod
+    def forward(self, model_input: ModelInput) -> Any:
+        """Enqueue the forward pass; return the logits of the sampled rows (device tensor).
+
+        Asynchronous where the device allows: do not wait for the result here.
+        """
+
+    @abstractmethod
+    def sample(self, logits: Any, sampling: SamplingMetadata) -> Any:
+        """Sample on the device; return device-side results for ``to_host``."""
+
+    @abstractmethod
+    def to_host(self, sampled: Any) -> SamplerOutput:
+        """Wait for the samples and copy them to host memory."""
+
+    def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
+        """Run one step; the overlap strategy decides when ``post_sample`` runs.
+
+        This default is the sync strategy (forward -> sample -> post_sample), the reference
+        every other strategy must match token for token. If an override never calls
+        ``post_sample``, the engine calls it after ``execute`` returns, so a naive backend
+        stays correct, only without overlap.
+        """
+        logits = self.forward(model_input)
+        sampled = self.sample(logits, model_input.sampling)
+        out = self.to_host(sampled)
+        post_sample()
+        return out
+
+    def shutdown(self) -> None:
+        """Release the device and any worker threads or processes."""
+
+    def env_info(self) -> dict[str, str]:
+        """Versions and device facts for bug reports and benchmark JSON."""
+        return {}

@@ -1,0 +1,227 @@
+"""Paged KV-cache blocks with ref counts and prefix caching. No torch here.
+
+A request's KV cache lives in fixed-size physical blocks listed by its block table. A full,
+computed block is registered under a chained hash of (parent hash, its token ids), so a later
+request with the same prefix (an ``n > 1`` sibling, a shared system prompt, a preempted request
+coming back) takes a reference on it instead of computing it again.
+
+NOTE collision safety: a hit compares the block's token ids *and* the generation of its
+parent. Each registration gets a unique generation number, so a child block is only reachable
+through the exact parent it was computed after; a hash collision anywhere in the chain can
+cost a cache miss but never hands out KV computed over a different prefix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cadence.request import Request
+
+_ROOT_GEN = 0  # the "parent generation" of a request's first block
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The chained hash of one full block; it covers the whole prefix through ``parent_hash``."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class KVBlock:
+    """One physical KV-cache block and, while it is registered, its prefix-cache identity."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    cache_gen: int = -1
+    parent_gen: int = -1
+
+
+@dataclass(slots=True)
+class _Chain:
+    """How far a request's table is hashed, and the chain state to continue from."""
+
+    num_blocks: int = 0
+    last_hash: int | None = None
+    last_gen: int = _ROOT_GEN
+    is_broken: bool = False  # a true hash collision: stop registering this request's blocks
+
+
+class BlockManager:
+    """Owns the physical KV blocks: block tables per request, ref counts, the prefix cache.
+
+    Free blocks sit in one eviction-ordered pool: blocks holding nothing reusable come first,
+    then cached blocks, least recently freed first. A cached block in the pool stays findable
+    until it is handed out again, which evicts it. Predicates (``can_allocate``) are kept apart
+    from mutators (``allocate``) so the scheduler can decide before it changes anything.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, KVBlock] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._chains: dict[str, _Chain] = {}
+        self._next_gen = _ROOT_GEN + 1
+        # Prefix-cache metrics, in tokens (vLLM's hit rate is hits / queries).
+        self.num_cached_hits = 0
+        self.num_cached_queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, evictable cached blocks included."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: read it, do not mutate it)."""
+        return self._tables.get(request_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _num_missing(self, request: Request, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(self._tables.get(request.request_id, ())))
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self._num_missing(request, num_new_tokens) <= len(self._free)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Grow the table to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        missing = self._num_missing(request, num_new_tokens)
+        if missing > len(self._free):
+            raise RuntimeError(
+                f"allocate({request.request_id!r}) needs {missing} blocks, "
+                f"{len(self._free)} free; call can_allocate first"
+            )
+        table = self._tables.setdefault(request.request_id, [])
+        for _ in range(missing):
+            table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            # Evict: the block is about to hold other tokens.
+            del self._cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            block.cache_gen = block.parent_gen = -1
+        block.ref_count = 1
+        return block_id
+
+    def get_computed_blocks(self, request: Request) -> int:
+        """Share the longest cached prefix of full blocks; return the number of cached tokens.
+
+        At least one token is always left to compute, so the step that finishes the prompt
+        produces logits to sample from.
+        """
+        assert not self._tables.get(request.request_id), "lookup on a request holding blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_tokens = request.num_tokens
+        chain = _Chain()
+        hits: list[KVBlock] = []
+        for i in range((num_tokens - 1) // bs):
+            token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            block_hash = hash_block_tokens(chain.last_hash, token_ids)
+            block = self._cached.get(block_hash)
+            if block is None or block.token_ids != token_ids or block.parent_gen != chain.last_gen:
+                break
+            hits.append(block)
+            chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, block.cache_gen
+        table = self._tables.setdefault(request.request_id, [])
+        for block in hits:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+            table.append(block.block_id)
+        self._chains[request.request_id] = chain
+        self.num_cached_queries += num_tokens
+        self.num_cached_hits += len(hits) * bs
+        return len(hits) * bs
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        chain = self._chains.setdefault(request.request_id, _Chain())
+        if chain.is_broken:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(table))
+        for i in range(chain.num_blocks, num_full):
+            token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            block_hash = hash_block_tokens(chain.last_hash, token_ids)
+            existing = self._cached.get(block_hash)
+            if existing is None:
+                block = self._blocks[table[i]]
+                block.block_hash, block.token_ids = block_hash, token_ids
+                block.parent_gen, block.cache_gen = chain.last_gen, self._next_gen
+                self._next_gen += 1
+                self._cached[block_hash] = block
+                gen = block.cache_gen
+            elif existing.token_ids == token_ids and existing.parent_gen == chain.last_gen:
+                # The same prefix was computed twice (e.g. by two requests in one step): our
+                # copy stays unregistered, and our chain continues through the cached one.
+                gen = existing.cache_gen
+            else:
+                chain.is_broken = True
+                return
+            chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, gen
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; idempotent."""
+        self._chains.pop(request.request_id, None)
+        table = self._tables.pop(request.request_id, None)
+        if not table:
+            return
+        # Reverse order: a request's tail blocks are the least likely to be shared, so they
+        # are freed (and later evicted) first.
+        for block_id in reversed(table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    # Holds nothing reusable: hand it out before any cached block.
+                    self._free.move_to_end(block_id, last=False)
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (for tests; O(num_blocks))."""
+        refs: Counter[int] = Counter()
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), f"block repeated in a table: {table}"
+            refs.update(table)
+        num_used = 0
+        for block in self._blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), block
+            assert (block.block_id in self._free) == (block.ref_count == 0), block
+            num_used += block.ref_count > 0
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, block
+        assert all(b.block_hash == h for h, b in self._cached.items())
+        assert num_used + len(self._free) == self.num_blocks
+        assert set(self._chains) <= set(self._tables)

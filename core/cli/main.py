@@ -1,0 +1,133 @@
+"""``engine``: the command line. ``engine --help`` and ``engine backends`` import no torch,
+so a backend plugin can still set its environment before torch loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (reproducible samples)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(ns: argparse.Namespace):
+    from cadence.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        seed=ns.sampling_seed, presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty, repetition_penalty=ns.repetition_penalty,
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop,
+        stop_token_ids=ns.stop_token_ids, ignore_eos=ns.ignore_eos, logprobs=ns.logprobs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cadence.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser(
+        prog="engine", description="cadence: LLM inference with asynchronous output processing")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("backends", help="list installed backends and whether each can run here")
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt in the model's chat template as a user message")
+    _add_sampling_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    try:
+        from cadence.bench.cli import add_bench_subcommands
+    except ImportError:
+        add_bench_subcommands = None
+    if add_bench_subcommands is not None:
+        add_bench_subcommands(bench)
+    return parser
+
+
+def cmd_backends() -> int:
+    from cadence.plugins import get_registry
+
+    reg = get_registry()
+    probes = reg.probe_all()
+    print(f"{'name':<10} {'version':<10} {'distribution':<20} status")
+    for name, info in sorted(reg.backends.items()):
+        r = probes[name]
+        status = "available" if r.available else f"unavailable: {r.reason}"
+        print(f"{name:<10} {info.version:<10} {info.distribution:<20} {status}")
+    for err in reg.errors:
+        print(f"{err.entry_point:<10} {'?':<10} {err.distribution:<20} failed to load: {err.error}")
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from cadence.engine import LLMEngine
+    from cadence.engine_args import EngineArgs
+
+    params = sampling_params_from_args(ns)
+    args, extra = EngineArgs.from_cli_args(ns)
+    engine = LLMEngine.from_engine_args(args, extra)
+    from cadence.output_state import OutputKind
+
+    for i, prompt in enumerate(ns.prompt):
+        if ns.chat:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False,
+                add_generation_prompt=True)
+        engine.add_request(str(i), prompt, params, output_kind=OutputKind.DELTA)
+    multi = len(ns.prompt) > 1 or params.n > 1
+    texts: dict[tuple[str, int], str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                if not multi:
+                    print(c.text, end="", flush=True)
+                    if out.finished:
+                        print(f"\n[finish_reason={c.finish_reason}]")
+                    continue
+                key = (out.request_id, c.index)
+                texts[key] = texts.get(key, "") + c.text
+                if out.finished:
+                    print(f"[prompt {out.request_id}, sample {c.index}] "
+                          f"(finish_reason={c.finish_reason}) {texts[key]!r}")
+    engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "backends":
+            return cmd_backends()
+        if ns.command == "generate":
+            return cmd_generate(ns)
+        if ns.command == "bench":
+            return ns.bench_func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

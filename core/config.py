@@ -1,0 +1,82 @@
+"""Engine configuration. Dataclasses validated in __post_init__; CLI flags follow the fields.
+
+"auto" values (dtype, max_model_len) are resolved by ``EngineArgs.create_engine_config``
+before these are built, never patched afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized by the backend from memory
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float = 2.0  # CPU: how much host memory the KV cache may take
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is "
+                f"disabled ({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    backend: str = "cpu"
+    disable_async_output_proc: bool = False
+    # Backend-specific options (e.g. {"overlap": "thread"} or {"enforce_eager": True}),
+    # passed through untouched so plugins can add knobs without core changes.
+    backend_options: tuple[tuple[str, object], ...] = ()
+
+    def backend_option(self, name: str, default: object = None) -> object:
+        return dict(self.backend_options).get(name, default)

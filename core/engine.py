@@ -1,0 +1,224 @@
+"""The engine step loop: schedule -> build inputs -> backend.execute(post_sample=finalize of
+the previous step) -> commit. See docs/architecture.md for the timeline.
+
+NOTE async output processing: with it on (the default), step N's ``finalize`` runs inside
+step N+1's ``execute``, while the device computes; ``step()`` therefore returns the outputs
+of the previous step, and the very first ``step()`` returns nothing. The pending work is
+drained synchronously when the scheduler has nothing to run, on errors, and on abort.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cadence.backend import Backend, PostSample
+from cadence.config import EngineConfig
+from cadence.engine_args import EngineArgs
+from cadence.input_builder import build_model_input
+from cadence.metrics import EngineStats
+from cadence.output_processor import OutputProcessor
+from cadence.output_state import OutputKind, ParentRequest
+from cadence.outputs import RequestOutput
+from cadence.plugins import get_registry
+from cadence.request import Request
+from cadence.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Hardware-independent engine core; the device work is delegated to a ``Backend``."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        from cadence.block_manager import BlockManager
+        from cadence.scheduler import Scheduler
+
+        self.config = config
+        registry = get_registry()
+        backend_cls, self.backend_reason = registry.select(config.backend)
+        logger.info("%s", self.backend_reason)
+        self.backend: Backend = backend_cls(config)
+        self.backend.load_model()
+        num_blocks = self.backend.allocate_kv_cache()
+        self.backend.warmup()
+        self.num_blocks = num_blocks
+        if tokenizer is None:
+            from cadence.model_loader import load_tokenizer
+
+            tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
+        self.tokenizer = tokenizer
+        self.eos_token_id = _eos_token_id(tokenizer, config.model_config.model)
+        cc, sc = config.cache_config, config.scheduler_config
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
+        self.stats = EngineStats()
+        hook = registry.hook.cadence_post_sample if registry.has_impl(
+            "cadence_post_sample") else None
+        self.output_processor = OutputProcessor(
+            tokenizer, self.scheduler.free_request, self.stats,
+            (lambda outs: hook(outputs=outs)) if hook else None, sc.max_model_len)
+        self.async_output = not config.disable_async_output_proc
+        self._pending: list[Request] = []
+        self._arrival = itertools.count()
+        self._registry = registry
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, extra: dict | None = None) -> LLMEngine:
+        return cls(args.create_engine_config(extra))
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Validate and queue a request; raises ValueError for bad input, queues nothing."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        children = []
+        for i in range(params.n):
+            sp = params.for_sample(i) if params.n > 1 else params
+            children.append(Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=ids, sampling_params=sp, eos_token_id=self.eos_token_id,
+                prompt=text, parent_id=request_id, index=i, priority=priority,
+                arrival_seq=next(self._arrival)))
+        self.output_processor.add(ParentRequest(request_id, text, ids, children, output_kind))
+        for child in children:
+            self.scheduler.add_request(child)
+        self.stats.num_requests_added += 1
+        self.stats.num_prompt_tokens += len(ids)
+
+    def _tokenize(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.scheduler_config.max_model_len
+        if not ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
+                             f"max_model_len={max_len} to leave room for output")
+        vocab = self.backend_vocab_size
+        if vocab and any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+
+    @property
+    def backend_vocab_size(self) -> int | None:
+        runner = getattr(self.backend, "runner", None)
+        model = getattr(runner, "model", None)
+        return getattr(model, "vocab_size", None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its samples); its final output has finish_reason 'abort'."""
+        self.output_processor.abort(
+            request_id, lambda r: self.scheduler.abort_request(r.request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return (bool(self.output_processor.parents) or bool(self._pending)
+                or bool(self.output_processor.ready))
+
+    # ---- the step ---------------------------------------------------------------------
+    def _settle(self, req: Request) -> None:
+        self.output_processor.settle(req)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self.output_processor.finalize(pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs that became ready during it."""
+        times = self.stats.times
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        times.add("schedule", t1 - t0)
+        if plan.is_empty:
+            self._drain()
+            times.add("drain", time.perf_counter() - t1)
+            return self._finish_step()
+        mi = build_model_input(plan, self.block_manager.get_block_table,
+                               self.config.cache_config.block_size)
+        t2 = time.perf_counter()
+        times.add("prepare", t2 - t1)
+        pending, self._pending = self._pending, []
+        post_time = [0.0]
+
+        def finalize_previous() -> None:
+            ts = time.perf_counter()
+            if pending:
+                self.output_processor.finalize(pending)
+            post_time[0] = time.perf_counter() - ts
+
+        post_sample = PostSample(finalize_previous if self.async_output else None)
+        try:
+            out = self.backend.execute(mi, post_sample)
+        except BaseException:
+            if not post_sample.called:
+                post_sample()
+            raise
+        if not post_sample.called:
+            post_sample()  # a backend that never calls it stays correct, without overlap
+        t3 = time.perf_counter()
+        times.add("execute", t3 - t2)
+        times.add("post_sample", post_time[0])
+        touched = self.output_processor.commit(plan.scheduled, mi.sample_seq_indices, out)
+        self.scheduler.update_after_step(plan)
+        now = time.monotonic()
+        for req in touched:
+            if req.first_token_time is None:
+                req.first_token_time = now
+        self._pending = touched
+        if not self.async_output:
+            self._drain()
+        t4 = time.perf_counter()
+        times.add("commit", t4 - t3)
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += plan.num_batched_tokens
+        return self._finish_step()
+
+    def _finish_step(self) -> list[RequestOutput]:
+        self.stats.times.num_steps += 1
+        self.stats.num_running = self.scheduler.num_running
+        self.stats.num_waiting = self.scheduler.num_waiting
+        self.stats.kv_cache_usage = self.block_manager.usage
+        return self.output_processor.take_ready()
+
+    def shutdown(self) -> None:
+        self._drain()
+        self.backend.shutdown()
+        self._registry.hook.cadence_shutdown()
+
+
+def _eos_token_id(tokenizer: Any, model_dir: str) -> int | None:
+    """EOS from generation_config.json (what generate() stops on), else the tokenizer's."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return getattr(tokenizer, "eos_token_id", None)

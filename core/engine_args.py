@@ -1,0 +1,129 @@
+"""User-facing engine arguments: one flat dataclass for the Python API and the CLI, turned
+into the frozen ``EngineConfig`` once every "auto" value is resolved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+from cadence.config import (DTYPES, POLICIES, CacheConfig, EngineConfig, ModelConfig,
+                            SchedulerConfig)
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = None
+    backend: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    disable_async_output_proc: bool = False
+    tokenizer: str | None = None
+    backend_options: dict = field(default_factory=dict)
+
+    def resolve_model(self) -> str:
+        if self.model is not None:
+            return self.model
+        from cadence.default_model import default_model_path
+
+        return default_model_path()
+
+    def create_engine_config(self, extra: dict | None = None) -> EngineConfig:
+        """Resolve auto values, let plugins adjust (``cadence_configure``), then freeze."""
+        from cadence.plugins import get_registry
+
+        args = asdict(self)
+        args["model"] = self.resolve_model()
+        args["backend_options"] = dict(self.backend_options)
+        args.update(extra or {})
+        get_registry().hook.cadence_configure(config=args)
+        model = args["model"]
+        if not os.path.isdir(model):
+            raise ValueError(f"model path {model!r} does not exist or is not a directory")
+        hf_max_len = _max_position_embeddings(model)
+        max_len = args["max_model_len"] or hf_max_len
+        if hf_max_len and max_len > hf_max_len:
+            raise ValueError(f"max_model_len={max_len} is larger than the model's "
+                             f"max_position_embeddings ({hf_max_len})")
+        dtype = args["dtype"]
+        if dtype == "auto":
+            # fp32 on CPUs without native bf16 (AVX-512 BF16/AMX) is far faster; see
+            # docs/performance.md. Device backends pick their dtype through cadence_configure.
+            dtype = "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
+        batched = args["max_num_batched_tokens"] or max(8192, max_len if not
+                                                         args["enable_chunked_prefill"] else 0)
+        return EngineConfig(
+            model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"]),
+            cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
+                                     args["enable_prefix_caching"]),
+            scheduler_config=SchedulerConfig(args["max_num_seqs"], batched, max_len,
+                                             args["enable_chunked_prefill"],
+                                             args["scheduling_policy"]),
+            backend=args["backend"],
+            disable_async_output_proc=args["disable_async_output_proc"],
+            backend_options=tuple(sorted(args["backend_options"].items())),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        p = parser
+        p.add_argument("--model", default=None,
+                       help="HF model folder (default: the built-in SmolLM2-135M-Instruct)")
+        p.add_argument("--backend", default="cpu", help="backend name, or 'auto'")
+        p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-kv-blocks", type=int, default=None)
+        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false")
+        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false")
+        p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
+        p.add_argument("--disable-async-output-proc", action="store_true")
+        p.add_argument("--tokenizer", default=None)
+        from cadence.plugins import get_registry
+
+        get_registry().hook.cadence_add_cli_options(parser=parser)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> tuple[EngineArgs, dict]:
+        """The EngineArgs plus the plugin flags (everything else in the namespace)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in vars(ns).items() if k in names}
+        extra = {k: v for k, v in vars(ns).items() if k not in names and not callable(v)}
+        extra = {k: v for k, v in extra.items() if _jsonable(v)}
+        return cls(**kwargs), extra
+
+
+def _jsonable(v: object) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _max_position_embeddings(model: str) -> int | None:
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model folder {model!r} has an unreadable config.json: {e}") from e
+    return cfg.get("max_position_embeddings")

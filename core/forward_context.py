@@ -1,0 +1,52 @@
+"""The one global of the engine: what the attention layers need during a forward pass.
+
+The model code stays free of scheduling details: each attention layer asks the current
+context to run attention for its layer index over the paged KV cache. The runner installs
+the context with ``set_forward_context`` around one forward pass; nesting is a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class AttentionImpl(Protocol):
+    """What a backend provides so the model's attention layers can use its paged cache."""
+
+    def forward(self, layer_idx: int, q: Any, k: Any, v: Any, metadata: Any) -> Any:
+        """Write ``k``/``v`` of this step into the cache, then attend.
+
+        Shapes: ``q`` [num_tokens, num_heads, head_dim], ``k``/``v``
+        [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim].
+        """
+        ...
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn: AttentionImpl
+    metadata: Any
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn: AttentionImpl, metadata: Any) -> Iterator[ForwardContext]:
+    global _forward_context
+    if _forward_context is not None:
+        raise RuntimeError("set_forward_context does not nest: a forward pass is already running")
+    _forward_context = ForwardContext(attn, metadata)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context: call the model inside set_forward_context()")
+    return _forward_context

@@ -1,0 +1,81 @@
+"""Build the host-side ``ModelInput`` of a step from the scheduler's plan. No torch here.
+
+O(tokens scheduled) work, done on the critical path; keep it lean.
+"""
+
+from __future__ import annotations
+
+from cadence.backend import ModelInput, SamplingMetadata
+from cadence.request import Request
+
+
+def build_model_input(plan, get_block_table,
+                      block_size: int) -> ModelInput:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_idx: list[int] = []
+    sampled: list[Request] = []
+    request_ids: list[str] = []
+    for i, sr in enumerate(plan.scheduled):
+        req = sr.request
+        start = req.num_computed_tokens
+        end = start + sr.num_new_tokens
+        table = get_block_table(req.request_id)
+        if sr.num_new_tokens == 1:
+            input_ids.append(req.token_at(start))
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(req.token_slice(start, end))
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
+                                for p in range(start, end))
+        query_lens.append(sr.num_new_tokens)
+        seq_lens.append(end)
+        tables.append(table)
+        request_ids.append(req.request_id)
+        if end == req.num_tokens:
+            sample_idx.append(i)
+            sampled.append(req)
+    return ModelInput(input_ids, positions, slot_mapping, query_lens, seq_lens, tables,
+                      plan.num_decodes, sample_idx, build_sampling_metadata(sampled),
+                      request_ids)
+
+
+def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
+    params = [r.sampling_params for r in reqs]
+    meta = SamplingMetadata(
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        seeds=[p.seed for p in params],
+        output_lens=[len(r.output_token_ids) for r in reqs],
+        all_greedy=all(p.is_greedy for p in params),
+    )
+    if any(p.has_penalties for p in params):
+        meta.presence_penalty = [p.presence_penalty for p in params]
+        meta.frequency_penalty = [p.frequency_penalty for p in params]
+        meta.repetition_penalty = [p.repetition_penalty for p in params]
+        meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
+        meta.output_token_ids = [r.output_token_ids for r in reqs]
+    if any(p.min_tokens for p in params):
+        meta.banned_token_ids = [_banned(r) for r in reqs]
+    if any(p.logprobs is not None for p in params):
+        meta.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
+        meta.max_num_logprobs = max(meta.num_logprobs)
+    return meta
+
+
+def _banned(req: Request) -> list[int]:
+    sp = req.sampling_params
+    if len(req.output_token_ids) >= sp.min_tokens:
+        return []
+    ids = list(sp.stop_token_ids)
+    if req.eos_token_id is not None and not sp.ignore_eos:
+        ids.append(req.eos_token_id)
+    return ids

@@ -1,0 +1,141 @@
+"""Attention over the paged KV cache in plain torch: the CPU implementation, and the
+reference the device kernels are tested against.
+
+Cache layout, per layer: ``[num_blocks * block_size, num_kv_heads, head_dim]`` for keys and
+for values ("flat slots"), so the write is one ``index_copy_`` by slot id and a gather is one
+index by slot ids. Sequences in a step are ordered decodes first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cadence.backend import ModelInput
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int
+    query_len: int
+    context_len: int  # tokens already in the cache before this chunk
+    # Slot ids of the whole context (cached + this chunk); None when there is no cached
+    # context, in which case the chunk attends to its own K/V without touching the cache.
+    gather_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slot ids (padded with 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    prefills: list[PrefillSeq]
+
+
+def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
+                   ) -> TorchAttentionMetadata:
+    """Turn the host description of a step into the index tensors the kernels use."""
+    slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64, device=device)
+    nd = mi.num_decodes
+    decode_slots = decode_mask = None
+    if nd:
+        lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int64)
+        max_len = int(max(mi.seq_lens[:nd]))
+        max_blocks = (max_len + block_size - 1) // block_size
+        tables = torch.zeros(nd, max_blocks, dtype=torch.int64)
+        for i, bt in enumerate(mi.block_tables[:nd]):
+            n = min(len(bt), max_blocks)
+            tables[i, :n] = torch.tensor(bt[:n], dtype=torch.int64)
+        pos = torch.arange(max_len, dtype=torch.int64)
+        slots = tables[:, pos // block_size] * block_size + pos % block_size
+        valid = pos.unsqueeze(0) < lens.unsqueeze(1)
+        decode_slots = torch.where(valid, slots, 0).to(device)
+        decode_mask = valid.view(nd, 1, 1, max_len).to(device)
+    prefills = []
+    start = sum(mi.query_lens[:nd])
+    for i in range(nd, mi.num_seqs):
+        qlen, slen = mi.query_lens[i], mi.seq_lens[i]
+        ctx = slen - qlen
+        gather = None
+        if ctx > 0:
+            bt = mi.block_tables[i]
+            pos = torch.arange(slen, dtype=torch.int64)
+            table = torch.tensor(bt, dtype=torch.int64)
+            gather = (table[pos // block_size] * block_size + pos % block_size).to(device)
+        prefills.append(PrefillSeq(start, qlen, ctx, gather))
+        start += qlen
+    return TorchAttentionMetadata(slot_mapping, nd, decode_slots, decode_mask, prefills)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; slots [B, L]; mask [B, 1, 1, L] -> [B, H, D]."""
+    b, h, d = q.shape
+    k = k_cache[slots]  # [B, L, KVH, D]
+    v = v_cache[slots]
+    kvh = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, KVH, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, h, d)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of a chunk: q [Lq, H, D] at positions context_len.., k/v [Lk, KVH, D]
+    covering positions 0..Lk-1 (Lk = context_len + Lq) -> [Lq, H, D]."""
+    lq, h, _ = q.shape
+    lk, kvh, _ = k.shape
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, D]
+    if kvh != h:
+        kt = kt.repeat_interleave(h // kvh, dim=0)
+        vt = vt.repeat_interleave(h // kvh, dim=0)
+    if context_len == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        qpos = torch.arange(context_len, context_len + lq, device=q.device)
+        mask = torch.arange(lk, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+class TorchPagedAttention:
+    """``AttentionImpl`` over per-layer flat-slot caches, in torch ops."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 scale: float) -> None:
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.scale = scale
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: TorchAttentionMetadata) -> torch.Tensor:
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(kc, vc, k, v, metadata.slot_mapping)
+        nd = metadata.num_decodes
+        if not metadata.prefills:
+            return decode_attention(q, kc, vc, metadata.decode_slots, metadata.decode_mask,
+                                    self.scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_slots,
+                                        metadata.decode_mask, self.scale)
+        for p in metadata.prefills:
+            s, e = p.query_start, p.query_start + p.query_len
+            if p.gather_slots is None:
+                ks, vs = k[s:e], v[s:e]
+            else:
+                ks, vs = kc[p.gather_slots], vc[p.gather_slots]
+            out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype),
+                                         p.context_len, self.scale)
+        return out

@@ -1,0 +1,142 @@
+"""Batched sampling on tensors: no Python loop over the vocabulary, and a loop over rows
+only for seeded rows (each needs its own generator).
+
+Order, as in vLLM: raw logprobs (if asked) -> penalties -> banned ids (min_tokens) ->
+greedy argmax, or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cadence.backend import SamplerOutput, SamplingMetadata
+
+# Mixes (seed, number of tokens generated so far) into one 63-bit generator seed.
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """Sampling results still on the device."""
+
+    token_ids: torch.Tensor  # [B] int64
+    # With logprobs: sampled logprob [B], sampled rank [B], top ids [B, K], top logprobs [B, K]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: list[int] | None = None
+
+
+def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * _SEED_MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) & (2**63 - 1))
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    b, v = logits.shape
+    dev = logits.device
+    out_counts = torch.zeros(b, v + 1, dtype=logits.dtype, device=dev)
+    out_ids = _pad_ids(meta.output_token_ids, v, dev)
+    out_counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    out_counts = out_counts[:, :v]
+    prompt_mask = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
+    prompt_mask.scatter_(1, _pad_ids(meta.prompt_token_ids, v, dev), True)
+    seen = prompt_mask[:, :v] | (out_counts > 0)
+    rep = torch.tensor(meta.repetition_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = torch.tensor(meta.frequency_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    pres = torch.tensor(meta.presence_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+
+
+def _pad_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    t = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            t[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return t.to(device)
+
+
+def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    dev = logits.device
+    if any(p > 0.0 for p in meta.min_p):
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor(meta.min_p, dtype=logits.dtype, device=dev).unsqueeze(1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    need_k = any(k > 0 for k in meta.top_k)
+    need_p = any(p < 1.0 for p in meta.top_p)
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    v = logits.shape[-1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.tensor([kk if kk > 0 else v for kk in meta.top_k], device=dev).unsqueeze(1)
+        remove |= torch.arange(v, device=dev).unsqueeze(0) >= k
+    if need_p:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        cum = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each token
+        top_p = torch.tensor(meta.top_p, dtype=logits.dtype, device=dev).unsqueeze(1)
+        remove |= cum >= top_p
+    remove[:, 0] = False  # the most likely token always survives
+    mask = torch.zeros_like(remove).scatter_(1, order, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata,
+           global_generator: torch.Generator | None = None) -> DeviceSample:
+    """Sample one token per row of ``logits`` [B, V] (float32)."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+    if meta.has_penalties:
+        logits = apply_penalties(logits, meta)
+    if any(meta.banned_token_ids):
+        rows = [i for i, ids in enumerate(meta.banned_token_ids) for _ in ids]
+        cols = [t for ids in meta.banned_token_ids for t in ids]
+        logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype))
+    greedy_ids = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        token_ids = greedy_ids
+    else:
+        token_ids = _sample_random(logits, meta, greedy_ids, global_generator)
+    lp = None
+    if raw_logprobs is not None:
+        k = max(meta.max_num_logprobs, 0)
+        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (
+            raw_logprobs[:, :0], torch.empty(len(token_ids), 0, dtype=torch.int64))
+        lp = (sampled_lp, rank, top_ids, top_lp)
+    return DeviceSample(token_ids, lp, meta.num_logprobs if lp is not None else None)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, greedy_ids: torch.Tensor,
+                   generator: torch.Generator | None) -> torch.Tensor:
+    dev = logits.device
+    temps = torch.tensor([t if t > 1e-5 else 1.0 for t in meta.temperature],
+                         dtype=logits.dtype, device=dev).unsqueeze(1)
+    probs = torch.softmax(_filter(logits / temps, meta), dim=-1)
+    # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) is a sample
+    # of p; it needs one draw per row, which is what makes per-row seeding cheap.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, seed in enumerate(meta.seeds):
+        if seed is not None:
+            noise[i].exponential_(generator=_row_generator(seed, meta.output_lens[i], dev))
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([t <= 1e-5 for t in meta.temperature], device=dev)
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def to_host(s: DeviceSample) -> SamplerOutput:
+    token_ids = s.token_ids.tolist()
+    if s.logprobs is None:
+        return SamplerOutput(token_ids)
+    sampled_lp, rank, top_ids, top_lp = (t.tolist() for t in s.logprobs)
+    rows: list = []
+    for i, k in enumerate(s.num_logprobs or []):
+        rows.append(None if k < 0 else (sampled_lp[i], rank[i], top_ids[i][:k], top_lp[i][:k]))
+    return SamplerOutput(token_ids, rows)

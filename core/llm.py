@@ -1,0 +1,100 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from cadence.engine import LLMEngine
+from cadence.engine_args import EngineArgs
+from cadence.output_state import OutputKind
+from cadence.outputs import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+PromptType = str | dict | Sequence[int]
+
+
+class LLM:
+    """Offline batched generation, named like vLLM's ``LLM``.
+
+    ``LLM(model=PATH, backend="cpu", dtype="auto", seed=0, max_model_len=None,
+    disable_async_output_proc=False, **engine_args)``; without ``model`` the built-in
+    SmolLM2-135M-Instruct is used. Any other ``EngineArgs`` field may be passed by name;
+    ``backend_options`` carries backend-specific knobs.
+    """
+
+    def __init__(self, model: str | None = None, backend: str = "cpu", **kwargs: Any) -> None:
+        valid = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; valid: {sorted(valid)}")
+        args = EngineArgs(model=model, backend=backend, **kwargs)
+        self.engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+        ``sampling_params``: one for all prompts, or one per prompt.
+        Invalid input raises ValueError before anything is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for "
+                                 f"{len(prompts)} prompts; pass one, or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
+        ids = [str(next(self._counter)) for _ in prompts]
+        added = []
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, sp,
+                                        priority=priority[i] if priority else 0,
+                                        output_kind=OutputKind.FINAL_ONLY)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort_request(rid)
+            self._run_until_done(None)
+            raise
+        return self._run_until_done(ids, use_tqdm)
+
+    def _run_until_done(self, ids: list[str] | None, use_tqdm: bool = False
+                        ) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and ids:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids] if ids else []
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

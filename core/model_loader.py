@@ -1,0 +1,103 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into a cadence model.
+
+Local folders only: every transformers call gets ``local_files_only=True`` so a typo in a path
+never turns into a hub download.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cadence.config import ModelConfig
+from cadence.models import get_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _check_folder(path: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model path {path!r} does not exist or is not a directory")
+    return folder
+
+
+def load_hf_config(path: str) -> Any:
+    """The transformers config of the model folder at ``path``."""
+    folder = _check_folder(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"no config.json in model folder {path!r}")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The weight files: those named by the shard index if there is one, else all *.safetensors."""
+    folder = _check_folder(path)
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{_INDEX_FILE} in {path!r} names missing shards: {missing[:5]}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights (*.safetensors) found in {path!r}")
+    return files
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the folder's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = f.keys()  # a safetensors handle is not iterable itself
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
+    """Build the model at ``model_config.model`` and load its weights -> (model, hf_config)."""
+    hf_config = load_hf_config(model_config.model)
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    safetensors_files(model_config.model)  # fail before the (slower) model build
+    dtype = torch_dtype(model_config.dtype)
+    model = model_cls(hf_config, dtype, max_model_len=model_config.max_model_len)
+    model.load_weights(iterate_weights(model_config.model))
+    return model.eval(), hf_config
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a local model folder, through ``transformers.AutoTokenizer``."""
+    folder = _check_folder(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(folder), local_files_only=True, trust_remote_code=False
+    )
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``ModelConfig.dtype`` string -> torch dtype."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+__all__ = [
+    "iterate_weights",
+    "load_hf_config",
+    "load_model",
+    "load_tokenizer",
+    "safetensors_files",
+    "torch_dtype",
+]

@@ -1,0 +1,125 @@
+"""The torch part shared by backends: load the model, own the KV cache, turn a ``ModelInput``
+into tensors, run the forward inside the forward context, sample.
+
+Backends compose it and decide *when* things run (their overlap strategy). Nothing here
+names a device library; the device is a ``torch.device`` the backend passes in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cadence.backend import ModelInput, SamplerOutput, SamplingMetadata
+from cadence.config import EngineConfig
+from cadence.forward_context import set_forward_context
+from cadence.layers import paged_attention, sampler
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(slots=True)
+class PreparedInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    sample_token_idx: torch.Tensor
+    metadata: object
+
+
+class ModelRunner:
+    """Model + KV cache + input preparation + sampling on one torch device."""
+
+    def __init__(self, config: EngineConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[config.model_config.dtype]
+        self.block_size = config.cache_config.block_size
+        self.model = None
+        self.hf_config = None
+        self.attn = None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model_config.seed)
+
+    def load_model(self) -> None:
+        from cadence.model_loader import load_model
+
+        model, self.hf_config = load_model(self.config.model_config)
+        self.model = model.to(self.device)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        m = self.model
+        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype)
+
+    def num_blocks_for_bytes(self, num_bytes: int) -> int:
+        spec = self.kv_cache_spec()
+        needed = -(-self.config.model_config.max_model_len // self.block_size)
+        num_blocks = self.config.cache_config.num_blocks or num_bytes // spec.bytes_per_block
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than "
+                f"one sequence of max_model_len={self.config.model_config.max_model_len} needs "
+                f"({needed}); give it more memory or lower max_model_len"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        spec = self.kv_cache_spec()
+        shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+             for _ in range(spec.num_layers)]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+             for _ in range(spec.num_layers)]
+        self.num_blocks = num_blocks
+        return k, v
+
+    def prepare(self, mi: ModelInput, build_metadata=None) -> PreparedInput:
+        build = build_metadata or paged_attention.build_metadata
+        input_ids = torch.tensor(mi.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(mi.positions, dtype=torch.int64, device=self.device)
+        ends, total = [], 0
+        for q in mi.query_lens:
+            total += q
+            ends.append(total - 1)
+        sample_idx = torch.tensor([ends[i] for i in mi.sample_seq_indices], dtype=torch.int64,
+                                  device=self.device)
+        return PreparedInput(input_ids, positions, sample_idx,
+                             build(mi, self.block_size, self.device))
+
+    @torch.inference_mode()
+    def run_model(self, prepared: PreparedInput) -> torch.Tensor:
+        """Forward + logits of the sampled rows ([num_sampled, vocab] float32)."""
+        with set_forward_context(self.attn, prepared.metadata):
+            hidden = self.model(prepared.input_ids, prepared.positions)
+        if prepared.sample_token_idx.numel() == 0:
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, prepared.sample_token_idx))
+
+    def forward(self, mi: ModelInput) -> torch.Tensor:
+        return self.run_model(self.prepare(mi))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> sampler.DeviceSample:
+        if logits.shape[0] == 0:
+            return sampler.DeviceSample(torch.empty(0, dtype=torch.int64))
+        return sampler.sample(logits.float(), meta, self.generator)
+
+    def to_host(self, sampled: sampler.DeviceSample) -> SamplerOutput:
+        return sampler.to_host(sampled)

@@ -1,0 +1,30 @@
+"""Model registry: HF architecture name -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module under cadence.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names (``config.architectures`` entries) that cadence can load."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None) -> type:
+    """The class for the first supported name in ``architectures`` (``config.architectures``)."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            module = importlib.import_module(f"{__name__}.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(
+        f"unsupported model architecture(s) {architectures}; supported: {supported_architectures()}"
+    )

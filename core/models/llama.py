@@ -1,0 +1,242 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch.
+
+The model sees ``input_ids``/``positions`` of all scheduled sequences concatenated ([T], no
+batch dimension). Attention goes through the forward context, so the model knows nothing
+about KV caches or sequence boundaries. q/k/v and gate/up are fused into one linear each
+(weights concatenated at load time): fewer, larger GEMMs are faster on the CPU.
+
+NOTE: Mistral/Qwen sliding windows are ignored; attention is full causal. That is exact
+whenever sequences stay within the window (Mistral's default window 4096 is above the usual
+``max_model_len`` here).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cadence.forward_context import get_forward_context
+from cadence.layers.norm import RMSNorm
+from cadence.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    """Fused-qkv self-attention; the attention itself is the backend's (forward context)."""
+
+    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = dims["num_heads"]
+        self.num_kv_heads = dims["num_kv_heads"]
+        self.head_dim = dims["head_dim"]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=spec["qkv_bias"])
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=spec["o_bias"])
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos_sin)
+        ctx = get_forward_context()
+        out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused into one linear."""
+
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block: attention and MLP, each with a residual."""
+
+    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int]):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, spec, dims)
+        self.mlp = MLP(config, spec["mlp_bias"])
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF's ``model.*`` weights)."""
+
+    def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, spec, dims) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# HF checkpoint names of the projections we fuse -> (our fused name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM built from a transformers config; see the module docstring.
+
+    Built on the meta device and materialized on the CPU with uninitialized weights:
+    ``load_weights`` must be called before use (it checks that every weight was loaded).
+    """
+
+    # Per-architecture differences; subclasses override (read-only class data).
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None
+    qk_norm: bool = False
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_model_len: int | None = None):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        spec = {
+            "qkv_bias": attention_bias if self.qkv_bias is None else self.qkv_bias,
+            "o_bias": attention_bias if self.o_bias is None else self.o_bias,
+            "qk_norm": self.qk_norm,
+            "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        }
+        dims = {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+        # Meta first: no time spent on random init of weights that load_weights overwrites.
+        with torch.device("meta"):
+            self.model = DecoderModel(config, spec, dims)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model.to(dtype).to_empty(device="cpu")
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head.to(dtype).to_empty(device="cpu")
+        self.rotary_emb = RotaryEmbedding(
+            config, self.head_dim, max_model_len or config.max_position_embeddings, dtype
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary_emb(positions)  # 2 x [T, 1, head_dim]
+        for layer in self.model.layers:
+            x = layer(x, cos_sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up as they come."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (
+                self.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                continue  # recomputed / shared with the embeddings
+            match = _FUSED_RE.match(name)
+            if match is not None:
+                prefix, proj, kind = match.groups()
+                fused, shard = _FUSED[proj]
+                target = f"{prefix}.{fused}.{kind}"
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                self._shard(params[target], fused, shard).copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            else:
+                unexpected.append(name)
+        missing = [n for n in sorted(expected) if not self._is_loaded(n, loaded)]
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+
+    def _shard(self, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
+        if fused == "qkv_proj":
+            q = self.num_heads * self.head_dim
+            kv = self.num_kv_heads * self.head_dim
+            sizes = [q, kv, kv]
+        else:
+            sizes = [param.shape[0] // 2] * 2
+        start = sum(sizes[:shard])
+        return param.data[start : start + sizes[shard]]
+
+    @staticmethod
+    def _is_loaded(name: str, loaded: set[str]) -> bool:
+        if ".qkv_proj." in name:
+            return all(f"{name}#{i}" in loaded for i in range(3))
+        if ".gate_up_proj." in name:
+            return all(f"{name}#{i}" in loaded for i in range(2))
+        return name in loaded
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama: biases follow ``attention_bias`` (q/k/v and o) and ``mlp_bias``."""
+
+
+class MistralForCausalLM(CausalLM):
+    """Mistral: Llama without biases; the sliding window is ignored (module NOTE)."""
+
+    qkv_bias = False
+    o_bias = False
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2: always a bias on q/k/v, never on o_proj."""
+
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3: per-head RMSNorm on q and k before RoPE; explicit head_dim."""
+
+    qk_norm = True

@@ -1,0 +1,196 @@
+"""Commit and finalize: the two halves of a step's output work. No torch here.
+
+- ``commit`` runs on the critical path right after sampling: it appends the sampled token
+  ids (and raw logprobs) and runs the O(1) stop checks (EOS, stop token ids, max_tokens,
+  max_model_len). A request stopped here is never scheduled again, so EOS costs no step.
+- ``finalize`` is deferred into the next step's post-sample callback, while the device
+  computes: incremental detokenization, stop strings, logprob formatting, RequestOutput
+  creation, freeing KV blocks of finished requests, stats and the post-sample hook.
+
+NOTE the lag: stop strings are found one step late. The request was already scheduled once
+more; ``catch_up`` truncates its tokens back to the stop token and marks it finished, and
+``commit`` of that extra step sees a finished request and drops its token. Every transition
+(finish, abort, preempt) goes through ``settle``, which first catches the request up, so no
+pending token is applied to a reset request and nothing is freed or emitted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cadence.backend import SamplerOutput
+from cadence.detokenizer import IncrementalDetokenizer, find_stop_string
+from cadence.metrics import EngineStats
+from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
+from cadence.outputs import Logprob, RequestOutput
+from cadence.request import Request, RequestStatus
+
+
+class OutputProcessor:
+    """Owns the host-side state of every live request's output."""
+
+    def __init__(self, tokenizer: Any, free_request: Callable[[Request], None],
+                 stats: EngineStats, post_sample_hook: Callable[[list], None] | None,
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.free_request = free_request
+        self.stats = stats
+        self.post_sample_hook = post_sample_hook
+        self.max_model_len = max_model_len
+        self.parents: dict[str, ParentRequest] = {}
+        self.ready: list[RequestOutput] = []
+
+    def add(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for child in parent.children:
+            child.detok_state = SeqOutputState()
+
+    # ---- commit (critical path) -------------------------------------------------------
+    def commit(self, scheduled: list, sample_seq_indices: list[int], out: SamplerOutput
+               ) -> list[Request]:
+        """Append sampled tokens and run O(1) stop checks; return the requests touched."""
+        touched = []
+        logprobs = out.logprobs
+        for k, seq_idx in enumerate(sample_seq_indices):
+            req: Request = scheduled[seq_idx].request
+            if req.is_finished:
+                continue  # finished by a stop string or an abort since it was scheduled
+            token = out.sampled_token_ids[k]
+            req.output_token_ids.append(token)
+            req.output_logprobs.append(logprobs[k] if logprobs is not None else None)
+            self._check_stop(req, token)
+            touched.append(req)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if token == req.eos_token_id and not sp.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or \
+                req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    # ---- finalize (deferred) ----------------------------------------------------------
+    def finalize(self, requests: list[Request]) -> None:
+        """Catch the host side of ``requests`` up with their committed tokens and emit."""
+        parents: dict[str, ParentRequest] = {}
+        for req in requests:
+            if self.catch_up(req):
+                p = self.parents.get(req.parent_id)
+                if p is not None:
+                    parents[p.request_id] = p
+        emitted = [o for p in parents.values() if (o := self._emit(p)) is not None]
+        if emitted:
+            self.ready.extend(emitted)
+            if self.post_sample_hook is not None:
+                self.post_sample_hook(emitted)
+
+    def catch_up(self, req: Request) -> bool:
+        """Detokenize and stop-check the committed tokens not yet finalized.
+
+        Returns whether anything changed (new tokens, or the request finished).
+        Idempotent: a second call with nothing new is a no-op.
+        """
+        st: SeqOutputState = req.detok_state
+        if st is None or st.is_final:
+            return False
+        sp = req.sampling_params
+        start = req.num_finalized_tokens
+        end = len(req.output_token_ids)
+        for i in range(start, end):
+            self._finalize_token(req, st, i)
+            if req.stop_reason is not None and isinstance(req.stop_reason, str):
+                # Everything after the stop token disappears: tokens, logprobs, stats.
+                del req.output_token_ids[i + 1:]
+                del req.output_logprobs[i + 1:]
+                end = i + 1
+                break
+        req.num_finalized_tokens = end
+        self.stats.num_generation_tokens += end - start
+        if not req.is_finished:
+            return end > start
+        st.is_final = True
+        self.free_request(req)
+        self.stats.on_request_finished(req)
+        return True
+
+    def _finalize_token(self, req: Request, st: SeqOutputState, i: int) -> None:
+        sp = req.sampling_params
+        token = req.output_token_ids[i]
+        lp = req.output_logprobs[i]
+        if lp is not None:
+            st.cumulative_logprob += lp[0]
+            st.logprobs.append(self._format_logprobs(token, lp))
+        if not sp.detokenize:
+            return
+        if st.detokenizer is None:
+            st.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                    sp.skip_special_tokens)
+        new = st.detokenizer.step(token)
+        if not new:
+            return
+        req.output_text += new
+        if sp.stop and i + 1 >= sp.min_tokens:
+            hit = find_stop_string(req.output_text, len(new), sp.stop)
+            if hit is not None:
+                stop, at = hit
+                keep = at + len(stop) if sp.include_stop_str_in_output else at
+                req.output_text = req.output_text[:keep]
+                req.stop_reason = stop
+                req.status = RequestStatus.FINISHED_STOPPED
+
+    def _format_logprobs(self, token: int, lp: tuple) -> dict[int, Logprob]:
+        sampled_lp, rank, top_ids, top_lps = lp
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+        d = {tid: Logprob(tlp, r + 1, decode([tid])) for r, (tid, tlp) in
+             enumerate(zip(top_ids, top_lps))}
+        if token not in d:
+            d[token] = Logprob(sampled_lp, rank, decode([token]))
+        return d
+
+    def _emit(self, p: ParentRequest) -> RequestOutput | None:
+        finished = all(c.detok_state.is_final for c in p.children)
+        if p.output_kind is OutputKind.FINAL_ONLY and not finished:
+            return None
+        if p.final_emitted:
+            return None
+        out = p.make_output(finished)
+        if finished:
+            p.final_emitted = True
+            del self.parents[p.request_id]
+        return out
+
+    # ---- transitions ------------------------------------------------------------------
+    def settle(self, req: Request) -> None:
+        """Finalize ``req``'s pending output before any transition touches it."""
+        if self.catch_up(req):
+            p = self.parents.get(req.parent_id)
+            if p is not None and (o := self._emit(p)) is not None:
+                self.ready.append(o)
+
+    def abort(self, parent_id: str, abort_child: Callable[[Request], None]) -> None:
+        p = self.parents.get(parent_id)
+        if p is None:
+            return
+        for child in p.children:
+            self.catch_up(child)
+            if not child.detok_state.is_final:
+                abort_child(child)
+                child.status = RequestStatus.FINISHED_ABORTED
+                child.detok_state.is_final = True
+                self.free_request(child)
+                self.stats.on_request_finished(child)
+        if (o := self._emit(p)) is not None:
+            self.ready.append(o)
+
+    def take_ready(self) -> list[RequestOutput]:
+        out, self.ready = self.ready, []
+        return out

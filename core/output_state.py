@@ -1,0 +1,80 @@
+"""Per-request output bookkeeping: one ``ParentRequest`` per user request, fanning out to
+``n`` engine ``Request``s. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cadence.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cadence.request import Request
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step
+    DELTA = "delta"  # only what is new since the previous output (streaming)
+    FINAL_ONLY = "final"  # one output, at the end (LLM.generate)
+
+
+@dataclass(slots=True)
+class SeqOutputState:
+    """Finalize-side state of one sequence."""
+
+    detokenizer: object = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    is_final: bool = False
+    # Streaming progress: how much text/tokens the previous outputs already carried.
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    output_kind: OutputKind
+    arrival_time: float = field(default_factory=time.monotonic)
+    final_emitted: bool = False
+
+    def make_output(self, finished: bool) -> RequestOutput:
+        outs = [self._completion(c) for c in self.children]
+        first = [c.first_token_time for c in self.children if c.first_token_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_token_time=min(first) if first else None,
+            finished_time=time.monotonic() if finished else None,
+            num_preemptions=sum(c.num_preemptions for c in self.children),
+            num_cached_tokens=self.children[0].num_cached_tokens,
+        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             finished, metrics, self.children[0].num_cached_tokens)
+
+    def _completion(self, c: Request) -> CompletionOutput:
+        st: SeqOutputState = c.detok_state
+        done = st.is_final
+        text = c.output_text
+        # A stop string may still be forming at the end of the text: hold those characters
+        # back until the request finishes, so no streamed delta ever has to be taken back.
+        visible = len(text) if done else max(len(text) - c.sampling_params.output_text_buffer_length,
+                                             st.num_sent_chars)
+        n_tok = c.num_finalized_tokens
+        has_lp = c.sampling_params.logprobs is not None
+        if self.output_kind is OutputKind.DELTA:
+            t0, k0 = st.num_sent_chars, st.num_sent_tokens
+            st.num_sent_chars, st.num_sent_tokens = visible, n_tok
+            return CompletionOutput(
+                c.index, text[t0:visible], c.output_token_ids[k0:n_tok],
+                st.cumulative_logprob if has_lp else None,
+                st.logprobs[k0:n_tok] if has_lp else None,
+                c.status.finish_reason, c.stop_reason)
+        return CompletionOutput(
+            c.index, text[:visible], c.output_token_ids[:n_tok],
+            st.cumulative_logprob if has_lp else None,
+            list(st.logprobs) if has_lp else None,
+            c.status.finish_reason, c.stop_reason)

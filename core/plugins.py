@@ -1,0 +1,165 @@
+"""Plugin discovery and backend selection.
+
+Built-in backends load exactly like third-party ones: through the ``cadence.backends``
+entry-point group. Loading rules:
+
+- ``CADENCE_PLUGINS=a,b`` loads only the named entry points; ``CADENCE_DISABLE_PLUGINS=c``
+  skips the named ones. Names are entry-point names.
+- A plugin that raises while loading is kept as a ``PluginError`` and reported by name with
+  its error by ``engine backends`` and by backend selection; it is never skipped silently.
+- Two backends claiming one name is an error naming both distributions.
+- Selecting a backend that is missing or unavailable fails with every backend's probe
+  reason. There is no silent fallback; ``auto`` picks the best available one and says why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from cadence import hookspecs
+
+if TYPE_CHECKING:
+    from cadence.backend import Backend, ProbeResult
+
+ENTRY_POINT_GROUP = "cadence.backends"
+# ``auto`` prefers accelerators; third-party names not listed here come after these.
+AUTO_PREFERENCE = ("cuda", "hpu", "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    name: str
+    cls: type[Backend]
+    distribution: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class PluginError:
+    entry_point: str
+    distribution: str
+    error: str
+
+
+def _env_names(var: str) -> set[str] | None:
+    raw = os.environ.get(var, "").strip()
+    return {n.strip() for n in raw.split(",") if n.strip()} if raw else None
+
+
+class PluginRegistry:
+    """The loaded plugins: a pluggy manager plus the backends they registered."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.backends: dict[str, BackendInfo] = {}
+        self.errors: list[PluginError] = []
+        self._loaded = False
+
+    def load(self) -> PluginRegistry:
+        if self._loaded:
+            return self
+        self._loaded = True
+        allow = _env_names("CADENCE_PLUGINS")
+        deny = _env_names("CADENCE_DISABLE_PLUGINS") or set()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if (allow is not None and ep.name not in allow) or ep.name in deny:
+                continue
+            dist = ep.dist.name if ep.dist is not None else "unknown"
+            version = ep.dist.version if ep.dist is not None else "unknown"
+            try:
+                self.register_plugin(ep.load(), ep.name, dist, version)
+            except Exception as e:  # reported, never swallowed: see engine backends
+                self.errors.append(PluginError(ep.name, dist, f"{type(e).__name__}: {e}"))
+        return self
+
+    def register_plugin(self, module: object, name: str, dist: str, version: str) -> None:
+        """Register one plugin module (or object) and the backends it declares."""
+        if self.pm.is_registered(module):
+            return
+        self.pm.register(module, name=name)
+
+        def register(cls: type[Backend]) -> None:
+            existing = self.backends.get(cls.name)
+            if existing is not None and existing.cls is not cls:
+                raise ValueError(
+                    f"backend name {cls.name!r} is claimed twice: by {existing.distribution} "
+                    f"({existing.cls.__module__}) and by {dist} ({cls.__module__})"
+                )
+            self.backends[cls.name] = BackendInfo(cls.name, cls, dist, version)
+
+        impl = getattr(module, "cadence_register_backends", None)
+        if impl is not None:
+            impl(register=register)
+
+    def probe_all(self) -> dict[str, ProbeResult]:
+        from cadence.backend import ProbeResult
+
+        results = {}
+        for name, info in sorted(self.backends.items()):
+            try:
+                results[name] = info.cls.probe()
+            except Exception as e:
+                results[name] = ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
+        return results
+
+    def _explain(self) -> str:
+        lines = [f"  {n}: {'available' if r.available else r.reason}"
+                 for n, r in self.probe_all().items()]
+        lines += [f"  {e.entry_point} ({e.distribution}): failed to load: {e.error}"
+                  for e in self.errors]
+        return "\n".join(lines) or "  (no backend plugins are installed)"
+
+    def select(self, name: str) -> tuple[type[Backend], str]:
+        """The backend class for ``name`` (or ``auto``) and a sentence saying why."""
+        if name == "auto":
+            probes = self.probe_all()
+            order = [n for n in AUTO_PREFERENCE if n in probes]
+            order += sorted(n for n in probes if n not in AUTO_PREFERENCE)
+            for n in order:
+                if probes[n].available:
+                    skipped = [f"{m} ({probes[m].reason})" for m in order[: order.index(n)]]
+                    why = f"auto selected {n!r}" + (
+                        f"; not available: {', '.join(skipped)}" if skipped else ""
+                    )
+                    return self.backends[n].cls, why
+            raise ValueError(f"backend 'auto': no backend is available here:\n{self._explain()}")
+        info = self.backends.get(name)
+        if info is None:
+            raise ValueError(
+                f"unknown backend {name!r}; valid choices: "
+                f"{', '.join(sorted(self.backends)) or '(none)'} or auto\n{self._explain()}"
+            )
+        probe = self.probe_all()[name]
+        if not probe.available:
+            raise ValueError(f"backend {name!r} is not available: {probe.reason}\n{self._explain()}")
+        return info.cls, f"backend {name!r} requested"
+
+    @property
+    def hook(self) -> pluggy.HookRelay:
+        return self.pm.hook
+
+    def has_impl(self, hook_name: str) -> bool:
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+
+_registry: PluginRegistry | None = None
+
+
+def get_registry() -> PluginRegistry:
+    """The process-wide registry, loaded on first use."""
+    global _registry
+    if _registry is None:
+        _registry = PluginRegistry().load()
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget loaded plugins (tests, and after changing CADENCE_PLUGINS)."""
+    global _registry
+    _registry = None

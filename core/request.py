@@ -1,0 +1,110 @@
+"""The engine's view of one sequence being generated. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cadence.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished; ``is_finished`` relies on the ordering.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence: a prompt plus the tokens generated so far.
+
+    A user request with ``n > 1`` becomes ``n`` of these (``parent_id`` ties them together,
+    ``index`` orders them); they share prompt blocks through prefix caching.
+
+    NOTE the one-step lag: ``output_token_ids`` is advanced by *commit* on the critical path
+    right after sampling; everything host-side that depends on text (detokenization, stop
+    strings, RequestOutput) is caught up later by *finalize*, which tracks its progress in
+    ``num_finalized_tokens``. A stop string found by finalize truncates ``output_token_ids``
+    back to the stop token, so a token sampled in the meantime never becomes visible.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Per generated token: (sampled logprob, top ids, top logprobs, sampled rank) or None.
+    output_logprobs: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Finalize-side progress (host work that lags one step).
+    num_finalized_tokens: int = 0
+    output_text: str = ""
+    is_final_emitted: bool = False
+    first_token_time: float | None = None
+    # Opaque per-request state owned by the output processor (the detokenizer).
+    detok_state: object = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the next step computes more than the one newest token."""
+        return self.num_tokens - self.num_computed_tokens > 1

@@ -1,0 +1,237 @@
+"""Continuous batching under a token budget (vLLM V1's single rule). No torch here.
+
+Each request has ``num_computed_tokens``; every step, computed tokens catch up with
+``request.num_tokens`` under ``max_num_batched_tokens``. A prompt is just many uncomputed
+tokens (chunked when it does not fit), a decode is one; there are no separate phases.
+
+NOTE the engine's side of the contract:
+- after a step it appends the sampled tokens, marks EOS/length finishes by setting
+  ``request.status``, then calls ``update_after_step(plan)``; finished requests are dropped
+  from the batch at the next ``schedule()`` and their blocks stay until ``free_request``.
+- ``settle(request)`` is called on a running request before it is preempted, so its pending
+  output is finalized first (vLLM #8267, #9342). If settle finishes it, it is freed instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cadence.block_manager import BlockManager
+from cadence.config import SchedulerConfig
+from cadence.request import Request, RequestStatus
+from cadence.sched_policy import SchedulingPolicy, WaitingQueue, make_policy
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` from ``num_computed_tokens`` on.
+
+    ``samples`` and ``is_decode`` are fixed when the entry is built, so they stay right after
+    the engine appends the sampled token and ``update_after_step`` advances the request.
+    """
+
+    request: Request
+    num_new_tokens: int
+    samples: bool = field(init=False)
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        end = self.request.num_computed_tokens + self.num_new_tokens
+        # The chunk reaches the last token, so its logits are sampled.
+        self.samples = end == self.request.num_tokens
+        self.is_decode = self.samples and self.num_new_tokens == 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes: decodes first, then prefill chunks."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_decodes: int = 0
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Admits, batches and preempts requests; owns the waiting queue and the running batch.
+
+    ``running`` is kept sorted by the policy key, so it is served in policy order and its tail
+    is always the lowest-priority request: the preemption victim is never a request already
+    scheduled earlier in the same step.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        block_manager: BlockManager,
+        settle: Callable[[Request], None] | None = None,
+        policy: SchedulingPolicy | None = None,
+    ):
+        self.config = scheduler_config
+        self.block_manager = block_manager
+        self.settle = settle
+        self.policy = policy if policy is not None else make_policy(scheduler_config.policy)
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or any(not r.is_finished for r in self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already scheduled")
+        self._requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove the request and free its blocks; the caller sets its status."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.free_request(request)
+        return request
+
+    def free_request(self, request: Request) -> None:
+        """Forget the request and free its blocks; idempotent."""
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        self.waiting.remove(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        self.block_manager.free(request)
+
+    def schedule(self) -> StepPlan:
+        # Finished requests (EOS/length set by commit) leave the batch now; the engine frees
+        # their blocks once it has finalized them.
+        self.running = [r for r in self.running if not r.is_finished]
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        # After a preemption memory is tight: admitting new work would only thrash.
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        decodes = [s for s in scheduled if s.is_decode]
+        others = [s for s in scheduled if not s.is_decode]
+        return StepPlan(
+            scheduled=decodes + others,
+            num_decodes=len(decodes),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            preempted=preempted,
+        )
+
+    def update_after_step(self, plan: StepPlan) -> None:
+        """Advance computed tokens and register newly full blocks in the prefix cache."""
+        for entry in plan.scheduled:
+            request = entry.request
+            # Finished, aborted or preempted since scheduling: nothing to advance.
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens to compute this step; 0 when a prefill must not be chunked and won't fit."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _check_fits(self, request: Request, num_new_tokens: int) -> None:
+        bm = self.block_manager
+        needed = bm.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        if needed > bm.num_blocks:
+            raise RuntimeError(
+                f"request {request.request_id!r} needs {needed} KV blocks of "
+                f"{bm.block_size} tokens but the whole cache has {bm.num_blocks}; "
+                "give the KV cache more memory or lower max_model_len / max_tokens"
+            )
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve(request, num_new, preempted):
+                break  # it was the last request and gave up its own place
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Allocate for a running request, preempting from the tail; False if it lost its place."""
+        self._check_fits(request, num_new)
+        bm = self.block_manager
+        while not bm.can_allocate(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, preempted)
+            if victim is request:
+                return False
+        bm.allocate(request, num_new)
+        return True
+
+    def _preempt(self, victim: Request, preempted: list[Request]) -> None:
+        if self.settle is not None:
+            self.settle(victim)
+        if victim.is_finished:
+            # Settle found a stop in its pending output: it is done, and freeing it makes
+            # the space. The engine normally freed it inside settle; this is idempotent.
+            self.free_request(victim)
+            return
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.waiting.push(victim)
+        preempted.append(victim)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if request.is_finished:
+                self.waiting.pop()
+                continue
+            num_cached = bm.get_computed_blocks(request)
+            request.num_computed_tokens = num_cached
+            num_new = self._num_new_tokens(request, budget)
+            if num_new > 0:
+                self._check_fits(request, num_new)
+            if num_new == 0 or not bm.can_allocate(request, num_new):
+                # Head of line: nothing behind it may overtake it (FCFS fairness). Give back
+                # the prefix hits; the lookup is repeated next step.
+                bm.free(request)
+                request.num_computed_tokens = 0
+                break
+            bm.allocate(request, num_new)
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                # Prompt-cache hits as first seen, for usage reporting.
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self.policy.key)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new

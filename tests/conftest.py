@@ -1,0 +1,43 @@
+"""Shared fixtures: a locally trained tokenizer and tiny random-weight model folders.
+
+Everything is built once per test session in a temporary directory; transformers is only
+imported when a fixture that needs it is first used.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import model_factory`
+
+import model_factory
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Folder with the byte-level BPE test tokenizer (bos <s>, eos </s>, a chat template)."""
+    return model_factory.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str
+) -> Callable[[str], str]:
+    """Factory: ``tiny_model_dir(kind)`` -> HF model folder (weights + tokenizer), cached.
+
+    Kinds are ``model_factory.KINDS``: llama, llama-tied, llama-mqa, mistral, qwen2, qwen3,
+    llama-rope-llama3, llama-rope-yarn, llama-rope-linear, llama-rope-dynamic.
+    """
+    built: dict[str, str] = {}
+
+    def make(kind: str = "llama") -> str:
+        if kind not in built:
+            out = tmp_path_factory.mktemp(f"model-{kind}")
+            built[kind] = model_factory.build_tiny_model(kind, out, tokenizer_dir)
+        return built[kind]
+
+    return make
