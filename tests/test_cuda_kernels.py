@@ -78,7 +78,7 @@ def test_paged_decode_matches_reference(case) -> None:
                           scale)
     md = ref.build_metadata(mi, block_size, DEVICE)
     expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(),
-                                    md.decode_slots, md.decode_mask, scale)
+                                    md.decode_tables, md.decode_mask, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
@@ -167,3 +167,44 @@ def test_triton_attention_matches_torch_attention_on_a_mixed_step() -> None:
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dev[layer].cpu(), ref_attn.k_caches[layer])
         torch.testing.assert_close(dev[layers + layer].cpu(), ref_attn.v_caches[layer])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU tests cover this on a GPU")
+def test_cuda_backend_code_on_cpu_matches_cpu_backend(tiny_model_dir, monkeypatch) -> None:
+    """The whole CudaBackend (pinned staging, metadata, interpreted Triton kernels, graph
+    padding through the static buffers, side-stream copier) run on the CPU through the
+    engine; greedy tokens must equal the CPU backend's, with graphs simulated and eager."""
+    from cadence import LLM, SamplingParams
+    from cadence.backend import ProbeResult
+    from cadence.backends.cuda.backend import CudaBackend
+
+    monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
+    model = tiny_model_dir("llama")
+    prompts = ["Hello", "The quick brown fox", "1 2 3"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 5, 4)]
+
+    def run(backend: str, **opts: object) -> list[list[int]]:
+        llm = LLM(model=model, backend=backend, dtype="float32", max_model_len=64,
+                  num_kv_blocks=32, backend_options=opts)
+        replays: list[int] = []
+        graphs = getattr(llm.engine.backend, "graphs", None)
+        if graphs is not None:
+            original = graphs.replay
+            graphs.replay = lambda bucket: (replays.append(bucket), original(bucket))[1]
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if graphs is not None:
+                assert replays[0] == 4 and 1 in replays  # 3 decodes padded to bucket 4
+            if backend == "cuda":
+                be = llm.engine.backend
+                assert be.event_log and be.event_log[:5] == ["launch", "post_sample",
+                                                             "sample", "copy", "sync"]
+                assert (be.graphs is None) == bool(opts.get("enforce_eager"))
+            return [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+
+    expected = run("cpu")
+    # cuda_graph_max_bs=4: 3 decodes replay bucket 4 with one padding row (dummy block).
+    assert run("cuda", device="cpu", record_events=True, cuda_graph_max_bs=4) == expected
+    assert run("cuda", device="cpu", record_events=True, enforce_eager=True) == expected

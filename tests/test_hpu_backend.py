@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cadence.backend import ModelInput, PostSample, SamplerOutput, SamplingMetadata
 
 _PROBE_SCRIPT = """
@@ -56,6 +55,24 @@ def test_env_defaults_only_fill_gaps() -> None:
     env = {}
     apply_env_defaults(env)
     assert env == {"PT_HPU_LAZY_MODE": "1"}
+
+
+def test_cli_flags_reach_backend_options() -> None:
+    import argparse
+
+    import cadence.backends.hpu as plugin
+
+    parser = argparse.ArgumentParser()
+    plugin.cadence_add_cli_options(parser)
+    args = vars(parser.parse_args(["--hpu-bucketing", "linear", "--hpu-decode-bs", "1:8:64",
+                                   "--hpu-skip-warmup"]))
+    config = {"backend": "hpu", "dtype": "float32", **args}
+    plugin.cadence_configure(config)
+    assert config["backend_options"] == {"bucketing": "linear", "decode_bs": "1:8:64",
+                                         "skip_warmup": True}
+    other = {"backend": "cpu", **args}
+    plugin.cadence_configure(other)
+    assert "backend_options" not in other
 
 
 def _config(**options):
@@ -110,22 +127,26 @@ def test_expand_sampling_pads_with_greedy_rows() -> None:
 PROMPTS = ["the cat runs over the quiet river and the old moon " * 4, "a dog sings",
            "blue", "the cat runs over the quiet river and the old moon " * 4 + "near the city"]
 
+# name -> (backend options, PT_HPU_LAZY_MODE)
 BUCKET_CONFIGS = {
-    "exponential": {},
-    "linear": {"bucketing": "linear", "prompt_seq": "8:32:128", "decode_blocks": "1:2:16"},
+    "exponential": ({}, "1"),
+    "linear-eager": ({"bucketing": "linear", "prompt_seq": "8:32:64",
+                      "decode_blocks": "1:4:8"}, "0"),
     # Ranges too small for the workload: shapes past them still run (compiled at run time).
-    "narrow": {"prompt_bs": "1:1:2", "prompt_seq": "16:16:32", "decode_blocks": "2:2:4",
-               "decode_bs": "1:1:2"},
+    "narrow": ({"prompt_bs": "1:1:2", "prompt_seq": "16:16:32", "decode_blocks": "2:2:4",
+                "decode_bs": "1:1:2"}, "1"),
 }
 
 
 def _run(model: str, backend: str, options: dict | None = None, **kw):
-    from engine_helpers import generate, make_llm
-
     from cadence import SamplingParams
+    from engine_helpers import generate, make_llm
 
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_model_len", 128)
+    # Chunked prefill (64-token budget) and prefix-cache hits (prompts 0 and 3) exercise
+    # the prefill-with-context graph too.
+    kw.setdefault("max_num_batched_tokens", 64)
     if backend == "hpu":
         kw["backend_options"] = {"record_events": True, **(options or {})}
     llm = make_llm(model, backend=backend, **kw)
@@ -143,47 +164,63 @@ def tiny(tiny_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def cpu_reference(tiny: str) -> list:
-    # Chunked prefill (64-token budget) and prefix-cache hits (prompts 0 and 3) exercise
-    # the prefill-with-context graph too.
-    return _run(tiny, "cpu", max_num_batched_tokens=64)[1]
+def emulated(tiny: str):
+    """``emulated(name, **kw)`` -> (llm, token ids), run once per argument set."""
+    cache: dict = {}
+
+    def run(name: str, **kw):
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            options, lazy = BUCKET_CONFIGS[name]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("CADENCE_HPU_EMULATE", "1")
+                mp.setenv("PT_HPU_LAZY_MODE", lazy)
+                cache[key] = _run(tiny, "hpu", options, **kw)
+        return cache[key]
+
+    return run
 
 
 @pytest.mark.parametrize("name", list(BUCKET_CONFIGS))
-def test_emulated_engine_matches_cpu(monkeypatch: pytest.MonkeyPatch, tiny: str,
-                                     cpu_reference: list, name: str) -> None:
-    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
-    llm, got = _run(tiny, "hpu", BUCKET_CONFIGS[name], max_num_batched_tokens=64)
-    greedy = [0, 1, 3]
-    assert [got[i] for i in greedy] == [cpu_reference[i] for i in greedy]
+def test_emulated_engine_matches_cpu(tiny: str, emulated, name: str) -> None:
+    cpu_reference = _run(tiny, "cpu")[1] if name == "exponential" else None
+    llm, got = emulated(name)
+    if cpu_reference is not None:
+        greedy = [0, 1, 3]
+        assert [got[i] for i in greedy] == [cpu_reference[i] for i in greedy]
+    else:
+        # Same greedy tokens as the first config, hence as the CPU backend.
+        first = emulated("exponential")[1]
+        assert [got[i] for i in (0, 1, 3)] == [first[i] for i in (0, 1, 3)]
     backend = llm.engine.backend
     assert backend.num_warmup_compiles > 0
     if name != "narrow":
         assert backend.recompiles_after_warmup() == 0
-    # Every step followed the lazy-mode order.
-    log = backend.event_log
+    # Every step followed the strategy's order.
     step = ["forward", "mark_step", "post_sample", "sample", "mark_step", "to_host"]
+    if BUCKET_CONFIGS[name][1] == "0":
+        step = [e for e in step if e != "mark_step"]
+    log = backend.event_log
     assert len(log) % len(step) == 0 and log == step * (len(log) // len(step))
 
 
-@pytest.mark.parametrize("lazy", ["1", "0"])
-def test_emulated_async_on_equals_off(monkeypatch: pytest.MonkeyPatch, tiny: str,
-                                      lazy: str) -> None:
-    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
-    monkeypatch.setenv("PT_HPU_LAZY_MODE", lazy)
-    opts = BUCKET_CONFIGS["narrow"]  # cheapest warmup
-    on = _run(tiny, "hpu", opts, max_num_batched_tokens=64)[1]
-    off = _run(tiny, "hpu", opts, max_num_batched_tokens=64, disable_async_output_proc=True)[1]
+def test_emulated_async_on_equals_off(emulated) -> None:
+    on = emulated("narrow")[1]
+    off = emulated("narrow", disable_async_output_proc=True)[1]
     assert on == off  # the seeded sampled request included
 
 
-@pytest.mark.hpu
-def test_no_recompiles_after_warmup_on_gaudi(tiny: str) -> None:
-    from cadence.backends.hpu.device import emulation_requested
+def _has_gaudi() -> bool:
+    from cadence.backends.hpu.backend import emulation_requested
 
-    if emulation_requested() or importlib.util.find_spec("habana_frameworks") is None:
-        pytest.skip("needs a Habana Gaudi with habana_frameworks (and CADENCE_HPU_EMULATE unset)")
-    llm, _ = _run(tiny, "hpu", {}, max_num_batched_tokens=64, dtype="bfloat16")
+    return not emulation_requested() and importlib.util.find_spec("habana_frameworks") is not None
+
+
+@pytest.mark.hpu
+@pytest.mark.skipif(not _has_gaudi(), reason="needs a Habana Gaudi with habana_frameworks "
+                                             "(and CADENCE_HPU_EMULATE unset)")
+def test_no_recompiles_after_warmup_on_gaudi(tiny: str) -> None:
+    llm, _ = _run(tiny, "hpu", {}, dtype="bfloat16")
     backend = llm.engine.backend
     assert backend.num_warmup_compiles >= 0, "graph-compilation metric unavailable"
     assert backend.recompiles_after_warmup() == 0

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cadence.backend import ModelInput, SamplingMetadata
 from cadence.backends.hpu import buckets as bk
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def test_exponential_and_linear_examples() -> None:
@@ -75,7 +74,7 @@ def test_pad_batch_keeps_real_tokens_and_sends_padding_to_the_dummy_slot() -> No
     bs, dummy = 4, 99
     mi = _model_input([5, 9], [(3, 0), (6, 4)], bs)
     dec = bk.BucketShape("decode", 4, 1, 4)
-    pb = bk.pad_batch(mi, range(0, 2), dec, dummy, bs)
+    pb = bk.pad_batch(mi, range(2), dec, dummy, bs)
     assert pb.input_ids[:2] == mi.input_ids[:2] and pb.input_ids[2:] == [0, 0]
     assert pb.slot_mapping[2:] == [dummy * bs] * 2
     assert pb.block_tables[0] == [0, 1, dummy, dummy] and pb.block_tables[3] == [dummy] * 4

@@ -38,6 +38,9 @@ class CudaOptions:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS
     record_events: bool = False  # keep "launch", "post_sample", ... per step (tests, debug)
+    # torch device; None = the current CUDA device. "cpu" runs this backend's code on the
+    # CPU with interpreted Triton kernels (TRITON_INTERPRET=1) and graphs simulated: tests only.
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -54,7 +57,7 @@ class CudaOptions:
             max_bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, config.scheduler_config.max_num_seqs)
         return cls(bool(opt("enforce_eager", False)),
                    float(opt("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)),
-                   int(max_bs), bool(opt("record_events", False)))
+                   int(max_bs), bool(opt("record_events", False)), opt("device", None))
 
 
 @hookimpl
@@ -76,6 +79,10 @@ def cadence_add_cli_options(parser) -> None:
 def cadence_configure(config) -> None:
     if config.get("backend") != "cuda":
         return
+    if config.get("dtype") == "auto":
+        # The core resolves "auto" to float32 (right for CPUs); on a GPU bf16 is the usual
+        # serving dtype (vLLM's choice for bf16 checkpoints). Pass dtype= to override.
+        config["dtype"] = "bfloat16"
     opts = config.setdefault("backend_options", {})
     for _, dest, _ in _CLI_OPTIONS:
         value = config.get(dest)

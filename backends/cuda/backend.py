@@ -119,7 +119,10 @@ class CudaBackend(Backend):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = CudaOptions.from_config(config)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(self.options.device or "cuda")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.runner = ModelRunner(config, self.device)
         self.block_size = config.cache_config.block_size
         self.graphs: CudaGraphRunner | None = None
@@ -177,6 +180,9 @@ class CudaBackend(Backend):
     def allocate_kv_cache(self) -> int:
         if self.config.cache_config.num_blocks is not None:
             num_blocks = self.runner.num_blocks_for_bytes(0)
+        elif self.device.type != "cuda":
+            raise ValueError("num_kv_blocks must be set when the cuda backend runs on "
+                             f"{self.device} (no free-memory query there)")
         else:
             peak = self._profile_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -259,5 +265,6 @@ class CudaBackend(Backend):
     def env_info(self) -> dict[str, str]:
         from importlib.metadata import version
 
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "none"
         return {"torch": torch.__version__, "cuda": str(torch.version.cuda),
-                "triton": version("triton"), "gpu": torch.cuda.get_device_name(self.device)}
+                "triton": version("triton"), "gpu": gpu}

@@ -163,7 +163,7 @@ class OutputCopier:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
-        if self.stream is not None:
+        if self.stream is not None and src.is_cuda:
             # src was allocated on the compute stream: keep the allocator from reusing its
             # memory before the side-stream copy has read it.
             src.record_stream(self.stream)

@@ -74,7 +74,7 @@ def cadence_configure(config) -> None:
     if config.get("hpu_skip_warmup"):
         opts["skip_warmup"] = True
     # Gaudi computes in bf16; emulation keeps the CPU default so it can match the CPU backend.
-    from cadence.backends.hpu.backend import _emulation_requested
+    from cadence.backends.hpu.backend import emulation_requested
 
-    if config.get("dtype") == "auto" and not _emulation_requested():
+    if config.get("dtype") == "auto" and not emulation_requested():
         config["dtype"] = "bfloat16"

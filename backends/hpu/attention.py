@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from cadence.backends.hpu.buckets import PaddedBatch
 from cadence.forward_context import set_forward_context
+from torch import nn
 
 
 @dataclass(slots=True)

@@ -24,8 +24,14 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from cadence.backend import (Backend, ModelInput, PostSample, ProbeResult, SamplerOutput,
-                             SamplingMetadata)
+from cadence.backend import (
+    Backend,
+    ModelInput,
+    PostSample,
+    ProbeResult,
+    SamplerOutput,
+    SamplingMetadata,
+)
 from cadence.backends.hpu import buckets as bk
 
 if TYPE_CHECKING:
@@ -34,42 +40,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV = "CADENCE_HPU_EMULATE"
-RANGE_KEYS = ("prompt_bs", "prompt_seq", "decode_bs", "decode_blocks")
 
 
-def _emulation_requested() -> bool:
+def emulation_requested() -> bool:
+    """Whether CADENCE_HPU_EMULATE asks for the CPU emulation (read at call time)."""
     import os
 
     return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def default_ranges(config: EngineConfig) -> dict[str, bk.BucketRange]:
-    """Ranges that cover every step the scheduler can produce under ``config``."""
-    sc, bs = config.scheduler_config, config.cache_config.block_size
-    max_len = config.model_config.max_model_len
-    max_q = min(sc.max_num_batched_tokens, max_len)
-    max_blocks = -(-max_len // bs)
-    return {
-        "prompt_bs": bk.BucketRange(1, 32, max(1, min(sc.max_num_seqs, max_q))),
-        "prompt_seq": bk.BucketRange(min(bs, max_q), bs, max_q),
-        "decode_bs": bk.BucketRange(1, 32, sc.max_num_seqs),
-        "decode_blocks": bk.BucketRange(1, 32, max_blocks),
-    }
-
-
-def bucket_config(config: EngineConfig) -> bk.BucketConfig:
-    ranges = default_ranges(config)
-    for key in RANGE_KEYS:
-        value = config.backend_option(key)
-        if isinstance(value, str):
-            ranges[key] = bk.BucketRange.parse(value)
-        elif value is not None:
-            ranges[key] = bk.BucketRange(*value)
-    strategy = str(config.backend_option("bucketing", "exponential"))
-    sc, cc = config.scheduler_config, config.cache_config
-    with_ctx = cc.enable_prefix_caching or sc.enable_chunked_prefill
-    return bk.BucketConfig.from_ranges(strategy, ranges, cc.block_size, sc.max_num_batched_tokens,
-                                       config.model_config.max_model_len, with_ctx)
 
 
 def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
@@ -113,7 +90,7 @@ class HpuBackend(Backend):
         super().__init__(config)
         from cadence.backends.hpu.device import make_device
 
-        self.buckets = bucket_config(config)
+        self.buckets = bk.bucket_config(config)
         self.device = make_device()
         self.lazy = self.device.lazy
         # Test aid: the overlap call order, as a list of event names (None: not recorded).
@@ -128,7 +105,7 @@ class HpuBackend(Backend):
     @classmethod
     def probe(cls) -> ProbeResult:
         # find_spec only: importing the bridge would acquire the device (exclusive).
-        if _emulation_requested():
+        if emulation_requested():
             return ProbeResult(True, f"emulated on the CPU ({EMULATE_ENV}=1, a test aid: no "
                                      "Gaudi is used)")
         if importlib.util.find_spec("habana_frameworks") is None:
@@ -216,7 +193,6 @@ class HpuBackend(Backend):
 
     def _run_parts(self, parts: list[_Part]) -> None:
         import torch
-
         from cadence.backends.hpu.attention import graph_kind, to_tensors
 
         with torch.inference_mode():

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+from typing import TYPE_CHECKING
 
 from cadence.backend import ModelInput
 
+if TYPE_CHECKING:
+    from cadence.config import EngineConfig
+
 STRATEGIES = ("exponential", "linear")
+RANGE_KEYS = ("prompt_bs", "prompt_seq", "decode_bs", "decode_blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,35 @@ class BucketConfig:
         gen = {k: tuple(generate_buckets(r, strategy)) for k, r in ranges.items()}
         return cls(gen["prompt_bs"], gen["prompt_seq"], gen["decode_bs"], gen["decode_blocks"],
                    block_size, max_num_batched_tokens, max_model_len, with_context)
+
+
+def default_ranges(config: EngineConfig) -> dict[str, BucketRange]:
+    """Ranges that cover every step the scheduler can produce under ``config``."""
+    sc, bs = config.scheduler_config, config.cache_config.block_size
+    max_len = config.model_config.max_model_len
+    max_q = min(sc.max_num_batched_tokens, max_len)
+    max_blocks = -(-max_len // bs)
+    return {
+        "prompt_bs": BucketRange(1, 32, max(1, min(sc.max_num_seqs, max_q))),
+        "prompt_seq": BucketRange(min(bs, max_q), bs, max_q),
+        "decode_bs": BucketRange(1, 32, sc.max_num_seqs),
+        "decode_blocks": BucketRange(1, 32, max_blocks),
+    }
+
+
+def bucket_config(config: EngineConfig) -> BucketConfig:
+    ranges = default_ranges(config)
+    for key in RANGE_KEYS:
+        value = config.backend_option(key)
+        if isinstance(value, str):
+            ranges[key] = BucketRange.parse(value)
+        elif value is not None:
+            ranges[key] = BucketRange(*value)
+    strategy = str(config.backend_option("bucketing", "exponential"))
+    sc, cc = config.scheduler_config, config.cache_config
+    with_ctx = cc.enable_prefix_caching or sc.enable_chunked_prefill
+    return BucketConfig.from_ranges(strategy, ranges, cc.block_size, sc.max_num_batched_tokens,
+                                       config.model_config.max_model_len, with_ctx)
 
 
 def _prev(buckets: tuple[int, ...], b: int) -> int:

@@ -21,14 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from cadence.backends.hpu.backend import EMULATE_ENV, emulation_requested
+
+__all__ = ["EMULATE_ENV", "EmulatedDevice", "HabanaDevice", "emulation_requested", "make_device"]
 
 logger = logging.getLogger(__name__)
-
-EMULATE_ENV = "CADENCE_HPU_EMULATE"
-
-
-def emulation_requested() -> bool:
-    return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def lazy_mode_requested() -> bool:
@@ -106,7 +103,7 @@ class HabanaDevice:
             from habana_frameworks.torch.hpu.metrics import metric_global
 
             self._metric = metric_global("graph_compilation")
-        except Exception as e:  # older bridges: the counter is unavailable, not fatal
+        except (ImportError, AttributeError, RuntimeError) as e:  # unavailable, not fatal
             logger.warning("HPU graph-compilation metric unavailable (%s): recompiles after "
                            "warmup cannot be counted", e)
 
@@ -135,8 +132,8 @@ class HabanaDevice:
         info = {"hpu_lazy_mode": str(int(self.lazy))}
         try:
             info["hpu_device"] = str(self._htorch.hpu.get_device_name())
-        except Exception:
-            pass
+        except (AttributeError, RuntimeError) as e:
+            logger.debug("no HPU device name: %s", e)
         return info
 
 

@@ -30,8 +30,8 @@ class PrefillSeq:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slot ids (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids (padded with 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
 
 
@@ -42,17 +42,21 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     nd = mi.num_decodes
     decode_slots = decode_mask = None
     if nd:
-        lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int64)
-        max_len = int(max(mi.seq_lens[:nd]))
-        max_blocks = (max_len + block_size - 1) // block_size
+        # Whole blocks are gathered, so the padded length is a multiple of block_size. That
+        # also keeps each row's reduction order independent of the other rows' lengths
+        # (measured: torch's CPU reductions give bitwise-equal rows only when the padded
+        # length stays on such a boundary), which async == sync equality relies on.
+        max_blocks = max(len(bt) for bt in mi.block_tables[:nd])
+        need = (max(mi.seq_lens[:nd]) + block_size - 1) // block_size
+        max_blocks = min(max_blocks, need)
         tables = torch.zeros(nd, max_blocks, dtype=torch.int64)
         for i, bt in enumerate(mi.block_tables[:nd]):
             n = min(len(bt), max_blocks)
             tables[i, :n] = torch.tensor(bt[:n], dtype=torch.int64)
-        pos = torch.arange(max_len, dtype=torch.int64)
-        slots = tables[:, pos // block_size] * block_size + pos % block_size
-        valid = pos.unsqueeze(0) < lens.unsqueeze(1)
-        decode_slots = torch.where(valid, slots, 0).to(device)
+        max_len = max_blocks * block_size
+        lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int64)
+        valid = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
+        decode_slots = tables.to(device)
         decode_mask = valid.view(nd, 1, 1, max_len).to(device)
     prefills = []
     start = sum(mi.query_lens[:nd])
@@ -77,12 +81,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; slots [B, L]; mask [B, 1, 1, L] -> [B, H, D]."""
+                     tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; tables [B, NB] block ids; mask [B, 1, 1, NB * block_size] -> [B, H, D].
+
+    The caches are flat slots [num_slots, KVH, D]; whole blocks are gathered.
+    """
     b, h, d = q.shape
-    k = k_cache[slots]  # [B, L, KVH, D]
-    v = v_cache[slots]
-    kvh = k.shape[2]
+    kvh = k_cache.shape[1]
+    nb = tables.shape[1]
+    block_size = mask.shape[-1] // nb
+    k = k_cache.view(-1, block_size, kvh, d)[tables].view(b, nb * block_size, kvh, d)
+    v = v_cache.view(-1, block_size, kvh, d)[tables].view(b, nb * block_size, kvh, d)
     qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, KVH, G, L]
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -124,11 +133,11 @@ class TorchPagedAttention:
         write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
         if not metadata.prefills:
-            return decode_attention(q, kc, vc, metadata.decode_slots, metadata.decode_mask,
+            return decode_attention(q, kc, vc, metadata.decode_tables, metadata.decode_mask,
                                     self.scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_slots,
+            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables,
                                         metadata.decode_mask, self.scale)
         for p in metadata.prefills:
             s, e = p.query_start, p.query_start + p.query_len

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.layers.linear import Linear
 from cadence.forward_context import get_forward_context
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import RotaryEmbedding, apply_rotary
@@ -36,8 +37,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=spec["qkv_bias"])
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=spec["o_bias"])
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=spec["qkv_bias"])
+        self.o_proj = Linear(self.q_size, hidden, bias=spec["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
 
@@ -61,8 +62,8 @@ class MLP(nn.Module):
     def __init__(self, config: Any, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
@@ -145,7 +146,7 @@ class CausalLM(nn.Module):
         # Meta first: no time spent on random init of weights that load_weights overwrites.
         with torch.device("meta"):
             self.model = DecoderModel(config, spec, dims)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.model.to(dtype).to_empty(device="cpu")
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

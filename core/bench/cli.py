@@ -1,0 +1,97 @@
+"""``engine bench ...``: the benchmark subcommands (docs/benchmarks.md documents them).
+
+Nothing heavy is imported here: ``engine --help`` must stay free of torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False) -> None:
+    from cadence.engine_args import EngineArgs
+
+    EngineArgs.add_cli_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    g.add_argument("--output-len", type=int, default=128, help="output length in tokens")
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--output-len-range", default=None, metavar="A:B",
+                   help="draw each output length uniformly from [A, B] (seeded) instead")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (vLLM's benchmark uses 1.0; 0 is greedy)")
+    g.add_argument("--host-work", default="light",
+                   help="light: no stop strings, no logprobs; heavy: ten stop strings that "
+                        "never match + logprobs=5" +
+                        ("; a comma list sweeps both" if host_work_list else ""))
+    g.add_argument("--disable-detokenize", action="store_true")
+    g.add_argument("--breakdown", action="store_true",
+                   help="per-step breakdown: phases, device time, hidden/exposed finalize")
+    g.add_argument("--output-json", default=None, metavar="FILE")
+    g.add_argument("--disable-tqdm", action="store_true")
+
+
+def _throughput(ns: argparse.Namespace) -> int:
+    from cadence.bench.throughput import cmd_throughput
+
+    return cmd_throughput(ns)
+
+
+def _compare(ns: argparse.Namespace) -> int:
+    from cadence.bench.compare import cmd_compare
+
+    return cmd_compare(ns)
+
+
+def _scale(ns: argparse.Namespace) -> int:
+    from cadence.bench.compare import cmd_scale
+
+    return cmd_scale(ns)
+
+
+def _make_small_model(ns: argparse.Namespace) -> int:
+    from cadence.bench.hf_baselines import make_small_model
+    from cadence.engine_args import EngineArgs
+
+    src = EngineArgs(model=ns.model).resolve_model()
+    print(make_small_model(src, ns.output, ns.num_layers, ns.hidden_size))
+    return 0
+
+
+def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+
+    tp = sub.add_parser("throughput", help="offline throughput (vLLM benchmark_throughput idiom)")
+    _add_workload_args(tp)
+    tp.set_defaults(bench_func=_throughput)
+
+    cp = sub.add_parser("compare", help="async vs sync vs the forward floor vs transformers")
+    _add_workload_args(cp, host_work_list=True)
+    cp.add_argument("--batch-sizes", default=None, metavar="1,8,32",
+                    help="max concurrent requests per run (default: min(num_prompts, "
+                         "max_num_seqs))")
+    cp.add_argument("--waves", type=int, default=0,
+                    help="if > 0, each batch size b runs b * waves prompts instead of "
+                         "--num-prompts (keeps small-batch sweeps short)")
+    cp.add_argument("--runs", default="async,sync,floor,hf_generate,hf_generate_batch",
+                    help="comma list of runs to measure")
+    cp.add_argument("--skip-hf", action="store_true", help="drop the transformers runs")
+    cp.add_argument("--chart", default=None, metavar="FILE.png",
+                    help="draw output tokens/s against batch size (needs matplotlib)")
+    cp.set_defaults(bench_func=_compare)
+
+    sc = sub.add_parser("scale", help="host cost per step with short and long waiting queues")
+    _add_workload_args(sc)
+    sc.add_argument("--num-queued", default="100,10000", metavar="100,10000",
+                    help="waiting requests behind the running batch, one run per value")
+    sc.add_argument("--batch-size", type=int, default=32, help="running batch (max_num_seqs)")
+    sc.add_argument("--num-steps", type=int, default=20, help="decode steps measured")
+    sc.set_defaults(bench_func=_scale)
+
+    sm = sub.add_parser("make-small-model",
+                        help="write a small random-weight model with the default tokenizer")
+    sm.add_argument("--model", default=None, help="source of config and tokenizer")
+    sm.add_argument("--output", required=True, help="folder to write")
+    sm.add_argument("--num-layers", type=int, default=4)
+    sm.add_argument("--hidden-size", type=int, default=128)
+    sm.set_defaults(bench_func=_make_small_model)

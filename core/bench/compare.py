@@ -1,0 +1,217 @@
+"""``engine bench compare`` (async, sync, floor and the transformers baselines on the same
+prompts, for each batch size and host-work setting) and ``engine bench scale`` (host cost
+per step with a short and a long waiting queue)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from cadence.bench.floor import run_floor
+from cadence.bench.report import draw_chart, env_info, format_table, write_json
+from cadence.bench.throughput import (
+    Workload,
+    build_engine,
+    config_of,
+    print_breakdown,
+    release_engine,
+    run_engine,
+    vocab_size_of,
+    workload_from_args,
+)
+
+RUN_NAMES = ("async", "sync", "floor", "hf_generate", "hf_generate_batch")
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma-separated list of integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name} must list integers >= 1, got {text!r}")
+    return values
+
+
+def selected_runs(ns: argparse.Namespace) -> list[str]:
+    runs = [r.strip() for r in ns.runs.split(",") if r.strip()]
+    bad = [r for r in runs if r not in RUN_NAMES]
+    if bad:
+        raise ValueError(f"runs must be a subset of {RUN_NAMES}, got {bad}")
+    if ns.skip_hf:
+        runs = [r for r in runs if not r.startswith("hf_")]
+    return runs
+
+
+def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs: int,
+                 prompts: list[list[int]] | None) -> tuple[list[dict], list[list[int]], dict]:
+    """async (+ floor on the same backend) and sync at one batch size."""
+    out, env = [], {}
+    out_lens = workload.output_lens()
+    for mode in ("async", "sync"):
+        if mode not in runs and not (mode == "async" and "floor" in runs):
+            continue
+        engine = build_engine(ns, max_num_seqs=bs, disable_async_output_proc=mode == "sync")
+        try:
+            if prompts is None:
+                prompts = workload.prompts(vocab_size_of(engine))
+            env = env or env_info(engine)
+            if mode in runs:
+                out.append(run_engine(engine, workload, prompts, out_lens, ns.breakdown,
+                                      not ns.disable_tqdm, mode))
+            if mode == "async" and "floor" in runs:
+                cfg = engine.config
+                params = [workload.sampling_params(n) for n in out_lens]
+                out.append(run_floor(engine.backend, prompts, out_lens, params, bs,
+                                     cfg.cache_config.block_size, engine.num_blocks,
+                                     cfg.scheduler_config.max_num_batched_tokens,
+                                     not ns.disable_tqdm))
+        finally:
+            release_engine(engine)
+    return out, prompts, env
+
+
+def _hf_runs(ns: argparse.Namespace, runs: list[str], hf_model: Any, workload: Workload,
+             bs: int, prompts: list[list[int]]) -> list[dict]:
+    from cadence.bench.hf_baselines import run_hf_generate, run_hf_generate_batch
+
+    out = []
+    fns = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch}
+    for name in ("hf_generate", "hf_generate_batch"):
+        if name not in runs:
+            continue
+        try:
+            out.append(fns[name](hf_model, prompts, workload.output_lens(), bs,
+                                 workload.temperature, not ns.disable_tqdm))
+        except Exception as e:  # noqa: BLE001  # a baseline that cannot run here is recorded, not fatal
+            out.append({"name": name, "batch_size": bs, "num_prompts": len(prompts),
+                        "output_tokens_per_s": None, "skipped": f"{type(e).__name__}: {e}"})
+    return out
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    runs = selected_runs(ns)
+    batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
+                                 "batch_sizes")
+    host_works = [h.strip() for h in ns.host_work.split(",")]
+    hf_model, records, env = None, [], {}
+    started = time.perf_counter()
+    try:
+        for hw in host_works:
+            for bs in batch_sizes:
+                workload = workload_from_args(ns, bs * ns.waves if ns.waves else None, hw)
+                recs, prompts, env_ = _engine_runs(ns, runs, workload, bs, None)
+                env = env or env_
+                if any(r.startswith("hf_") for r in runs):
+                    if prompts is None:
+                        raise ValueError("hf runs need an engine run to pick the prompts")
+                    if hf_model is None:
+                        from cadence.bench.hf_baselines import load_hf_model
+
+                        hf_model = load_hf_model(_model_dir(ns), env.get("dtype", "float32"))
+                    recs += _hf_runs(ns, runs, hf_model, workload, bs, prompts)
+                for r in recs:
+                    r.setdefault("host_work", hw)
+                _add_ratios(recs)
+                records += recs
+    finally:
+        del hf_model
+    _print_compare(records, ns.breakdown)
+    data = {"runs": records, "config": config_of(ns), "env": env,
+            "elapsed_s": time.perf_counter() - started}
+    if ns.output_json:
+        write_json(ns.output_json, data)
+    if ns.chart:
+        draw_chart(records, ns.chart, f"cadence bench compare ({env.get('dtype')}, "
+                   f"{ns.input_len} in / {ns.output_len} out)")
+    return 0
+
+
+def _model_dir(ns: argparse.Namespace) -> str:
+    from cadence.engine_args import EngineArgs
+
+    return EngineArgs.from_cli_args(ns)[0].resolve_model()
+
+
+def _add_ratios(recs: list[dict]) -> None:
+    floor = next((r for r in recs if r["name"] == "floor"), None)
+    sync = next((r for r in recs if r["name"] == "sync"), None)
+    for r in recs:
+        tps = r.get("output_tokens_per_s")
+        r["ratio_to_floor"] = tps / floor["output_tokens_per_s"] if floor and tps else None
+        if r["name"] == "async" and sync and tps:
+            r["ratio_to_sync"] = tps / sync["output_tokens_per_s"]
+        b = r.get("breakdown")
+        if b and floor:
+            b["floor_device_s"] = floor["device_s"]
+            b["device_slowdown_vs_floor"] = b["device_s"] / floor["device_s"]
+
+
+def _print_compare(records: list[dict], breakdown: bool) -> None:
+    print()
+    print(format_table(records, ["name", "host_work", "batch_size", "num_prompts",
+                                 "output_tokens_per_s", "requests_per_s", "elapsed_s",
+                                 "ratio_to_floor"],
+                       ["run", "host work", "batch", "prompts", "output tok/s", "req/s",
+                        "elapsed s", "x floor"]))
+    for r in records:
+        if r.get("skipped"):
+            print(f"{r['name']} (batch {r['batch_size']}) skipped: {r['skipped']}")
+        if breakdown:
+            print_breakdown(r)
+
+
+def cmd_scale(ns: argparse.Namespace) -> int:
+    """Host cost per decode step with ``--num-queued`` requests waiting behind the batch."""
+    queued = parse_int_list(ns.num_queued, "num_queued")
+    results = []
+    for n in queued:
+        engine = build_engine(ns, max_num_seqs=ns.batch_size)
+        try:
+            results.append(_scale_one(engine, ns, n))
+        finally:
+            release_engine(engine)
+    phases = ["schedule", "prepare", "commit", "post_sample", "drain", "host", "execute"]
+    rows = [{"phase": p, **{f"q{r['num_queued']}": r["per_step_ms"][p] for r in results}}
+            for p in phases]
+    cols = [f"q{r['num_queued']}" for r in results]
+    print(f"\nhost cost per decode step, ms (batch {ns.batch_size}, {ns.num_steps} steps; "
+          "host = schedule + prepare + commit + post_sample + drain):")
+    print(format_table(rows, ["phase", *cols],
+                       ["phase", *(f"{r['num_queued']} queued" for r in results)]))
+    if ns.output_json:
+        write_json(ns.output_json, {"scale": results, "config": config_of(ns)})
+    return 0
+
+
+def _scale_one(engine: Any, ns: argparse.Namespace, num_queued: int) -> dict[str, Any]:
+    import random
+
+    from cadence.sampling_params import SamplingParams
+
+    bs, vocab = ns.batch_size, vocab_size_of(engine)
+    budget = engine.config.scheduler_config.max_num_batched_tokens
+    warmup = -(-bs * ns.input_len // budget) + 1
+    params = SamplingParams(temperature=1.0, max_tokens=warmup + ns.num_steps + 2,
+                            ignore_eos=True)
+    rng = random.Random(ns.seed)
+    t = time.perf_counter()
+    for i in range(bs + num_queued):
+        ids = [rng.randrange(vocab) for _ in range(ns.input_len)]
+        engine.add_request(f"scale-{i}", {"prompt_token_ids": ids}, params)
+    add_s = time.perf_counter() - t
+    for _ in range(warmup):
+        engine.step()
+    before = dict(engine.stats.times.phases)
+    steps0 = engine.stats.num_steps
+    for _ in range(ns.num_steps):
+        engine.step()
+    steps = max(1, engine.stats.num_steps - steps0)
+    delta = {k: v - before[k] for k, v in engine.stats.times.phases.items()}
+    per_step = {k: 1000 * v / steps for k, v in delta.items()}
+    per_step["host"] = sum(per_step[k] for k in
+                           ("schedule", "prepare", "commit", "post_sample", "drain"))
+    return {"num_queued": num_queued, "num_waiting": engine.scheduler.num_waiting,
+            "num_running": engine.scheduler.num_running, "num_steps": steps,
+            "add_request_ms_each": 1000 * add_s / (bs + num_queued), "per_step_ms": per_step}

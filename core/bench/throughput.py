@@ -1,0 +1,220 @@
+"""``engine bench throughput``: offline throughput in the idiom of vLLM's benchmark_throughput.py.
+
+Random token-id prompts of exactly ``input_len`` tokens (seeded), ``ignore_eos`` so every
+request produces exactly its output length, temperature 1.0 / top_p 1.0 (vLLM's choice), the
+engine driven directly (``add_request`` + ``step`` loop) behind a progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.bench.floor import StepTimer, breakdown_from
+from cadence.bench.report import env_info, format_table, write_json
+
+HOST_WORK = ("light", "heavy")
+# "heavy" host work: ten stop strings that never match (every token is checked against all
+# of them) plus the top-5 logprobs of every token.
+HEAVY_STOP = [f"<<cadence-never-{i}>>" for i in range(10)]
+HEAVY_LOGPROBS = 5
+
+
+@dataclass(slots=True)
+class Workload:
+    """What is generated: the same prompts and lengths for every run of a comparison."""
+
+    input_len: int = 128
+    output_len: int = 128
+    num_prompts: int = 64
+    output_len_range: tuple[int, int] | None = None
+    seed: int = 0
+    host_work: str = "light"
+    detokenize: bool = True
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_work not in HOST_WORK:
+            raise ValueError(f"host_work must be one of {HOST_WORK}, got {self.host_work!r}")
+        if self.host_work == "heavy" and not self.detokenize:
+            raise ValueError("host_work='heavy' uses stop strings, which need detokenization;"
+                             " drop --disable-detokenize")
+        r = self.output_len_range
+        if r is not None and not 1 <= r[0] <= r[1]:
+            raise ValueError(f"output_len_range must be A:B with 1 <= A <= B, got {r}")
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        return [[rng.randrange(vocab_size) for _ in range(self.input_len)]
+                for _ in range(self.num_prompts)]
+
+    def output_lens(self) -> list[int]:
+        if self.output_len_range is None:
+            return [self.output_len] * self.num_prompts
+        rng = random.Random(self.seed + 1)
+        lo, hi = self.output_len_range
+        return [rng.randint(lo, hi) for _ in range(self.num_prompts)]
+
+    def sampling_params(self, max_tokens: int) -> Any:
+        from cadence.sampling_params import SamplingParams
+
+        heavy = self.host_work == "heavy"
+        return SamplingParams(
+            temperature=self.temperature, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
+            detokenize=self.detokenize, stop=HEAVY_STOP if heavy else None,
+            logprobs=HEAVY_LOGPROBS if heavy else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["output_len_range"] = list(self.output_len_range) if self.output_len_range else None
+        return d
+
+
+def parse_len_range(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"output_len_range must look like A:B, got {text!r}") from None
+    return lo, hi
+
+
+def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
+                       host_work: str | None = None) -> Workload:
+    return Workload(ns.input_len, ns.output_len, num_prompts or ns.num_prompts,
+                    parse_len_range(ns.output_len_range), ns.seed,
+                    host_work or ns.host_work, not ns.disable_detokenize, ns.temperature)
+
+
+def vocab_size_of(engine: Any) -> int:
+    sizes = [engine.backend_vocab_size]
+    try:
+        sizes.append(len(engine.tokenizer))
+    except TypeError:
+        pass
+    sizes = [s for s in sizes if s]
+    if not sizes:
+        raise ValueError("cannot tell the model's vocabulary size for random prompts")
+    return min(sizes)
+
+
+def build_engine(ns: argparse.Namespace, **overrides: Any) -> Any:
+    """An LLMEngine from the CLI namespace (EngineArgs flags + plugin flags) plus overrides."""
+    from cadence.engine import LLMEngine
+    from cadence.engine_args import EngineArgs
+
+    args, extra = EngineArgs.from_cli_args(ns)
+    args = dataclasses.replace(args, **overrides)
+    return LLMEngine.from_engine_args(args, extra)
+
+
+def release_engine(engine: Any) -> None:
+    engine.shutdown()
+    del engine
+    gc.collect()
+
+
+def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
+               out_lens: list[int], breakdown: bool = False, progress: bool = True,
+               name: str = "async") -> dict[str, Any]:
+    """Generate every prompt with the engine; return the throughput record of the run."""
+    from cadence.output_state import OutputKind
+
+    timer = StepTimer(engine) if breakdown else None
+    phases0 = dict(engine.stats.times.phases)
+    steps0 = engine.stats.num_steps
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc=f"{name}", dynamic_ncols=True)
+    num_out = 0
+    start = time.perf_counter()
+    try:
+        for i, (ids, n) in enumerate(zip(prompts, out_lens)):
+            engine.add_request(f"bench-{i}", {"prompt_token_ids": ids},
+                               workload.sampling_params(n), output_kind=OutputKind.FINAL_ONLY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    if bar is not None:
+                        bar.update(1)
+        elapsed = time.perf_counter() - start
+    finally:
+        if bar is not None:
+            bar.close()
+        if timer is not None:
+            timer.restore()
+    num_in = sum(len(p) for p in prompts)
+    rec: dict[str, Any] = {
+        "name": name,
+        "batch_size": engine.config.scheduler_config.max_num_seqs,
+        "host_work": workload.host_work,
+        "async_output": engine.async_output,
+        "num_prompts": len(prompts),
+        "num_input_tokens": num_in,
+        "num_output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+    }
+    if timer is not None:
+        phases = {k: v - phases0.get(k, 0.0) for k, v in engine.stats.times.phases.items()}
+        rec["breakdown"] = breakdown_from(phases, engine.stats.num_steps - steps0, elapsed,
+                                          timer)
+    return rec
+
+
+def print_breakdown(rec: dict[str, Any]) -> None:
+    b = rec.get("breakdown")
+    if not b:
+        return
+    rows = [{"phase": k, "total_s": b["phases_s"][k], "per_step_ms": b["per_step_ms"][k],
+             "share": b["phases_s"][k] / b["wall_s"] if b["wall_s"] else None}
+            for k in b["phases_s"]]
+    print(f"\nper-step breakdown of '{rec['name']}' ({b['num_steps']} steps):")
+    print(format_table(rows, ["phase", "total_s", "per_step_ms", "share"]))
+    print(f"device (forward+sample) {b['device_s']:.3f} s [{b['device_source']}], "
+          f"finalize {b['finalize_s']:.3f} s: hidden {b['hidden_finalize_s']:.3f} s, "
+          f"exposed {b['exposed_finalize_s']:.3f} s; "
+          f"device idle {100 * b['device_idle_fraction']:.1f} % of wall")
+
+
+def cmd_throughput(ns: argparse.Namespace) -> int:
+    workload = workload_from_args(ns)
+    engine = build_engine(ns)
+    try:
+        prompts = workload.prompts(vocab_size_of(engine))
+        name = "sync" if not engine.async_output else "async"
+        rec = run_engine(engine, workload, prompts, workload.output_lens(), ns.breakdown,
+                         not ns.disable_tqdm, name)
+        env = env_info(engine)
+    finally:
+        release_engine(engine)
+    print(f"Throughput: {rec['requests_per_s']:.2f} requests/s, "
+          f"{rec['total_tokens_per_s']:.2f} total tokens/s, "
+          f"{rec['output_tokens_per_s']:.2f} output tokens/s "
+          f"({rec['num_prompts']} prompts in {rec['elapsed_s']:.2f} s)")
+    print_breakdown(rec)
+    if ns.output_json:
+        write_json(ns.output_json, {**rec, "config": config_of(ns, workload), "env": env})
+    return 0
+
+
+def config_of(ns: argparse.Namespace, workload: Workload | None = None) -> dict[str, Any]:
+    """The run's flags, JSON-safe (the workload plus every CLI option)."""
+    cfg = {k: v for k, v in vars(ns).items() if not callable(v)}
+    if workload is not None:
+        cfg["workload"] = workload.to_dict()
+    return cfg

@@ -1,0 +1,116 @@
+"""`engine bench` runs on a tiny model and writes the JSON keys docs/benchmarks.md documents.
+
+Speed is not asserted here (benchmarks carry speed claims); only shapes, keys and sanity.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cadence.cli.main import main
+
+WORKLOAD = ["--input-len", "8", "--output-len", "6", "--disable-tqdm",
+            "--cpu-kv-cache-gb", "0.05"]
+TOP_KEYS = {"output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "elapsed_s",
+            "num_prompts", "num_input_tokens", "num_output_tokens", "batch_size", "name",
+            "host_work", "async_output", "config", "env"}
+ENV_KEYS = {"torch", "cpu_count", "dtype", "backend", "git_commit", "transformers", "date"}
+BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
+                  "device_source", "device_per_step_ms", "finalize_s", "finalize_in_execute_s",
+                  "hidden_finalize_s", "exposed_finalize_s", "hidden_fraction",
+                  "host_critical_s", "other_s", "device_idle_fraction"}
+PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain"}
+
+
+def _run(argv: list[str], out: Path) -> dict:
+    assert main(argv + ["--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_breakdown(b: dict) -> None:
+    assert BREAKDOWN_KEYS <= set(b)
+    assert set(b["phases_s"]) == PHASES and set(b["per_step_ms"]) == PHASES
+    assert b["num_steps"] > 0 and b["device_source"] in ("measured", "estimated")
+    for k, v in b.items():
+        if isinstance(v, (int, float)):
+            assert v >= 0, k
+    assert all(v >= 0 for v in b["phases_s"].values())
+    assert 0 <= b["device_idle_fraction"] <= 1 and 0 <= b["hidden_fraction"] <= 1
+    assert b["hidden_finalize_s"] + b["exposed_finalize_s"] == pytest.approx(b["finalize_s"])
+
+
+@pytest.mark.parametrize("extra", [
+    ["--breakdown", "--host-work", "heavy"],
+    ["--disable-async-output-proc", "--disable-detokenize", "--output-len-range", "2:5",
+     "--temperature", "0"],
+])
+def test_throughput_json(tiny_model_dir, tmp_path, extra):
+    data = _run(["bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts",
+                 "5", *WORKLOAD, *extra], tmp_path / "tp.json")
+    assert TOP_KEYS <= set(data) and ENV_KEYS <= set(data["env"])
+    assert data["num_prompts"] == 5 and data["num_input_tokens"] == 40
+    assert data["output_tokens_per_s"] > 0 and data["requests_per_s"] > 0
+    if "--output-len-range" in extra:
+        assert data["name"] == "sync" and data["async_output"] is False
+        assert 10 <= data["num_output_tokens"] <= 25
+        assert "breakdown" not in data
+    else:
+        assert data["num_output_tokens"] == 30 and data["host_work"] == "heavy"
+        _check_breakdown(data["breakdown"])
+
+
+def test_compare_without_hf(tiny_model_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "chart.png"
+    data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                 "--batch-sizes", "1,4", "--waves", "1", "--skip-hf", "--breakdown",
+                 "--chart", str(chart), *WORKLOAD], tmp_path / "cmp.json")
+    assert chart.stat().st_size > 1000
+    assert {"runs", "config", "env", "elapsed_s"} <= set(data)
+    names = [(r["name"], r["batch_size"]) for r in data["runs"]]
+    assert sorted(names) == sorted((n, b) for n in ("async", "sync", "floor") for b in (1, 4))
+    for r in data["runs"]:
+        assert r["output_tokens_per_s"] > 0 and r["num_prompts"] == r["batch_size"]
+        assert r["num_output_tokens"] == 6 * r["num_prompts"]
+        assert r["ratio_to_floor"] > 0
+        if r["name"] == "floor":
+            assert r["ratio_to_floor"] == 1.0 and r["device_s"] > 0
+        else:
+            _check_breakdown(r["breakdown"])
+            assert r["breakdown"]["device_slowdown_vs_floor"] > 0
+
+
+def test_compare_with_hf_generate(tiny_model_dir, tmp_path):
+    data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "3",
+                 "--runs", "floor,hf_generate,hf_generate_batch", *WORKLOAD],
+                tmp_path / "cmp.json")
+    runs = {r["name"]: r for r in data["runs"]}
+    assert set(runs) == {"floor", "hf_generate", "hf_generate_batch"}
+    hf = runs["hf_generate"]
+    assert hf["batch_size"] == 3 and hf["num_output_tokens"] == 18
+    assert hf["output_tokens_per_s"] > 0 and hf["num_computed_tokens"] == 18
+    batch = runs["hf_generate_batch"]
+    # Either it ran, or it says why not; never a silent gap.
+    assert batch.get("output_tokens_per_s") or batch.get("skipped")
+
+
+def test_scale_reports_both_queue_lengths(tiny_model_dir, tmp_path):
+    data = _run(["bench", "scale", "--model", tiny_model_dir("llama"), "--num-queued", "2,40",
+                 "--batch-size", "2", "--num-steps", "3", *WORKLOAD], tmp_path / "scale.json")
+    by_q = {r["num_queued"]: r for r in data["scale"]}
+    assert set(by_q) == {2, 40}
+    assert by_q[40]["num_waiting"] == 40 and by_q[40]["num_running"] == 2
+    for r in by_q.values():
+        assert r["num_steps"] == 3
+        assert all(v >= 0 for v in r["per_step_ms"].values())
+
+
+def test_bad_flags_are_value_errors(tiny_model_dir, capsys):
+    rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--runs", "nope",
+               *WORKLOAD])
+    assert rc == 2 and "runs must be a subset" in capsys.readouterr().err
+    rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"),
+               "--output-len-range", "5", *WORKLOAD])
+    assert rc == 2

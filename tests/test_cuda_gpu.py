@@ -1,0 +1,128 @@
+"""End-to-end tests of the CUDA backend through ``cadence.LLM``; they need an NVIDIA GPU, a
+CUDA build of torch and triton, and are skipped with the probe's reason otherwise.
+
+Run on a GPU machine with ``pytest -m cuda tests/test_cuda_gpu.py`` (scripts/
+cuda_device_check.sh does). Every test uses float32 so that token-for-token equality with the
+CPU backend is a fair demand (no TF32: torch leaves it off for matmuls by default).
+"""
+
+from __future__ import annotations
+
+import pytest
+from cadence.backends.cuda.backend import OVERLAP_ORDER, CudaBackend
+
+_PROBE = CudaBackend.probe()
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _PROBE.available, reason=f"cuda backend unavailable: {_PROBE.reason}"),
+]
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello",
+    "A much longer prompt that spans more than one KV block of sixteen tokens, surely, yes",
+    "1 2 3 4 5",
+    "über señor",
+    "Ω≈ç√ and more",
+]
+
+
+def _llm(model: str, backend: str = "cuda", **kw):
+    from cadence import LLM
+
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("dtype", "float32")
+    if backend == "cuda":
+        kw.setdefault("num_kv_blocks", 256)  # tests share the GPU: no 0.9-of-the-card caches
+    return LLM(model=model, backend=backend, **kw)
+
+
+def _run(model: str, params, prompts=PROMPTS, **kw) -> list:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_helpers import summarize
+
+    llm = _llm(model, **kw)
+    try:
+        return summarize(llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.shutdown()
+
+
+def _greedy(max_tokens: int = 24):
+    from cadence import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _seeded():
+    from cadence import SamplingParams
+
+    return [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=i, max_tokens=20,
+                           logprobs=2) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-mqa", "qwen3"])
+def test_greedy_matches_cpu_backend(tiny_model_dir, kind: str) -> None:
+    model = tiny_model_dir(kind)
+    cpu = _run(model, _greedy(), backend="cpu")
+    assert _run(model, _greedy()) == cpu  # graphs (default)
+    assert _run(model, _greedy(), backend_options={"enforce_eager": True}) == cpu
+
+
+def test_overlap_on_equals_off(tiny_model_dir) -> None:
+    model = tiny_model_dir("llama")
+    on = _run(model, _seeded())
+    off = _run(model, _seeded(), disable_async_output_proc=True)
+    assert on == off
+
+
+def test_graphs_on_equals_off_across_buckets(tiny_model_dir) -> None:
+    """cuda_graph_max_bs=4 with 6 prompts: decode batches of 5-6 run eagerly, then the
+    batch shrinks through buckets 4, 2, 1 as requests of different lengths finish."""
+    from cadence import SamplingParams
+
+    model = tiny_model_dir("llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    graphs = _run(model, params, backend_options={"cuda_graph_max_bs": 4})
+    eager = _run(model, params, backend_options={"enforce_eager": True})
+    assert graphs == eager
+    assert _run(model, _seeded(), backend_options={"cuda_graph_max_bs": 4}) == _run(
+        model, _seeded(), backend_options={"enforce_eager": True})
+
+
+def test_graph_replays_and_event_order(tiny_model_dir) -> None:
+    llm = _llm(tiny_model_dir("llama"), backend_options={"record_events": True,
+                                                         "cuda_graph_max_bs": 8})
+    backend = llm.engine.backend
+    replays: list[int] = []
+    original = backend.graphs.replay
+    backend.graphs.replay = lambda bucket: (replays.append(bucket), original(bucket))[1]
+    try:
+        llm.generate(PROMPTS[:3], _greedy(8), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert replays and set(replays) <= {4, 2, 1}  # 3 decodes pad to bucket 4
+    log = backend.event_log
+    assert len(log) % len(OVERLAP_ORDER) == 0
+    assert log == list(OVERLAP_ORDER) * (len(log) // len(OVERLAP_ORDER))
+
+
+def test_kv_cache_sized_from_free_memory(tiny_model_dir) -> None:
+    import torch
+
+    llm = _llm(tiny_model_dir("llama"), num_kv_blocks=None,
+               backend_options={"gpu_memory_utilization": 0.3, "enforce_eager": True})
+    try:
+        _, total = torch.cuda.mem_get_info()
+        used = torch.cuda.memory_allocated()
+        assert used <= 0.3 * total * 1.02
+        assert used >= 0.2 * total  # the cache took most of the budget
+        out = _greedy(4)
+        assert len(llm.generate(PROMPTS[:2], out, use_tqdm=False)) == 2
+    finally:
+        llm.shutdown()
