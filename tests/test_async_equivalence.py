@@ -40,6 +40,26 @@ def _run(model: str, async_on: bool, prompts, params, **kw):
     return summarize(outs), eng, spy
 
 
+def _assert_equal_up_to_logprob_rounding(a: list, b: list) -> None:
+    """Token ids, text, finish and stop reasons, top-k ids and ranks exactly; logprob values
+    to float32 rounding.
+
+    Why not bit-exact here: the lagging step of a stop-string request takes one token of the
+    budget, so the *next* prompt's chunk boundaries move by one token, and a token computed
+    at the end of a chunk instead of as a one-token step goes through a different attention
+    kernel (see docs/architecture.md, "Exactness"). Without chunking the outputs are
+    bit-identical (the other configs of this test).
+    """
+    assert [r[:6] for r in a] == [r[:6] for r in b]
+    for ra, rb in zip(a, b):
+        if ra[6] is None:
+            assert rb[6] is None
+            continue
+        for da, db in zip(ra[6], rb[6], strict=True):
+            assert [(t, rank) for t, _, rank in da] == [(t, rank) for t, _, rank in db]
+            assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(da, db))
+
+
 CONFIGS = {
     "default": {},
     "preemption": {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 128},
@@ -55,12 +75,14 @@ def test_async_equals_sync(tiny_model_dir, config):
     kw = CONFIGS[config]
     got_async, eng_a, spy_a = _run(model, True, prompts, params, **kw)
     got_sync, eng_s, _ = _run(model, False, prompts, params, **kw)
-    assert got_async == got_sync
+    if config == "chunked":
+        _assert_equal_up_to_logprob_rounding(got_async, got_sync)
+    else:
+        assert got_async == got_sync
     # The workload must really exercise what the config is about.
     if config == "preemption":
         assert eng_a.stats.num_preemptions > 0 and eng_s.stats.num_preemptions > 0
     if config == "chunked":
-        lens = {o[0]: n for o, n in []}
         tok = eng_a.tokenizer
         lens = {str(i): len(tok.encode(p)) for i, p in enumerate(prompts)}
         assert spy_a.saw_chunked_prefill(lens)
@@ -84,20 +106,17 @@ def test_stop_strings_do_not_leak_the_lagging_token(tiny_model_dir):
         for i, (o, stop) in enumerate(zip(base, stops)):
             if not stop or not stop.strip():
                 continue
-            out = generate(llm, [WORDS[i]], SamplingParams(
-                max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0].outputs[0]
+            res = generate(llm, [WORDS[i]], SamplingParams(
+                max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+            out = res.outputs[0]
             full = o.outputs[0].text
             assert out.finish_reason == "stop" and out.stop_reason == stop
             assert out.text == full[: full.index(stop)]
             assert stop not in out.text
             n = len(out.token_ids)
             assert list(out.token_ids) == list(o.outputs[0].token_ids[:n])
-            rid = str(llm._counter).split("(")[1].rstrip(")")
-            rid = str(int(rid) - 1)
             # Prefill + (n - 1) decodes, plus exactly one lagging step with async on.
-            assert spy.times_scheduled(rid) == n + (1 if async_on else 0)
-        assert llm.engine.stats.num_generation_tokens == sum(
-            1 for _ in range(0)) or True
+            assert spy.times_scheduled(res.request_id) == n + (1 if async_on else 0)
         eng = llm.engine
         assert eng.block_manager.num_free_blocks == eng.num_blocks
 

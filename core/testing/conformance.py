@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ __all__ = [
 # Prompts of 4 to ~70 tokens: some fill several KV blocks, the long one is chunked.
 PROMPTS = sentences(7, seed=7) + [" ".join(sentences(5, seed=3))]
 WORKLOADS = ("greedy", "seeded")
+_RESULTS: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
 # Modules whose import means a probe went too far (DESIGN: probe never acquires the device).
 DEVICE_MODULES = ("habana_frameworks", "torch_xla", "torch_npu", "intel_extension_for_pytorch",
                   "triton", "tensorflow", "jax")
@@ -48,11 +50,11 @@ DEVICE_MODULES = ("habana_frameworks", "torch_xla", "torch_npu", "intel_extensio
 def workload_params(name: str) -> list[SamplingParams]:
     """Per-prompt sampling parameters; different lengths so the batch shrinks step by step."""
     if name == "greedy":
-        return [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True,
+        return [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True,
                                logprobs=3) for i in range(len(PROMPTS))]
     if name == "seeded":
         return [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i,
-                               max_tokens=6 + 3 * i, stop=[" sees", " quick"] if i % 2 else None,
+                               max_tokens=5 + 2 * i, stop=[" sees", " quick"] if i % 2 else None,
                                logprobs=1) for i in range(len(PROMPTS))]
     raise ValueError(f"unknown workload {name!r}; valid: {WORKLOADS}")
 
@@ -65,6 +67,15 @@ def run_workload(llm: Any, name: str, order: list[int] | None = None) -> list[An
                            use_tqdm=False)
     assert_all_blocks_free(llm)
     return outputs
+
+
+def cached_workload(llm: Any, name: str) -> list[Any]:
+    """``run_workload(llm, name)``, computed once per LLM: outputs are deterministic, and
+    several checks compare against the same full-batch run."""
+    cache = _RESULTS.setdefault(llm, {})
+    if name not in cache:
+        cache[name] = run_workload(llm, name)
+    return cache[name]
 
 
 def assert_all_blocks_free(llm: Any) -> None:
@@ -181,7 +192,7 @@ def test_core_calls_post_sample_when_backend_never_does(
 def test_greedy_matches_cpu_reference(cadence_llm: Any, cadence_reference: dict,
                                       cadence_logprob_atol: float) -> None:
     """Greedy tokens equal the CPU backend's sync strategy on the same weights."""
-    outputs = run_workload(cadence_llm, "greedy")
+    outputs = cached_workload(cadence_llm, "greedy")
     assert_same_tokens(outputs, cadence_reference["greedy"], cadence_logprob_atol,
                        "backend vs CPU reference")
 
@@ -190,8 +201,8 @@ def test_greedy_matches_cpu_reference(cadence_llm: Any, cadence_reference: dict,
 def test_overlap_on_equals_off(cadence_llm: Any, cadence_llm_sync: Any, workload: str) -> None:
     """Async output processing on and off give identical outputs (tokens, text, logprobs,
     finish reasons), greedy and seeded, under preemption and chunked prefill."""
-    on = summarize(run_workload(cadence_llm, workload))
-    off = summarize(run_workload(cadence_llm_sync, workload))
+    on = summarize(cached_workload(cadence_llm, workload))
+    off = summarize(cached_workload(cadence_llm_sync, workload))
     for i, (a, b) in enumerate(zip(on, off)):
         assert a == b, f"prompt {i}: async on {a}\n != async off {b}"
     assert len(on) == len(off)
@@ -201,12 +212,12 @@ def test_batch_composition_and_padding_do_not_change_outputs(
         cadence_llm: Any, cadence_logprob_atol: float) -> None:
     """The same prompt gives the same greedy tokens alone, in the full batch, and in another
     batch order: padding to a shape bucket (or a graph's batch size) must not leak."""
-    full = run_workload(cadence_llm, "greedy")
+    full = cached_workload(cadence_llm, "greedy")
     reordered_ids = [5, 0, 7, 2, 3]
     reordered = run_workload(cadence_llm, "greedy", order=reordered_ids)
     assert_same_tokens(reordered, [full[i] for i in reordered_ids], cadence_logprob_atol,
                        "reordered batch vs full batch")
-    for i in (1, 6, 7):
+    for i in (6, 7):
         alone = run_workload(cadence_llm, "greedy", order=[i])
         assert_same_tokens(alone, [full[i]], cadence_logprob_atol, f"prompt {i} alone")
 
@@ -241,6 +252,7 @@ print(json.dumps({
     "device_modules": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2:])),
     "imported_by_probe": sorted({m.split(".")[0] for m in set(sys.modules) - loaded}),
     "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
+    "torch_imported": torch is not None,
 }))
 """
 
