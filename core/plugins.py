@@ -59,6 +59,8 @@ class PluginRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.backends: dict[str, BackendInfo] = {}
         self.errors: list[PluginError] = []
+        # Names claimed by two distributions: selecting them fails with this message.
+        self.duplicates: dict[str, str] = {}
         self._loaded = False
 
     def load(self) -> PluginRegistry:
@@ -87,15 +89,20 @@ class PluginRegistry:
         def register(cls: type[Backend]) -> None:
             existing = self.backends.get(cls.name)
             if existing is not None and existing.cls is not cls:
-                raise ValueError(
-                    f"backend name {cls.name!r} is claimed twice: by {existing.distribution} "
-                    f"({existing.cls.__module__}) and by {dist} ({cls.__module__})"
-                )
+                msg = (f"backend name {cls.name!r} is claimed twice: by {existing.distribution} "
+                       f"({existing.cls.__module__}) and by {dist} ({cls.__module__})")
+                self.duplicates[cls.name] = msg
+                raise ValueError(msg)
             self.backends[cls.name] = BackendInfo(cls.name, cls, dist, version)
 
         impl = getattr(module, "cadence_register_backends", None)
         if impl is not None:
-            impl(register=register)
+            try:
+                impl(register=register)
+            except Exception:
+                # A plugin that failed to register must not keep its other hooks running.
+                self.pm.unregister(module)
+                raise
 
     def probe_all(self) -> dict[str, ProbeResult]:
         from cadence.backend import ProbeResult
@@ -119,8 +126,9 @@ class PluginRegistry:
         """The backend class for ``name`` (or ``auto``) and a sentence saying why."""
         if name == "auto":
             probes = self.probe_all()
-            order = [n for n in AUTO_PREFERENCE if n in probes]
-            order += sorted(n for n in probes if n not in AUTO_PREFERENCE)
+            order = [n for n in AUTO_PREFERENCE if n in probes and n not in self.duplicates]
+            order += sorted(n for n in probes
+                            if n not in AUTO_PREFERENCE and n not in self.duplicates)
             for n in order:
                 if probes[n].available:
                     skipped = [f"{m} ({probes[m].reason})" for m in order[: order.index(n)]]
@@ -129,6 +137,8 @@ class PluginRegistry:
                     )
                     return self.backends[n].cls, why
             raise ValueError(f"backend 'auto': no backend is available here:\n{self._explain()}")
+        if name in self.duplicates:
+            raise ValueError(f"{self.duplicates[name]}\n{self._explain()}")
         info = self.backends.get(name)
         if info is None:
             raise ValueError(

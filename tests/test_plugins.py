@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import pytest
-
 import cadence
+import pytest
 from cadence import plugins
 from cadence.backend import Backend, ProbeResult
 from cadence.cli.main import main as engine_main
@@ -210,8 +209,6 @@ def test_two_backends_claiming_one_name_name_both_distributions(install) -> None
     assert "'dup'" in message and "dist-one" in message and "dist-two" in message
 
 
-@pytest.mark.xfail(strict=True, reason="core/plugins.py: the first claimant of a duplicated "
-                   "name is still selectable (see the helper report for the fix)")
 def test_selecting_a_name_claimed_twice_fails(install) -> None:
     install(ep("dup", backend("dup"), dist="dist-one"), ep("dup2", backend("dup"),
                                                          dist="dist-two"))
@@ -231,8 +228,6 @@ def test_engine_backends_lists_name_version_distribution_and_status(install, cap
     assert "unavailable: no slow chip" in rows["slow"]
 
 
-@pytest.mark.xfail(strict=True, reason="core/cli/main.py: the probe reason of an available "
-                   "backend is not printed (see the helper report for the fix)")
 def test_engine_backends_shows_the_probe_reason_of_available_backends(install, capsys) -> None:
     install(ep("fast", backend("fast", True, "fast chip 0 found")))
     engine_main(["backends"])

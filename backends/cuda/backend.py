@@ -6,17 +6,22 @@ One step (``execute``)::
     host:   stage inputs (pinned) | replay graph | post_sample() | sample | start copy | wait
     device:                        |======= forward =======|sample|copy ids (side stream)|
 
-Nothing here runs at import of ``cadence.backends.cuda``: this module is imported only when
-the plugin registers the class, and triton only when the attention layer is first built.
+Importing this module imports no torch and no triton: it holds the host logic (the overlap
+order, KV sizing, the profiling step) and the class, whose torch-side methods live in
+``cadence.backends.cuda.runtime``, imported when a backend is constructed; triton is imported
+only when the attention layer is first built. ``probe()`` imports neither.
 """
 
 from __future__ import annotations
 
+import ast
+import glob
 import importlib.util
+import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from cadence.backend import (
     Backend,
     ModelInput,
@@ -26,21 +31,13 @@ from cadence.backend import (
     SamplingMetadata,
 )
 from cadence.backends.cuda import CudaOptions
-from cadence.backends.cuda.attention import (
-    TritonPagedAttention,
-    build_metadata,
-    sample_token_indices,
-)
-from cadence.backends.cuda.buffers import InputLayout, InputStager, OutputCopier, pack_inputs
-from cadence.backends.cuda.graphs import (
-    CudaGraphRunner,
-    bucket_for,
-    capture_sizes,
-    pack_padded,
-    pad_decode,
-)
 from cadence.config import EngineConfig
-from cadence.model_runner import ModelRunner, PreparedInput
+
+# No torch here: registering and probing this backend (engine backends, engine --help) must
+# not load torch, so that a plugin can still set its environment first. Everything that
+# touches torch lives in ``cadence.backends.cuda.runtime``, imported by ``CudaBackend()``.
+if TYPE_CHECKING:
+    import torch
 
 #: The order ``execute`` runs things in; tests compare the recorded event log with it.
 OVERLAP_ORDER = ("launch", "post_sample", "sample", "copy", "sync")
@@ -111,6 +108,62 @@ def profile_input(max_tokens: int, max_seqs: int, max_model_len: int) -> ModelIn
                       [[0]] * num_seqs, 0, list(range(num_seqs)), sampling)
 
 
+def _torch_version_file() -> tuple[str | None, str | None] | str:
+    """(torch.__version__, torch.version.cuda) read from torch's ``version.py`` without
+    importing torch; a string says why that was not possible."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return "torch is not installed"
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"cannot tell whether torch is a CUDA build (reading {path}: {e})"
+    found: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in ("__version__", "cuda"):
+            try:
+                found[target.id] = ast.literal_eval(value)
+            except ValueError:
+                return (f"cannot tell whether torch is a CUDA build ({path}: "
+                        f"{target.id} is not a literal)")
+    if "cuda" not in found:
+        return f"cannot tell whether torch is a CUDA build ({path} has no 'cuda' entry)"
+    return found.get("__version__"), found["cuda"]
+
+
+def _nvidia_device_missing() -> str | None:
+    """Why no NVIDIA device is usable, or None; from the file system and the environment
+    only (no CUDA driver call, no torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        if first == "" or first.startswith("-"):
+            return f"no NVIDIA device found (CUDA_VISIBLE_DEVICES={visible!r} hides all)"
+    try:
+        if os.listdir("/proc/driver/nvidia/gpus"):
+            return None
+    except OSError:
+        pass
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg"):  # /dev/dxg: WSL2
+        return None
+    return ("no NVIDIA device found (no /proc/driver/nvidia/gpus entry and no "
+            "/dev/nvidia<N> node: driver not loaded or the device not passed to this "
+            "container)")
+
+
+def _runtime() -> ModuleType:
+    from cadence.backends.cuda import runtime
+
+    return runtime
+
+
 class CudaBackend(Backend):
     """Runs the model on one CUDA GPU (see the module docstring)."""
 
@@ -119,123 +172,55 @@ class CudaBackend(Backend):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = CudaOptions.from_config(config)
-        device = torch.device(self.options.device or "cuda")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.runner = ModelRunner(config, self.device)
+        self._rt = _runtime()  # imports torch, the model runner, the graphs, ...
         self.block_size = config.cache_config.block_size
-        self.graphs: CudaGraphRunner | None = None
+        self.graphs: Any = None  # a runtime CudaGraphRunner once warmed up
         self.dummy_block = -1
         #: "launch", "post_sample", ... per step when ``record_events`` is on (tests, debug).
         self.event_log: list[str] | None = [] if self.options.record_events else None
+        self._rt.init(self)  # sets self.device and self.runner
 
     @classmethod
     def probe(cls) -> ProbeResult:
-        # torch is a core dependency, so importing it costs nothing extra; triton is only
-        # located, never imported. torch.cuda.is_available() neither creates a CUDA context
-        # nor initialises torch's CUDA state (torch.cuda.is_initialized() stays False); it
-        # does call cuInit, so set PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch then asks NVML)
-        # if you fork after probing. docs/backends/cuda.md says the same.
-        if torch.version.cuda is None:
-            return ProbeResult(False, f"torch {torch.__version__} is not a CUDA build")
+        # torch is never imported here (engine backends must not load it, so a plugin can
+        # still set its environment first), and neither is triton; no CUDA call is made.
+        # 1. CUDA build: torch is located with find_spec and its generated version.py is
+        #    parsed (``cuda = '12.4'`` or ``cuda: Optional[str] = None``, i.e. the value
+        #    torch.version.cuda would have). 2. triton: located with find_spec.
+        # 3. A device: /proc/driver/nvidia/gpus has an entry or a /dev/nvidia<N> node
+        #    exists (/dev/dxg on WSL2), and CUDA_VISIBLE_DEVICES does not hide every
+        #    device. This cannot see a driver/toolkit mismatch or a device taken by
+        #    another process; those surface when the backend is built (torch.cuda raises).
+        # docs/backends/cuda.md says the same.
+        info = _torch_version_file()
+        if isinstance(info, str):
+            return ProbeResult(False, info)
+        version, cuda = info
+        if cuda is None:
+            return ProbeResult(False, f"torch {version} is not a CUDA build")
         if importlib.util.find_spec("triton") is None:
             return ProbeResult(False, "triton is not installed (pip install 'cadence[cuda]')")
-        if not torch.cuda.is_available():
-            return ProbeResult(False, "no CUDA device is visible (driver missing or "
-                               "CUDA_VISIBLE_DEVICES empty)")
-        return ProbeResult(True, f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+        missing = _nvidia_device_missing()
+        if missing is not None:
+            return ProbeResult(False, missing)
+        return ProbeResult(True, f"torch {version}, CUDA {cuda}")
 
     def load_model(self) -> None:
-        self.runner.load_model()
-        sched = self.config.scheduler_config
-        self.width = -(-self.config.model_config.max_model_len // self.block_size)
-        layout = InputLayout(sched.max_num_batched_tokens, sched.max_num_seqs,
-                             sched.max_num_seqs, self.width)
-        self.stager = InputStager(layout.size, self.device)
-        self.copier = OutputCopier(self.device, sched.max_num_seqs)
-
-    def _attention(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> TritonPagedAttention:
-        return TritonPagedAttention(k, v, self.runner.kv_cache_spec().head_dim ** -0.5,
-                                    self.block_size)
-
-    @torch.inference_mode()
-    def _profile_peak_bytes(self) -> int:
-        """Peak allocated bytes of one forward + sampling at the largest batch."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        spec = self.runner.kv_cache_spec()
-        tiny = torch.zeros(self.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
-                           device=self.device)  # all slots are -1: nothing is written
-        self.runner.attn = self._attention([tiny] * spec.num_layers, [tiny] * spec.num_layers)
-        sched, model = self.config.scheduler_config, self.config.model_config
-        mi = profile_input(sched.max_num_batched_tokens, sched.max_num_seqs, model.max_model_len)
-        self.to_host(self.sample(self.launch(mi), mi.sampling))
-        torch.cuda.synchronize(self.device)
-        self.runner.attn = None
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        return peak
+        self._rt.load_model(self)
 
     def allocate_kv_cache(self) -> int:
-        if self.config.cache_config.num_blocks is not None:
-            num_blocks = self.runner.num_blocks_for_bytes(0)
-        elif self.device.type != "cuda":
-            raise ValueError("num_kv_blocks must be set when the cuda backend runs on "
-                             f"{self.device} (no free-memory query there)")
-        else:
-            peak = self._profile_peak_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = kv_cache_bytes(total, free, peak, torch.cuda.memory_reserved(self.device),
-                                    self.options.gpu_memory_utilization)
-            # One block more than the engine sees: the dummy block of graph padding rows.
-            spec = self.runner.kv_cache_spec()
-            num_blocks = self.runner.num_blocks_for_bytes(budget - spec.bytes_per_block)
-        k, v = self.runner.allocate_kv_cache(num_blocks + 1)
-        self.dummy_block = num_blocks
-        self.runner.attn = self._attention(k, v)
-        return num_blocks
+        return self._rt.allocate_kv_cache(self)
 
     def warmup(self) -> None:
         if self.options.enforce_eager:
             return
-        sizes = capture_sizes(self.options.cuda_graph_max_bs)
-        self.graphs = CudaGraphRunner(self.runner.model, self.runner.attn, sizes, self.width,
-                                      self.dummy_block, self.device)
-        self.graphs.capture()
+        self._rt.warmup(self)
 
     # -- the four device steps (DeviceOps) ------------------------------------------------
 
     def launch(self, mi: ModelInput) -> torch.Tensor:
         """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible)."""
-        bucket = None
-        if self.graphs is not None and mi.is_decode_only and mi.num_seqs:
-            bucket = bucket_for(mi.num_seqs, self.graphs.sizes)
-            if bucket is not None and max(map(len, mi.block_tables)) > self.width:
-                bucket = None  # a table wider than the static buffer: run eagerly
-        if bucket is None:
-            return self._launch_eager(mi)
-        graphs = self.graphs
-        padded = pad_decode(mi, bucket, self.dummy_block)
-        self.stager.stage(graphs.layout.size_for_rows(bucket),
-                          lambda a: pack_padded(a, graphs.layout, padded), dst=graphs.static)
-        logits = graphs.replay(bucket)
-        rows = mi.sample_seq_indices
-        if rows == list(range(len(rows))):
-            return logits[:len(rows)]
-        return logits[torch.tensor(rows, device=self.device)]
-
-    def _launch_eager(self, mi: ModelInput) -> torch.Tensor:
-        sample_idx = sample_token_indices(mi.query_lens, mi.sample_seq_indices)
-        width = max(1, max(map(len, mi.block_tables), default=1))
-        layout = InputLayout(mi.num_tokens, len(sample_idx), mi.num_seqs, width)
-        flat = self.stager.stage(layout.size, lambda a: pack_inputs(
-            a, layout, mi.input_ids, mi.positions, mi.slot_mapping, sample_idx, mi.seq_lens,
-            mi.block_tables))
-        views = layout.split(flat)
-        md = build_metadata(mi, views, self.block_size)
-        return self.runner.run_model(PreparedInput(views.input_ids, views.positions,
-                                                   views.sample_idx, md))
+        return self._rt.launch(self, mi)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> Any:
         return self.runner.sample(logits, sampling)
@@ -258,13 +243,7 @@ class CudaBackend(Backend):
         return execute_overlapped(self, model_input, post_sample, self.event_log)
 
     def shutdown(self) -> None:
-        self.graphs = None
-        self.runner.attn = None
-        torch.cuda.empty_cache()
+        self._rt.shutdown(self)
 
     def env_info(self) -> dict[str, str]:
-        from importlib.metadata import version
-
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "none"
-        return {"torch": torch.__version__, "cuda": str(torch.version.cuda),
-                "triton": version("triton"), "gpu": gpu}
+        return self._rt.env_info(self)

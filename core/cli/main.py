@@ -68,13 +68,19 @@ def cmd_backends() -> int:
 
     reg = get_registry()
     probes = reg.probe_all()
-    print(f"{'name':<10} {'version':<10} {'distribution':<20} status")
+    rows = [("name", "version", "distribution", "status")]
     for name, info in sorted(reg.backends.items()):
         r = probes[name]
-        status = "available" if r.available else f"unavailable: {r.reason}"
-        print(f"{name:<10} {info.version:<10} {info.distribution:<20} {status}")
+        status = (f"available ({r.reason})" if r.reason else "available") if r.available \
+            else f"unavailable: {r.reason}"
+        if name in reg.duplicates:
+            status = f"error: {reg.duplicates[name]}"
+        rows.append((name, info.version, info.distribution, status))
     for err in reg.errors:
-        print(f"{err.entry_point:<10} {'?':<10} {err.distribution:<20} failed to load: {err.error}")
+        rows.append((err.entry_point, "?", err.distribution, f"failed to load: {err.error}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
     return 0
 
 

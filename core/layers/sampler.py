@@ -53,11 +53,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 def _pad_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
-    t = torch.full((len(rows), width), pad, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            t[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return t.to(device)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
 
 
 def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -96,8 +93,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if any(meta.banned_token_ids):
         rows = [i for i, ids in enumerate(meta.banned_token_ids) for _ in ids]
         cols = [t for ids in meta.banned_token_ids for t in ids]
-        logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                                  torch.tensor(float("-inf"), dtype=logits.dtype))
+        dev = logits.device
+        logits = logits.index_put(
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
     greedy_ids = logits.argmax(dim=-1)
     if meta.all_greedy:
         token_ids = greedy_ids
@@ -109,7 +108,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
         sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
         top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (
-            raw_logprobs[:, :0], torch.empty(len(token_ids), 0, dtype=torch.int64))
+            raw_logprobs[:, :0],
+            torch.empty(len(token_ids), 0, dtype=torch.int64, device=logits.device))
         lp = (sampled_lp, rank, top_ids, top_lp)
     return DeviceSample(token_ids, lp, meta.num_logprobs if lp is not None else None)
 
@@ -127,6 +127,8 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, greedy_ids: tor
         if seed is not None:
             noise[i].exponential_(generator=_row_generator(seed, meta.output_lens[i], dev))
     sampled = (probs / noise).argmax(dim=-1)
+    if not any(t <= 1e-5 for t in meta.temperature):
+        return sampled
     is_greedy = torch.tensor([t <= 1e-5 for t in meta.temperature], device=dev)
     return torch.where(is_greedy, greedy_ids, sampled)
 

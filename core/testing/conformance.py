@@ -8,112 +8,38 @@ use the fixtures of ``cadence.testing.pytest_plugin`` and run against the backen
     # or, in a test module of your own package:  from cadence.testing.conformance import *
     pytest --cadence-backend NAME
 
-The helpers (``run_workload``, ``assert_same_tokens`` ...) are importable for your own tests.
+The helpers they use live in ``cadence.testing.helpers``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-import weakref
 from typing import Any
 
 import pytest
-
 from cadence.backend import PostSample
-from cadence.sampling_params import SamplingParams
-from cadence.testing.tiny_model import sentences
+from cadence.testing.helpers import (
+    PROMPTS,
+    WORKLOADS,
+    assert_all_blocks_free,
+    assert_same_tokens,
+    cached_workload,
+    probe_in_subprocess,
+    run_workload,
+    summarize,
+    workload_params,
+)
 
 __all__ = [
-    "test_post_sample_at_most_once_per_step_on_engine_thread",
+    "test_batch_composition_and_padding_do_not_change_outputs",
     "test_core_calls_post_sample_when_backend_never_does",
+    "test_every_kv_block_is_free_after_requests",
     "test_greedy_matches_cpu_reference",
     "test_overlap_on_equals_off",
-    "test_batch_composition_and_padding_do_not_change_outputs",
-    "test_every_kv_block_is_free_after_requests",
+    "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
     "test_registration_is_idempotent",
 ]
-
-# Prompts of 4 to ~70 tokens: some fill several KV blocks, the long one is chunked.
-PROMPTS = sentences(7, seed=7) + [" ".join(sentences(5, seed=3))]
-WORKLOADS = ("greedy", "seeded")
-_RESULTS: weakref.WeakKeyDictionary[Any, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
-# Modules whose import means a probe went too far (DESIGN: probe never acquires the device).
-DEVICE_MODULES = ("habana_frameworks", "torch_xla", "torch_npu", "intel_extension_for_pytorch",
-                  "triton", "tensorflow", "jax")
-
-
-def workload_params(name: str) -> list[SamplingParams]:
-    """Per-prompt sampling parameters; different lengths so the batch shrinks step by step."""
-    if name == "greedy":
-        return [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True,
-                               logprobs=3) for i in range(len(PROMPTS))]
-    if name == "seeded":
-        return [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i,
-                               max_tokens=5 + 2 * i, stop=[" sees", " quick"] if i % 2 else None,
-                               logprobs=1) for i in range(len(PROMPTS))]
-    raise ValueError(f"unknown workload {name!r}; valid: {WORKLOADS}")
-
-
-def run_workload(llm: Any, name: str, order: list[int] | None = None) -> list[Any]:
-    """Generate the workload (optionally a subset/ordering of the prompts), in prompt order."""
-    order = list(range(len(PROMPTS))) if order is None else order
-    params = workload_params(name)
-    outputs = llm.generate([PROMPTS[i] for i in order], [params[i] for i in order],
-                           use_tqdm=False)
-    assert_all_blocks_free(llm)
-    return outputs
-
-
-def cached_workload(llm: Any, name: str) -> list[Any]:
-    """``run_workload(llm, name)``, computed once per LLM: outputs are deterministic, and
-    several checks compare against the same full-batch run."""
-    cache = _RESULTS.setdefault(llm, {})
-    if name not in cache:
-        cache[name] = run_workload(llm, name)
-    return cache[name]
-
-
-def assert_all_blocks_free(llm: Any) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.num_blocks, (
-        f"{engine.num_blocks - engine.block_manager.num_free_blocks} KV blocks still in use "
-        "after every request finished")
-
-
-def summarize(outputs: list[Any]) -> list[tuple]:
-    """Everything observable about a result, for exact comparisons."""
-    rows = []
-    for out in outputs:
-        for c in out.outputs:
-            lps = [sorted((t, round(lp.logprob, 4)) for t, lp in d.items())
-                   for d in c.logprobs or []]
-            rows.append((c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
-                         lps))
-    return rows
-
-
-def assert_same_tokens(actual: list[Any], expected: list[Any], atol: float, what: str) -> None:
-    """Greedy token ids must match; at the first difference, the two tokens must be a
-    near-tie in ``expected``'s logprobs (|gap| <= atol), and the rest of that sequence is
-    not compared (it continues from a different prefix)."""
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        ta, te = a.outputs[0].token_ids, e.outputs[0].token_ids
-        n = next((k for k, (x, y) in enumerate(zip(ta, te)) if x != y), None)
-        if n is None:
-            assert len(ta) == len(te), f"{what}: prompt {i} has {len(ta)} tokens, not {len(te)}"
-            continue
-        top = e.outputs[0].logprobs[n] if e.outputs[0].logprobs else {}
-        gap = abs(top[te[n]].logprob - top[ta[n]].logprob) if ta[n] in top else None
-        assert gap is not None and gap <= atol, (
-            f"{what}: prompt {i} differs at output token {n}: got {ta[n]}, expected {te[n]} "
-            f"(logprob gap {gap}; a near-tie needs <= {atol})\n got {list(ta)}\n exp {list(te)}")
 
 
 class _SpyPostSample(PostSample):
@@ -235,36 +161,6 @@ def test_every_kv_block_is_free_after_requests(cadence_llm: Any) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(cadence_llm)
-
-
-_PROBE_SCRIPT = """
-import json, sys
-from cadence.plugins import PluginRegistry
-reg = PluginRegistry().load()
-info = reg.backends.get(sys.argv[1])
-loaded = set(sys.modules)
-probe = info.cls.probe() if info is not None else None
-torch = sys.modules.get("torch")
-print(json.dumps({
-    "found": info is not None, "backends": sorted(reg.backends),
-    "errors": [f"{e.entry_point}: {e.error}" for e in reg.errors],
-    "available": getattr(probe, "available", None), "reason": getattr(probe, "reason", None),
-    "device_modules": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2:])),
-    "imported_by_probe": sorted({m.split(".")[0] for m in set(sys.modules) - loaded}),
-    "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
-    "torch_imported": torch is not None,
-}))
-"""
-
-
-def probe_in_subprocess(name: str, allow_list: str | None = None) -> dict[str, Any]:
-    """Load only plugin ``name`` (CADENCE_PLUGINS) in a fresh interpreter and probe it."""
-    env = {**os.environ, "CADENCE_PLUGINS": allow_list or name}
-    env.pop("CADENCE_DISABLE_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, name, *DEVICE_MODULES],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, f"probing {name!r} in a fresh process failed:\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_probe_never_initialises_the_device(cadence_backend: str) -> None:

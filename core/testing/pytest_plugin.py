@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,16 +141,11 @@ def cadence_llm_sync(cadence_model_dir: str, cadence_backend: str,
 @pytest.fixture(scope="session")
 def cadence_reference(cadence_model_dir: str) -> dict[str, list[Any]]:
     """Greedy outputs of the CPU backend's sync strategy: the reference (``{"greedy": ...}``)."""
-    from cadence.testing import conformance
+    from cadence.testing.helpers import run_workload
 
     llm = _make_llm(cadence_model_dir, REFERENCE_BACKEND, disable_async_output_proc=True,
                     backend_options={"overlap": "sync"})
     try:
-        return {"greedy": conformance.run_workload(llm, "greedy")}
+        return {"greedy": run_workload(llm, "greedy")}
     finally:
         llm.shutdown()
-
-
-def kit_path() -> Path:
-    """The file of the kit's checks (what ``--pyargs cadence.testing.conformance`` finds)."""
-    return Path(__file__).with_name("conformance.py")

@@ -15,11 +15,7 @@ from pathlib import Path
 BOS, EOS = "<s>", "</s>"
 VOCAB_SIZE = 600
 MAX_POSITIONS = 256
-_WORDS = (
-    "the a cat dog bird tree river city house light night sun moon road train book song "
-    "friend water fire runs jumps sings reads sees finds makes walks talks big small red blue "
-    "green happy quick slow old new bright dark and but with under over near into from of in"
-).split()
+_WORDS = ["the", "a", "cat", "dog", "bird", "tree", "river", "city", "house", "light", "night", "sun", "moon", "road", "train", "book", "song", "friend", "water", "fire", "runs", "jumps", "sings", "reads", "sees", "finds", "makes", "walks", "talks", "big", "small", "red", "blue", "green", "happy", "quick", "slow", "old", "new", "bright", "dark", "and", "but", "with", "under", "over", "near", "into", "from", "of", "in"]
 _RARE = ["café", "naïve", "中文", "日本語", "😀", "über"]  # multi-byte: split over tokens
 
 

@@ -1,0 +1,153 @@
+"""The torch side of ``CudaBackend``: every method of the backend that touches torch, the
+model runner, the staging buffers or the graphs lives here as a function of the backend.
+
+``backend.py`` imports this module only when a backend is constructed, so registering and
+probing the backend (``engine backends``, ``engine --help``) never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from cadence.backends.cuda.attention import (
+    TritonPagedAttention,
+    build_metadata,
+    sample_token_indices,
+)
+from cadence.backends.cuda.buffers import InputLayout, InputStager, OutputCopier, pack_inputs
+from cadence.backends.cuda.graphs import (
+    CudaGraphRunner,
+    bucket_for,
+    capture_sizes,
+    pack_padded,
+    pad_decode,
+)
+from cadence.model_runner import ModelRunner, PreparedInput
+
+if TYPE_CHECKING:
+    from cadence.backend import ModelInput
+    from cadence.backends.cuda.backend import CudaBackend
+
+
+def init(be: CudaBackend) -> None:
+    """Resolve the device and build the model runner (the torch half of ``__init__``)."""
+    device = torch.device(be.options.device or "cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    be.device = device
+    be.runner = ModelRunner(be.config, device)
+
+
+def load_model(be: CudaBackend) -> None:
+    be.runner.load_model()
+    sched = be.config.scheduler_config
+    be.width = -(-be.config.model_config.max_model_len // be.block_size)
+    layout = InputLayout(sched.max_num_batched_tokens, sched.max_num_seqs,
+                         sched.max_num_seqs, be.width)
+    be.stager = InputStager(layout.size, be.device)
+    be.copier = OutputCopier(be.device, sched.max_num_seqs)
+
+
+def attention(be: CudaBackend, k: list[torch.Tensor],
+              v: list[torch.Tensor]) -> TritonPagedAttention:
+    return TritonPagedAttention(k, v, be.runner.kv_cache_spec().head_dim ** -0.5,
+                                be.block_size)
+
+
+def profile_peak_bytes(be: CudaBackend) -> int:
+    """Peak allocated bytes of one forward + sampling at the largest batch."""
+    from cadence.backends.cuda.backend import profile_input
+
+    with torch.inference_mode():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(be.device)
+        spec = be.runner.kv_cache_spec()
+        tiny = torch.zeros(be.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                           device=be.device)  # all slots are -1: nothing is written
+        be.runner.attn = attention(be, [tiny] * spec.num_layers, [tiny] * spec.num_layers)
+        sched, model = be.config.scheduler_config, be.config.model_config
+        mi = profile_input(sched.max_num_batched_tokens, sched.max_num_seqs,
+                           model.max_model_len)
+        be.to_host(be.sample(be.launch(mi), mi.sampling))
+        torch.cuda.synchronize(be.device)
+        be.runner.attn = None
+        peak = torch.cuda.max_memory_allocated(be.device)
+        torch.cuda.empty_cache()
+    return peak
+
+
+def allocate_kv_cache(be: CudaBackend) -> int:
+    from cadence.backends.cuda.backend import kv_cache_bytes
+
+    if be.config.cache_config.num_blocks is not None:
+        num_blocks = be.runner.num_blocks_for_bytes(0)
+    elif be.device.type != "cuda":
+        raise ValueError("num_kv_blocks must be set when the cuda backend runs on "
+                         f"{be.device} (no free-memory query there)")
+    else:
+        peak = profile_peak_bytes(be)
+        free, total = torch.cuda.mem_get_info(be.device)
+        budget = kv_cache_bytes(total, free, peak, torch.cuda.memory_reserved(be.device),
+                                be.options.gpu_memory_utilization)
+        # One block more than the engine sees: the dummy block of graph padding rows.
+        spec = be.runner.kv_cache_spec()
+        num_blocks = be.runner.num_blocks_for_bytes(budget - spec.bytes_per_block)
+    k, v = be.runner.allocate_kv_cache(num_blocks + 1)
+    be.dummy_block = num_blocks
+    be.runner.attn = attention(be, k, v)
+    return num_blocks
+
+
+def warmup(be: CudaBackend) -> None:
+    sizes = capture_sizes(be.options.cuda_graph_max_bs)
+    be.graphs = CudaGraphRunner(be.runner.model, be.runner.attn, sizes, be.width,
+                                be.dummy_block, be.device)
+    be.graphs.capture()
+
+
+def launch(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
+    """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible)."""
+    bucket = None
+    if be.graphs is not None and mi.is_decode_only and mi.num_seqs:
+        bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
+        if bucket is not None and max(map(len, mi.block_tables)) > be.width:
+            bucket = None  # a table wider than the static buffer: run eagerly
+    if bucket is None:
+        return launch_eager(be, mi)
+    graphs = be.graphs
+    padded = pad_decode(mi, bucket, be.dummy_block)
+    be.stager.stage(graphs.layout.size_for_rows(bucket),
+                    lambda a: pack_padded(a, graphs.layout, padded), dst=graphs.static)
+    logits = graphs.replay(bucket)
+    rows = mi.sample_seq_indices
+    if rows == list(range(len(rows))):
+        return logits[:len(rows)]
+    return logits[torch.tensor(rows, device=be.device)]
+
+
+def launch_eager(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
+    sample_idx = sample_token_indices(mi.query_lens, mi.sample_seq_indices)
+    width = max(1, max(map(len, mi.block_tables), default=1))
+    layout = InputLayout(mi.num_tokens, len(sample_idx), mi.num_seqs, width)
+    flat = be.stager.stage(layout.size, lambda a: pack_inputs(
+        a, layout, mi.input_ids, mi.positions, mi.slot_mapping, sample_idx, mi.seq_lens,
+        mi.block_tables))
+    views = layout.split(flat)
+    md = build_metadata(mi, views, be.block_size)
+    return be.runner.run_model(PreparedInput(views.input_ids, views.positions,
+                                             views.sample_idx, md))
+
+
+def shutdown(be: CudaBackend) -> None:
+    be.graphs = None
+    be.runner.attn = None
+    torch.cuda.empty_cache()
+
+
+def env_info(be: CudaBackend) -> dict[str, str]:
+    from importlib.metadata import version
+
+    gpu = torch.cuda.get_device_name(be.device) if be.device.type == "cuda" else "none"
+    return {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+            "triton": version("triton"), "gpu": gpu}
