@@ -52,6 +52,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.tokenizer = tokenizer
         self.eos_token_id = _eos_token_id(tokenizer, config.model_config.model)
+        self.vocab_size = _vocab_size(config.model_config.model)
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
@@ -114,17 +115,12 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for output")
-        vocab = self.backend_vocab_size
+        vocab = self.vocab_size
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
 
-    @property
-    def backend_vocab_size(self) -> int | None:
-        runner = getattr(self.backend, "runner", None)
-        model = getattr(runner, "model", None)
-        return getattr(model, "vocab_size", None)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its samples); its final output has finish_reason 'abort'."""
@@ -206,6 +202,15 @@ class LLMEngine:
         self._drain()
         self.backend.shutdown()
         self._registry.hook.cadence_shutdown()
+
+
+def _vocab_size(model_dir: str) -> int | None:
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
 
 
 def _eos_token_id(tokenizer: Any, model_dir: str) -> int | None:

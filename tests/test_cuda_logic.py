@@ -283,3 +283,46 @@ def test_probe_in_a_fresh_process() -> None:
         assert not res["available"] and "not a CUDA build" in res["reason"]
         assert "not available" in res["select_error"] and "not a CUDA build" in res[
             "select_error"]
+
+
+@pytest.mark.parametrize("line, cuda", [("cuda: Optional[str] = None", None),
+                                        ("cuda = '12.4'", "12.4"),
+                                        ("cuda: Optional[str] = '12.8'", "12.8")])
+def test_probe_reads_torch_version_file_without_importing_torch(tmp_path, monkeypatch, line,
+                                                                cuda) -> None:
+    import importlib.util
+
+    import cadence.backends.cuda.backend as b
+
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "version.py").write_text(f"from typing import Optional\n__version__ = '9.9.9'\n"
+                                    f"{line}\nhip: Optional[str] = None\n")
+    real = importlib.util.find_spec
+    triton_spec = real("json")  # any spec: "triton is installed"
+
+    def fake(name: str, *a: object) -> object:
+        if name == "torch":
+            return SimpleNamespace(submodule_search_locations=[str(pkg)])
+        return triton_spec if name == "triton" else real(name, *a)
+
+    monkeypatch.setattr(b.importlib.util, "find_spec", fake)
+    assert b._torch_version_file() == ("9.9.9", cuda)
+    monkeypatch.setattr(b, "_nvidia_device_missing", lambda: None)
+    r = CudaBackend.probe()
+    if cuda is None:
+        assert not r.available and r.reason == "torch 9.9.9 is not a CUDA build"
+    else:
+        assert r.available and r.reason == f"torch 9.9.9, CUDA {cuda}"
+        monkeypatch.setattr(b, "_nvidia_device_missing", lambda: "no NVIDIA device found (x)")
+        assert CudaBackend.probe().reason == "no NVIDIA device found (x)"
+        triton_spec = None
+        assert "triton is not installed" in CudaBackend.probe().reason
+
+
+def test_probe_device_check_honours_cuda_visible_devices(monkeypatch) -> None:
+    import cadence.backends.cuda.backend as b
+
+    for hidden in ("", "-1", " -1,0"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert "hides all" in b._nvidia_device_missing()

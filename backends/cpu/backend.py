@@ -8,6 +8,9 @@ overlap needs a second worker. Strategies (``backend_options["overlap"]``):
 - ``thread``: the forward and sampling run on a worker thread while the calling thread runs
   post_sample. Correct, but on 2 cores the GIL hand-over per op and two OpenMP pools make
   both sides slower; kept for machines with cores to spare.
+- ``process``: a worker process owns the model and KV cache (backends/cpu/worker.py); the
+  engine process runs post_sample while the worker computes. Real overlap, at the price of a
+  pickled ModelInput per step and a few seconds of start-up.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from cadence.config import EngineConfig
 # torch is imported inside methods: registering and probing this backend (engine backends,
 # engine --help) must not load torch.
 
-OVERLAP_STRATEGIES = ("sync", "thread")
+OVERLAP_STRATEGIES = ("sync", "thread", "process")
 DEFAULT_KV_CACHE_GB = 2.0
 
 
@@ -37,21 +40,35 @@ class CpuBackend(Backend):
         if self.overlap not in OVERLAP_STRATEGIES:
             raise ValueError(
                 f"cpu overlap must be one of {OVERLAP_STRATEGIES}, got {self.overlap!r}")
-        from cadence.model_runner import ModelRunner
-
-        self.runner = ModelRunner(config, "cpu")
         self._pool: ThreadPoolExecutor | None = None
+        self._worker = None
+        self.runner = None
+        if self.overlap != "process":
+            from cadence.model_runner import ModelRunner
+
+            self.runner = ModelRunner(config, "cpu")
 
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "torch CPU")
 
+    def _kv_cache_bytes(self) -> int:
+        return int(float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
+                   * (1 << 30))
+
     def load_model(self) -> None:
+        if self.overlap == "process":
+            from cadence.backends.cpu.worker import ForwardWorker
+
+            # The worker loads the model and allocates the cache in one go.
+            self._worker = ForwardWorker(self.config, self._kv_cache_bytes())
+            return
         self.runner.load_model()
 
     def allocate_kv_cache(self) -> int:
-        gb = float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
-        num_blocks = self.runner.num_blocks_for_bytes(int(gb * (1 << 30)))
+        if self._worker is not None:
+            return self._worker.num_blocks
+        num_blocks = self.runner.num_blocks_for_bytes(self._kv_cache_bytes())
         from cadence.layers.paged_attention import TorchPagedAttention
 
         k, v = self.runner.allocate_kv_cache(num_blocks)
@@ -59,13 +76,27 @@ class CpuBackend(Backend):
         self.runner.attn = TorchPagedAttention(k, v, spec.head_dim ** -0.5)
         return num_blocks
 
+    @property
+    def vocab_size(self) -> int:
+        if self._worker is not None:
+            return self._worker.vocab_size
+        return self.runner.model.vocab_size
+
     def forward(self, model_input: ModelInput) -> Any:
+        if self._worker is not None:
+            # Enqueue: the worker samples too, so the "logits" are a handle to its reply.
+            self._worker.submit(model_input)
+            return None
         return self.runner.forward(model_input)
 
     def sample(self, logits, sampling):
+        if self._worker is not None:
+            return None
         return self.runner.sample(logits, sampling)
 
     def to_host(self, sampled) -> SamplerOutput:
+        if self._worker is not None:
+            return self._worker.result()
         return self.runner.to_host(sampled)
 
     def _forward_and_sample(self, model_input: ModelInput) -> SamplerOutput:
@@ -74,6 +105,13 @@ class CpuBackend(Backend):
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         if self.overlap == "sync":
             return super().execute(model_input, post_sample)
+        if self._worker is not None:
+            self._worker.submit(model_input)
+            try:
+                post_sample()
+            finally:
+                out = self._worker.result()
+            return out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
         future = self._pool.submit(self._forward_and_sample, model_input)
@@ -86,6 +124,9 @@ class CpuBackend(Backend):
         return out
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -114,9 +114,10 @@ def _torch_version_file() -> tuple[str | None, str | None] | str:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return "torch is not installed"
-    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError) as e:
         return f"cannot tell whether torch is a CUDA build (reading {path}: {e})"
     found: dict[str, Any] = {}
