@@ -45,7 +45,12 @@ class PlanSpy:
 
 
 def make_llm(model: str, **kw) -> LLM:
+    """An LLM for tests. The CPU backend runs the ``sync`` strategy unless told otherwise:
+    the ``process`` default costs seconds of start-up per engine, and tests that are about
+    the strategies ask for them by name."""
     kw.setdefault("max_model_len", 256)
+    if kw.get("backend", "cpu") == "cpu":
+        kw.setdefault("backend_options", {"overlap": "sync"})
     return LLM(model=model, backend=kw.pop("backend", "cpu"), **kw)
 
 

@@ -90,6 +90,17 @@ def test_async_equals_sync(tiny_model_dir, config):
     assert "stop" in finish and "length" in finish
 
 
+@pytest.mark.parametrize("overlap", ["thread", "process"])
+def test_async_equals_sync_for_every_cpu_strategy(tiny_model_dir, overlap):
+    model = tiny_model_dir("llama")
+    ref, _, _ = _run(model, False, list(WORDS), _params(), **CONFIGS["preemption"])
+    got, eng, _ = _run(model, True, list(WORDS), _params(),
+                       backend_options={"overlap": overlap}, **CONFIGS["preemption"])
+    eng.shutdown()
+    assert got == ref
+    assert eng.stats.num_preemptions > 0
+
+
 def test_stop_strings_do_not_leak_the_lagging_token(tiny_model_dir):
     model = tiny_model_dir("llama")
     llm = make_llm(model)

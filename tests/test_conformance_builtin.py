@@ -46,7 +46,8 @@ def _cuda_available() -> bool:
 
 def _cases() -> list[Any]:
     slow = pytest.mark.slow
-    cases = [pytest.param(("cpu", {}, {}), id="cpu-sync"),
+    cases = [pytest.param(("cpu", {"overlap": "sync"}, {}), id="cpu-sync"),
+             pytest.param(("cpu", {}, {}), id="cpu-process-default"),
              pytest.param(("cpu", {"overlap": "thread"}, {}), id="cpu-thread", marks=slow),
              # Emulation compiles each shape bucket the first time it appears; skipping the
              # warmup keeps that to the shapes the kit uses. Padding is unchanged.

@@ -19,8 +19,9 @@ def cadence_add_cli_options(parser) -> None:
 
     parser.add_argument(
         "--cpu-overlap", choices=OVERLAP_STRATEGIES, default=None,
-        help="CPU overlap strategy: 'sync' (default, fastest measured on 2 cores) or 'thread' "
-             "(forward on a worker thread while the caller runs post_sample)")
+        help="CPU overlap strategy: 'process' (default: the forward runs in a worker process "
+             "while the engine runs post_sample; fastest measured), 'sync' (no overlap, the "
+             "reference) or 'thread' (a worker thread; slower on few cores)")
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=None,
                         help="host memory for the KV cache in GiB (default 2)")
 

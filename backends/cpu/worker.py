@@ -16,6 +16,7 @@ import pickle
 import subprocess
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -49,8 +50,8 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         k, v = runner.allocate_kv_cache(num_blocks)
         runner.attn = TorchPagedAttention(k, v, runner.kv_cache_spec().head_dim ** -0.5)
         _send(out, ("ready", num_blocks, runner.model.vocab_size))
-    except BaseException:
-        _send(out, ("error", traceback.format_exc()))
+    except BaseException as e:
+        _send(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
         return
     while True:
         try:
@@ -65,6 +66,12 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         except BaseException:
             result = WorkerError(traceback.format_exc())
         _send(out, result)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 class ForwardWorker:
@@ -83,11 +90,17 @@ class ForwardWorker:
         self._in = self._proc.stdout
         self._out = self._proc.stdin
         self._in_flight = False
+        # An engine dropped without shutdown() must not leave its worker (and its KV cache)
+        # behind for the rest of the process.
+        self._finalizer = weakref.finalize(self, _kill, self._proc)
         _send(self._out, (config, kv_cache_bytes, num_threads))
         reply = self._recv()
         if reply[0] == "error":
+            _, is_user_error, message, tb = reply
             self.close()
-            raise RuntimeError(f"the CPU forward worker failed to start:\n{reply[1]}")
+            if is_user_error:  # a bad model folder, a KV cache too small: the user's to fix
+                raise ValueError(message)
+            raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
         _, self.num_blocks, self.vocab_size = reply
 
     def _recv(self) -> Any:
@@ -122,6 +135,7 @@ class ForwardWorker:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        self._finalizer.detach()
         for f in (self._in, self._out):
             try:
                 f.close()

@@ -96,7 +96,7 @@ def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
 
 
 def vocab_size_of(engine: Any) -> int:
-    sizes = [engine.backend_vocab_size]
+    sizes = [engine.vocab_size]
     try:
         sizes.append(len(engine.tokenizer))
     except TypeError:
