@@ -147,11 +147,24 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        """Tokens to compute this step; 0 when a prefill must not be chunked and won't fit."""
+        """Tokens to compute this step; 0 when a prefill must wait for a later step.
+
+        A partial chunk is cut at a block boundary. Chunk boundaries then do not depend on
+        how many decodes share the step, so a prompt is split the same way whatever else
+        runs, with async output processing on or off (its lagging step takes one token of
+        the budget), and its K/V come out bit for bit the same.
+        """
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining <= budget:
             return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+        if not self.config.enable_chunked_prefill:
+            return 0
+        block_size = self.block_manager.block_size
+        aligned = budget - (request.num_computed_tokens + budget) % block_size
+        if aligned > 0:
+            return aligned
+        # A budget below one block (a config that small) must still make progress.
+        return budget if self.config.max_num_batched_tokens < block_size else 0
 
     def _check_fits(self, request: Request, num_new_tokens: int) -> None:
         bm = self.block_manager

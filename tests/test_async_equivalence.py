@@ -40,26 +40,6 @@ def _run(model: str, async_on: bool, prompts, params, **kw):
     return summarize(outs), eng, spy
 
 
-def _assert_equal_up_to_logprob_rounding(a: list, b: list) -> None:
-    """Token ids, text, finish and stop reasons, top-k ids and ranks exactly; logprob values
-    to float32 rounding.
-
-    Why not bit-exact here: the lagging step of a stop-string request takes one token of the
-    budget, so the *next* prompt's chunk boundaries move by one token, and a token computed
-    at the end of a chunk instead of as a one-token step goes through a different attention
-    kernel (see docs/architecture.md, "Exactness"). Without chunking the outputs are
-    bit-identical (the other configs of this test).
-    """
-    assert [r[:6] for r in a] == [r[:6] for r in b]
-    for ra, rb in zip(a, b):
-        if ra[6] is None:
-            assert rb[6] is None
-            continue
-        for da, db in zip(ra[6], rb[6], strict=True):
-            assert [(t, rank) for t, _, rank in da] == [(t, rank) for t, _, rank in db]
-            assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(da, db))
-
-
 CONFIGS = {
     "default": {},
     "preemption": {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 128},
@@ -75,10 +55,7 @@ def test_async_equals_sync(tiny_model_dir, config):
     kw = CONFIGS[config]
     got_async, eng_a, spy_a = _run(model, True, prompts, params, **kw)
     got_sync, eng_s, _ = _run(model, False, prompts, params, **kw)
-    if config == "chunked":
-        _assert_equal_up_to_logprob_rounding(got_async, got_sync)
-    else:
-        assert got_async == got_sync
+    assert got_async == got_sync
     # The workload must really exercise what the config is about.
     if config == "preemption":
         assert eng_a.stats.num_preemptions > 0 and eng_s.stats.num_preemptions > 0

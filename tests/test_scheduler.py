@@ -102,13 +102,36 @@ def test_decodes_come_first() -> None:
     run_step(sched)
     a = make_request("a", [3] * 20, priority=0)  # more important: served first in running
     sched.add_request(a)
-    assert tokens_of(run_step(sched)) == {"b": 1, "a": 15}
+    # 15 tokens of budget are left for "a"; the chunk is cut at a block boundary (4).
+    assert tokens_of(run_step(sched)) == {"b": 1, "a": 12}
     assert sched.running == [a, b]
     plan = run_step(sched)
     assert [e.request.request_id for e in plan.scheduled] == ["b", "a"]
     assert plan.num_decodes == 1 and plan.scheduled[0].is_decode
     assert plan.scheduled[1].samples and not plan.scheduled[1].is_decode
-    assert plan.num_batched_tokens == 6
+    assert plan.num_batched_tokens == 9
+
+
+def test_chunk_boundaries_do_not_depend_on_the_decodes_in_the_step() -> None:
+    """The same prompt is split at the same places however many decodes share the steps,
+    which keeps its K/V bit-identical with async output processing on or off."""
+    splits = []
+    for num_decoders in (0, 1, 3):
+        sched = make_scheduler(budget=10, block_size=4, max_num_seqs=8)
+        for i in range(num_decoders):
+            sched.add_request(make_request(f"d{i}", [1], max_tokens=40))
+        run_step(sched)
+        p = make_request("p", list(range(2, 32)), max_tokens=2)
+        sched.add_request(p)
+        ends = []
+        while p.num_computed_tokens < p.num_prompt_tokens:
+            plan = run_step(sched)
+            if any(e.request is p for e in plan.scheduled):
+                ends.append(p.num_computed_tokens)
+        assert all(e % 4 == 0 for e in ends[:-1]) and ends[-1] == 30
+        splits.append(set(ends))
+    # Fewer tokens per step with more decodes, but every boundary is a block boundary.
+    assert all(s <= set(range(0, 31, 4)) | {30} for s in splits)
 
 
 def test_prefix_cache_hit_in_scheduler() -> None:
