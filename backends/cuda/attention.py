@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from cadence.backend import ModelInput
 from cadence.backends.cuda.buffers import StagedViews
-from cadence.layers.paged_attention import PrefillSeq, prefill_attention
+from cadence.layers.paged_attention import PrefillSeq, run_prefills
 
 
 @dataclass(slots=True)
@@ -96,12 +96,5 @@ class TritonPagedAttention:
         if nd:
             self.kernels.paged_decode(q[:nd], kc, vc, metadata.block_tables, metadata.seq_lens,
                                       self.block_size, self.scale, out=out[:nd])
-        for p in metadata.prefills:
-            s, e = p.query_start, p.query_start + p.query_len
-            if p.gather_slots is None:
-                ks, vs = k[s:e], v[s:e]
-            else:
-                ks, vs = kc[p.gather_slots], vc[p.gather_slots]
-            out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype),
-                                         p.context_len, self.scale)
+        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
         return out

@@ -119,6 +119,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     return out.transpose(0, 1)
 
 
+def run_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float,
+                 out: torch.Tensor) -> None:
+    """Prefill chunks one sequence at a time into ``out``; shared by the device backends."""
+    for p in prefills:
+        s, e = p.query_start, p.query_start + p.query_len
+        if p.gather_slots is None:
+            ks, vs = k[s:e], v[s:e]
+        else:
+            ks, vs = k_cache[p.gather_slots], v_cache[p.gather_slots]
+        out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype), p.context_len,
+                                     scale)
+
+
 class TorchPagedAttention:
     """``AttentionImpl`` over per-layer flat-slot caches, in torch ops."""
 
@@ -140,12 +154,5 @@ class TorchPagedAttention:
         if nd:
             out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables,
                                         metadata.decode_mask, self.scale)
-        for p in metadata.prefills:
-            s, e = p.query_start, p.query_start + p.query_len
-            if p.gather_slots is None:
-                ks, vs = k[s:e], v[s:e]
-            else:
-                ks, vs = kc[p.gather_slots], vc[p.gather_slots]
-            out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype),
-                                         p.context_len, self.scale)
+        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
         return out
