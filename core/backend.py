@@ -103,6 +103,9 @@ class SamplerOutput:
 
     sampled_token_ids: list[int]
     logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
+    #: Seconds the device spent on this step's forward + sampling, when the backend measures
+    #: it where the host cannot (a worker process); 0.0 otherwise. For the bench breakdown.
+    device_seconds: float = 0.0
 
 
 class PostSample:

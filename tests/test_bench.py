@@ -32,7 +32,7 @@ def _run(argv: list[str], out: Path) -> dict:
 def _check_breakdown(b: dict) -> None:
     assert BREAKDOWN_KEYS <= set(b)
     assert set(b["phases_s"]) == PHASES and set(b["per_step_ms"]) == PHASES
-    assert b["num_steps"] > 0 and b["device_source"] in ("measured", "estimated")
+    assert b["num_steps"] > 0 and b["device_source"] in ("measured", "reported", "estimated")
     for k, v in b.items():
         if isinstance(v, (int, float)):
             assert v >= 0, k

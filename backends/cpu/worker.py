@@ -15,6 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -62,7 +63,9 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             return
         try:
             mi: ModelInput = msg
+            t0 = time.perf_counter()
             result = runner.to_host(runner.sample(runner.forward(mi), mi.sampling))
+            result.device_seconds = time.perf_counter() - t0
         except BaseException:
             result = WorkerError(traceback.format_exc())
         _send(out, result)

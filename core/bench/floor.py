@@ -43,13 +43,26 @@ class StepTimer:
 
     It shadows the bound methods with instance attributes (one ``perf_counter`` pair per call)
     and puts them back on ``restore()``. A backend that runs the forward in another process
-    never calls them here; the breakdown then estimates the device time (``device_source``).
+    never calls them here: then the device time comes from ``SamplerOutput.device_seconds``
+    (``device_source: "reported"``) or, failing that, is estimated.
     """
 
     def __init__(self, engine: Any) -> None:
-        self.totals = {"device": 0.0, "finalize": 0.0}
-        self.calls = {"device": 0, "finalize": 0}
+        self.totals = {"device": 0.0, "finalize": 0.0, "reported": 0.0}
+        self.calls = {"device": 0, "finalize": 0, "reported": 0}
         self._patched: list[tuple[Any, str]] = []
+        execute = engine.backend.execute
+
+        def reporting_execute(*args: Any, **kwargs: Any) -> Any:
+            out = execute(*args, **kwargs)
+            seconds = getattr(out, "device_seconds", 0.0)
+            if seconds:
+                self.totals["reported"] += seconds
+                self.calls["reported"] += 1
+            return out
+
+        engine.backend.execute = reporting_execute
+        self._patched.append((engine.backend, "execute"))
         for obj, attr, kind in ((engine.backend, "forward", "device"),
                                 (engine.backend, "sample", "device"),
                                 (engine.backend, "to_host", "device"),
@@ -75,6 +88,8 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
     execute, post = phases.get("execute", 0.0), phases.get("post_sample", 0.0)
     if timer.calls["device"]:
         device, source = timer.totals["device"], "measured"
+    elif timer.calls["reported"]:
+        device, source = timer.totals["reported"], "reported"
     else:
         device, source = max(0.0, execute - post), "estimated"
     finalize = timer.totals["finalize"] if timer.calls["finalize"] else post + phases["drain"]
