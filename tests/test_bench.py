@@ -16,7 +16,8 @@ WORKLOAD = ["--input-len", "8", "--output-len", "6", "--disable-tqdm",
 TOP_KEYS = {"output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "elapsed_s",
             "num_prompts", "num_input_tokens", "num_output_tokens", "batch_size", "name",
             "host_work", "async_output", "config", "env"}
-ENV_KEYS = {"torch", "cpu_count", "dtype", "backend", "git_commit", "transformers", "date"}
+ENV_KEYS = {"torch", "cpu_count", "dtype", "backend", "git_commit", "transformers", "date",
+            "plugins_env"}
 BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
                   "device_source", "device_per_step_ms", "finalize_s", "finalize_in_execute_s",
                   "hidden_finalize_s", "exposed_finalize_s", "hidden_fraction",

@@ -35,3 +35,11 @@ def cadence_configure(config) -> None:
         opts["overlap"] = config["cpu_overlap"]
     if config.get("cpu_kv_cache_gb"):
         opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
+
+
+@hookimpl
+def cadence_env_info() -> dict[str, str]:
+    import os
+
+    return {"cpu_count": str(os.cpu_count()),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}

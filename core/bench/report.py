@@ -111,6 +111,15 @@ def env_info(engine: Any = None) -> dict[str, Any]:
             info["backend_env"] = engine.backend.env_info()
         except Exception as e:  # noqa: BLE001  # env info must never fail a benchmark
             info["backend_env"] = {"error": repr(e)}
+    from cadence.plugins import get_registry
+
+    plugins_env: dict[str, str] = {}
+    try:
+        for part in get_registry().hook.cadence_env_info():
+            plugins_env.update(part or {})
+    except Exception as e:  # noqa: BLE001
+        plugins_env["error"] = repr(e)
+    info["plugins_env"] = plugins_env
     return info
 
 
