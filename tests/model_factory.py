@@ -8,7 +8,6 @@ transformers is imported inside the functions only: importing it costs ~7 s.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +87,10 @@ _SHARDED = {"llama-mqa"}
 
 
 def sample_text(num_sentences: int, seed: int = 0) -> list[str]:
-    """English-like sentences sprinkled with multi-byte words."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(num_sentences):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
-        if rng.random() < 0.3:
-            words.insert(rng.randrange(len(words)), rng.choice(_EXTRA))
-        lines.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ","]))
-    return lines
+    """English-like sentences sprinkled with multi-byte words (this file's vocabulary)."""
+    from cadence.testing.tiny_model import sentences
+
+    return sentences(num_sentences, seed, _WORDS, _EXTRA, lengths=(4, 14))
 
 
 def build_tokenizer(out_dir: str | Path) -> str:

@@ -19,15 +19,17 @@ _WORDS = ["the", "a", "cat", "dog", "bird", "tree", "river", "city", "house", "l
 _RARE = ["café", "naïve", "中文", "日本語", "😀", "über"]  # multi-byte: split over tokens
 
 
-def sentences(count: int, seed: int = 0) -> list[str]:
-    """Deterministic English-like sentences with a few multi-byte words."""
+def sentences(count: int, seed: int = 0, words: list[str] | None = None,
+              rare: list[str] | None = None, lengths: tuple[int, int] = (3, 12)) -> list[str]:
+    """Deterministic English-like sentences with a few multi-byte words (``rare``)."""
+    words, rare = words or _WORDS, rare or _RARE
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        line = [rng.choice(words) for _ in range(rng.randint(*lengths))]
         if rng.random() < 0.3:
-            words.insert(rng.randrange(len(words)), rng.choice(_RARE))
-        out.append(" ".join(words).capitalize() + rng.choice(".!?,"))
+            line.insert(rng.randrange(len(line)), rng.choice(rare))
+        out.append(" ".join(line).capitalize() + rng.choice(".!?,"))
     return out
 
 
