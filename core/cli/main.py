@@ -91,6 +91,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = sampling_params_from_args(ns)
     args, extra = EngineArgs.from_cli_args(ns)
     engine = LLMEngine.from_engine_args(args, extra)
+    if args.backend == "auto":
+        print(f"[{engine.backend_reason}]", file=sys.stderr)
     from cadence.output_state import OutputKind
 
     for i, prompt in enumerate(ns.prompt):
