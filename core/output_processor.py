@@ -102,7 +102,6 @@ class OutputProcessor:
         st: SeqOutputState = req.detok_state
         if st is None or st.is_final:
             return False
-        sp = req.sampling_params
         start = req.num_finalized_tokens
         end = len(req.output_token_ids)
         for i in range(start, end):
