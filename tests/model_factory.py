@@ -153,28 +153,15 @@ def _config(kind: str, vocab_size: int, bos_id: int, eos_id: int) -> Any:
 
 def build_tiny_model(kind: str, out_dir: str | Path, tokenizer_dir: str | Path) -> str:
     """Save a seeded random-weight model of ``kind`` (see KINDS) plus the tokenizer in out_dir."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
+
+    from cadence.testing.tiny_model import save_random_model
 
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; valid: {sorted(KINDS)}")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = _config(kind, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
-    torch.manual_seed(sorted(KINDS).index(kind))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                # Larger than the usual 0.02 so greedy decoding wanders instead of repeating.
-                param.normal_(0.0, 0.25 if "embed" in name else 0.15)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
     shard = "200KB" if kind in _SHARDED else "50GB"
-    model.save_pretrained(str(out_dir), max_shard_size=shard)
+    save_random_model(config, sorted(KINDS).index(kind), out_dir, max_shard_size=shard)
     tokenizer.save_pretrained(str(out_dir))
     return str(out_dir)

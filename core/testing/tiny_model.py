@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 BOS, EOS = "<s>", "</s>"
 VOCAB_SIZE = 600
@@ -55,8 +56,7 @@ def build_tokenizer(out_dir: str | Path) -> str:
 
 def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> str:
     """Save a tokenizer plus a 2-layer GQA Llama (hidden 64, 4 heads) in ``out_dir``."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     out = Path(out_dir)
     tokenizer_dir = build_tokenizer(out)
@@ -69,6 +69,20 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> str:
         max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id)
+    save_random_model(config, seed, out)
+    return str(out)
+
+
+def save_random_model(config: Any, seed: int, out_dir: str | Path,
+                      max_shard_size: str = "50GB") -> None:
+    """Build a transformers model from ``config`` with seeded random weights and save it.
+
+    Weights are larger than the usual 0.02 so that greedy decoding wanders instead of
+    repeating one token; norms stay near 1.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -80,5 +94,4 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> str:
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id)
-    model.save_pretrained(str(out))
-    return str(out)
+    model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
