@@ -40,7 +40,7 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     """Turn the host description of a step into the index tensors the kernels use."""
     slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64, device=device)
     nd = mi.num_decodes
-    decode_slots = decode_mask = None
+    decode_tables = decode_mask = None
     if nd:
         # Whole blocks are gathered, so the padded length is a multiple of block_size. That
         # also keeps each row's reduction order independent of the other rows' lengths
@@ -49,14 +49,13 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
         max_blocks = max(len(bt) for bt in mi.block_tables[:nd])
         need = (max(mi.seq_lens[:nd]) + block_size - 1) // block_size
         max_blocks = min(max_blocks, need)
-        tables = torch.zeros(nd, max_blocks, dtype=torch.int64)
-        for i, bt in enumerate(mi.block_tables[:nd]):
-            n = min(len(bt), max_blocks)
-            tables[i, :n] = torch.tensor(bt[:n], dtype=torch.int64)
+        # One tensor from padded lists: a per-row torch.tensor() costs more than the copy.
+        rows = [bt[:max_blocks] + [0] * (max_blocks - len(bt[:max_blocks]))
+                for bt in mi.block_tables[:nd]]
         max_len = max_blocks * block_size
         lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int64)
         valid = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
-        decode_slots = tables.to(device)
+        decode_tables = torch.tensor(rows, dtype=torch.int64, device=device)
         decode_mask = valid.view(nd, 1, 1, max_len).to(device)
     prefills = []
     start = sum(mi.query_lens[:nd])
@@ -71,7 +70,7 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
             gather = (table[pos // block_size] * block_size + pos % block_size).to(device)
         prefills.append(PrefillSeq(start, qlen, ctx, gather))
         start += qlen
-    return TorchAttentionMetadata(slot_mapping, nd, decode_slots, decode_mask, prefills)
+    return TorchAttentionMetadata(slot_mapping, nd, decode_tables, decode_mask, prefills)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
