@@ -25,6 +25,41 @@ class StepTimes:
         self.phases[phase] += seconds
 
 
+# Seconds; vLLM's bucket edges for the same histograms, so dashboards carry over.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts are computed when rendered."""
+
+    edges: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.edges) + 1)  # the last one is +Inf
+
+    def observe(self, value: float) -> None:
+        i = next((k for k, edge in enumerate(self.edges) if value <= edge), len(self.edges))
+        self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, name: str, labels: str) -> list[str]:
+        lines, running = [], 0
+        for edge, n in zip((*self.edges, "+Inf"), self.counts):
+            running += n
+            lines.append(f'{name}_bucket{{{labels},le="{edge}"}} {running}')
+        lines.append(f"{name}_sum{{{labels}}} {self.total}")
+        lines.append(f"{name}_count{{{labels}}} {self.count}")
+        return lines
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_prompt_tokens: int = 0
@@ -41,8 +76,14 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
 
     def on_request_finished(self, req: Request) -> None:
+        now = time.monotonic()
+        if req.first_token_time is not None:
+            self.time_to_first_token.observe(req.first_token_time - req.arrival_time)
+        self.e2e_request_latency.observe(now - req.arrival_time)
         self.num_requests_finished += 1
         reason = req.status.finish_reason or "unknown"
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
@@ -71,6 +112,14 @@ class EngineStats:
             lines.append(
                 f'cadence:request_success_total{{model_name="{model_name}",'
                 f'finished_reason="{reason}"}} {n}')
+        for name, hist, help_ in (
+                ("time_to_first_token_seconds", self.time_to_first_token,
+                 "Time from arrival to the first generated token."),
+                ("e2e_request_latency_seconds", self.e2e_request_latency,
+                 "Time from arrival to the end of the request.")):
+            lines.append(f"# HELP cadence:{name} {help_}")
+            lines.append(f"# TYPE cadence:{name} histogram")
+            lines.extend(hist.render(f"cadence:{name}", f'model_name="{model_name}"'))
         for phase, secs in self.times.phases.items():
             metric(f"step_{phase}_seconds_total", "counter", round(secs, 6),
                    f"Time spent in the {phase} phase of engine steps.")

@@ -53,6 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap each prompt in the model's chat template as a user message")
     _add_sampling_args(gen)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
+    EngineArgs.add_cli_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the model folder's name)")
+    g.add_argument("--max-pending-requests", type=int, default=None,
+                   help="requests in flight beyond which new ones get HTTP 429 "
+                        "(default: 4 x --max-num-seqs)")
+    g.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="request bodies larger than this get HTTP 413")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask for")
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     try:
         from cadence.bench.cli import add_bench_subcommands
@@ -120,6 +137,33 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    try:
+        import uvicorn
+
+        from cadence.server.app import build_app
+    except ImportError as e:
+        raise ValueError(f"engine serve needs the server extra: pip install "
+                         f"'cadence[server]' ({e})") from None
+    from cadence.async_engine import AsyncLLM
+    from cadence.engine_args import EngineArgs
+
+    args, extra = EngineArgs.from_cli_args(ns)
+    pending = ns.max_pending_requests or 4 * args.max_num_seqs
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
+    name = ns.served_model_name or os.path.basename(
+        os.path.normpath(engine.engine.config.model_config.model))
+    app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs)
+    print(f"cadence: serving {name!r} on http://{ns.host}:{ns.port}/v1 "
+          f"(backend {args.backend})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -128,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_backends()
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "serve":
+            return cmd_serve(ns)
         if ns.command == "bench":
             return ns.bench_func(ns)
     except ValueError as e:

@@ -1,0 +1,299 @@
+"""The asyncio front end: ``AsyncLLM.generate(...)`` streams ``RequestOutput``s.
+
+One background thread owns the ``LLMEngine`` and runs its step loop; the event loop never
+touches the engine. Requests and aborts reach the thread through a command queue and are
+applied between steps; outputs come back to per-request ``asyncio.Queue``s with one
+``call_soon_threadsafe`` per step. The engine's own overlap (finalize of step N while the
+device computes step N+1) is unchanged: this layer only moves its outputs across threads.
+
+NOTE on the GIL: the step loop's host work is short and the CPU backend's default strategy
+computes in a worker process (the thread waits on a pipe, without the GIL), so HTTP handling
+and the engine share the interpreter without starving each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+from cadence.engine import LLMEngine
+from cadence.engine_args import EngineArgs
+from cadence.metrics import EngineStats
+from cadence.output_state import OutputKind
+from cadence.outputs import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are in flight; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; no request can be served (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    output_kind: OutputKind
+    done: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+    """Serve many concurrent streams from one engine.
+
+    ``generate`` is an async generator: it yields one ``RequestOutput`` each time the
+    request progressed (new text in ``DELTA`` mode, everything so far in ``CUMULATIVE``
+    mode, once at the end with ``FINAL_ONLY``) and ends after the output with
+    ``finished=True``. Leaving the loop early (a client disconnect, ``break``, task
+    cancellation) aborts the request, so its KV blocks are freed.
+
+    Bad input raises ``ValueError`` from ``generate`` before anything is queued;
+    ``max_pending_requests`` bounds the requests in flight (beyond it:
+    ``EngineOverloadedError``).
+    """
+
+    def __init__(self, engine: LLMEngine, max_pending_requests: int | None = None) -> None:
+        if max_pending_requests is not None and max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be None or >= 1, "
+                             f"got {max_pending_requests}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.scheduler_config.max_model_len
+        self.max_pending_requests = max_pending_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._closed = False  # set under _lock once the loop stops taking commands
+        self._stats = deepcopy(engine.stats)
+        self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, extra: dict | None = None,
+                         max_pending_requests: int | None = None) -> AsyncLLM:
+        return cls(LLMEngine.from_engine_args(args, extra), max_pending_requests)
+
+    # ---- the public API ---------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def num_pending_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's stats, taken after the latest step (never torn)."""
+        return self._stats
+
+    async def add_request(self, prompt: str | Sequence[int] | dict,
+                          params: SamplingParams | None = None, request_id: str | None = None,
+                          priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                          ) -> RequestStream:
+        """Validate and queue one request; iterate the returned stream for its outputs.
+
+        Raises ValueError (bad input), EngineOverloadedError or EngineDeadError before
+        anything is queued, so a server can answer 400/429/503 before it starts streaming.
+        """
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        queue_ = await self._add(rid, prompt, params or SamplingParams(), priority, output_kind)
+        return RequestStream(self, rid, queue_)
+
+    async def generate(self, prompt: str | Sequence[int] | dict,
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its outputs as they become ready."""
+        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
+        async for out in stream:
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a final output (finish_reason 'abort')."""
+        self._commands.put(_Abort(request_id))
+
+    async def shutdown(self) -> None:
+        """Stop the loop (pending requests end with ``EngineDeadError``) and the backend."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---- submission -------------------------------------------------------------------
+    async def _add(self, rid: str, prompt: Any, params: SamplingParams, priority: int,
+                   output_kind: OutputKind) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(f"the engine is not running ({self._error!r})")
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            limit = self.max_pending_requests
+            if limit is not None and len(self._streams) >= limit:
+                raise EngineOverloadedError(
+                    f"{len(self._streams)} requests are in flight (max_pending_requests="
+                    f"{limit}); retry later")
+            self._streams[rid] = (loop, stream)
+            self._commands.put(_Add(rid, prompt, params, priority, output_kind, done))
+        try:
+            # Validation happens in the engine thread, between steps: the engine is not
+            # thread-safe, and this way a ValueError reaches the caller, not the loop.
+            await asyncio.wrap_future(done)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(rid, None)
+            raise
+        return stream
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block only when idle; otherwise take what arrived during the last step.
+                cmds = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                while True:
+                    try:
+                        cmds.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(c is _STOP for c in cmds):
+                    error = EngineDeadError("the engine was shut down")
+                    for cmd in cmds:
+                        if isinstance(cmd, _Add):
+                            cmd.done.set_exception(error)
+                    self._fail_all(error)
+                    return
+                for cmd in cmds:
+                    self._apply(cmd)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    # Snapshot first: a caller woken by its final output sees stats with it.
+                    self._stats = deepcopy(engine.stats)
+                    self._dispatch(outputs)
+        except BaseException as e:  # a bug or a device failure: every stream must learn it
+            logger.exception("engine loop failed")
+            self._error = e
+            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
+        finally:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    def _apply(self, cmd: Any) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_id)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
+                                    cmd.output_kind)
+        except Exception as e:  # ValueError for bad input; anything else is reported too
+            cmd.done.set_exception(e)
+        else:
+            cmd.done.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:  # None: the caller left; its abort is queued
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+    def _release(self, rid: str, finished: bool) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        if not finished and self.is_running:
+            self._commands.put(_Abort(rid))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every stream and every queued submission with ``error``; take no more."""
+        with self._lock:
+            self._closed = True
+            targets = list(self._streams.values())
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add) and not cmd.done.done():
+                    cmd.done.set_exception(error)
+        for loop, stream in targets:
+            _call_soon(loop, stream.put_nowait, error)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (from ``AsyncLLM.add_request``).
+
+    Iterate it once. Stopping early (``break``, cancellation, ``abort()``) aborts the
+    request in the engine, so its KV blocks are freed; after the final output it is a no-op.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, outputs: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._outputs = outputs
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not self._done:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._close(finished)
+
+    def abort(self) -> None:
+        """Abort the request if it is still running, without waiting for its final output."""
+        self._close(False)
+
+    def _close(self, finished: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self.request_id, finished)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put_nowait(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is listening
+        pass

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, error mapping, the body-size limit.
+
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
+400 bad input (the message names the field and the valid values), 404 unknown model,
+413 body larger than ``max_request_bytes``, 429 more than ``max_pending_requests`` in
+flight (with ``Retry-After``), 503 engine not running. A rejected request queues nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+import cadence
+from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from cadence.output_state import OutputKind
+from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from cadence.server.serving import OpenAIServing
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "service_unavailable"}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
+              max_logprobs: int = 20) -> FastAPI:
+    """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server."""
+    serving = OpenAIServing(engine, model_name, max_logprobs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="cadence", version=cadence.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.state.serving = serving
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.is_running:
+            return error_response(503, "the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": cadence.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "cadence",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = engine.stats().render_prometheus(model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        inputs = serving.completion_inputs(req)
+        kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
+        streams = await serving.submit(inputs, req.priority, kind)
+        if req.stream:
+            return _event_stream(serving.completion_events(streams, req))
+        return await serving.completion_body(streams, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        inputs = [serving.chat_input(req)]
+        kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
+        streams = await serving.submit(inputs, req.priority, kind)
+        if req.stream:
+            return _event_stream(serving.chat_events(streams, req))
+        return await serving.chat_body(streams, req)
+
+    return app
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        # Headers are gone once the first event is sent: a later failure can only be
+        # reported in the stream itself, as OpenAI does.
+        try:
+            async for event in events:
+                yield event
+        except (EngineDeadError, RuntimeError) as e:
+            body = {"error": {"message": str(e), "type": "server_error", "param": None,
+                              "code": None}}
+            yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or None
+        if err.get("type") == "extra_forbidden":
+            model = _BODIES.get(request.url.path)
+            valid = sorted(model.model_fields) if model is not None else []
+            message = f"unknown field {field!r}; valid fields: {', '.join(valid)}"
+        elif err.get("type") == "json_invalid":
+            field = None
+            message = f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
+        elif err.get("type") == "missing":
+            message = f"{field} is required"
+        else:
+            message = f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
+        return error_response(400, message, field)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return error_response(429, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+
+class BodyLimit:
+    """ASGI middleware: answer 413 for request bodies over ``max_bytes``, declared or not.
+
+    The body is read here, up to the limit, and replayed to the app: a chunked upload
+    without Content-Length cannot slip past, and FastAPI never buffers an oversized body.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later reads wait for the disconnect, as usual
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Any, send: Any, size: int) -> None:
+        response = error_response(
+            413, f"the request body has {size}+ bytes; this server accepts at most "
+                 f"{self.max_bytes} (--max-request-bytes)")
+        await response(scope, receive, send)

@@ -1,0 +1,175 @@
+"""OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
+
+Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
+OpenAI fields cadence does not implement (``echo``, ``suffix``, ``logit_bias``, tools,
+structured output) are rejected with a message naming them, never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cadence.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A bad request: HTTP ``status`` with an OpenAI-shaped error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions, same names.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported by cadence", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true",
+                               "stream_options")
+
+    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty or 1.0, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one string or one token-id list per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def check(self, max_logprobs: int) -> None:
+        self._check_common()
+        if self.echo:
+            raise RequestError("echo=true is not supported by cadence", "echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported by cadence", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of must equal n ({self.n}) or be omitted; cadence does "
+                               "not rank extra samples", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise RequestError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}",
+                               "logprobs")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self._sampling(max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Templates written before the "developer" role know it as "system".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self, max_logprobs: int) -> None:
+        self._check_common()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise RequestError("tools and tool_choice are not supported by cadence", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise RequestError("response_format other than {'type': 'text'} is not "
+                               "supported by cadence", "response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= max_logprobs:
+                raise RequestError(f"top_logprobs must be in [0, {max_logprobs}], got "
+                                   f"{self.top_logprobs}", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

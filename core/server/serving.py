@@ -1,0 +1,227 @@
+"""The OpenAI endpoints' logic, apart from HTTP: tokenize, check limits, submit, and build
+the response bodies or the server-sent-event chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cadence.async_engine import AsyncLLM, RequestStream
+from cadence.output_state import OutputKind
+from cadence.outputs import RequestOutput
+from cadence.sampling_params import SamplingParams
+from cadence.server import formats
+from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+
+class OpenAIServing:
+    """Serves /v1/completions and /v1/chat/completions from one ``AsyncLLM``."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_logprobs = max_logprobs
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    # ---- request preparation ----------------------------------------------------------
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise RequestError(f"the model {requested!r} does not exist; this server serves "
+                               f"{self.model_name!r}", "model", 404, "model_not_found")
+
+    def _params(self, num_prompt: int, requested: int | None, make: Any) -> SamplingParams:
+        room = self.max_model_len - num_prompt
+        if room <= 0:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {num_prompt}", "messages" if requested is None else "prompt",
+                code="context_length_exceeded")
+        if requested is not None and requested > room:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"{num_prompt} in the prompt + max_tokens={requested} is "
+                f"{num_prompt + requested}; lower max_tokens to {room} or less",
+                "max_tokens", code="context_length_exceeded")
+        return make(requested if requested is not None else room)
+
+    def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
+        self.check_model(req.model)
+        req.check(self.max_logprobs)
+        inputs = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                if not p:
+                    raise RequestError("prompt must not be empty", "prompt")
+                prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
+            else:
+                prompt = {"prompt": None, "prompt_token_ids": list(p)}
+            n = len(prompt["prompt_token_ids"])
+            inputs.append((prompt, self._params(n, req.max_tokens, req.sampling_params)))
+        return inputs
+
+    def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
+        self.check_model(req.model)
+        req.check(self.max_logprobs)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model has no chat template; use /v1/completions",
+                               "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in req.messages], tokenize=False,
+                add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # jinja raises TemplateError for e.g. roles out of order
+            raise RequestError(f"the chat template rejected the messages: {e}",
+                               "messages") from None
+        # The template already holds BOS and the like; encode must not add them again.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        return prompt, self._params(len(ids), req.requested_max_tokens, req.sampling_params)
+
+    async def submit(self, inputs: list[tuple[dict, SamplingParams]], priority: int,
+                     kind: OutputKind) -> list[RequestStream]:
+        """Queue every prompt, or none: a later prompt's error aborts the earlier ones."""
+        streams: list[RequestStream] = []
+        base = uuid.uuid4().hex
+        try:
+            for i, (prompt, params) in enumerate(inputs):
+                streams.append(await self.engine.add_request(
+                    prompt, params, f"{base}-{i}", priority, kind))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    # ---- whole responses ---------------------------------------------------------------
+    async def completion_body(self, streams: list[RequestStream], req: CompletionRequest
+                              ) -> dict:
+        finals = await _finals(streams)
+        choices, usage = [], formats.Usage()
+        for i, out in enumerate(finals):
+            usage.add(out)
+            for c in out.outputs:
+                lp = formats.completion_logprobs(c, 0) if req.logprobs is not None else None
+                choices.append(formats.completion_choice(i * req.n + c.index, c.text, lp,
+                                                         c.finish_reason, c.stop_reason))
+        return formats.envelope("cmpl", "text_completion", self.model_name, choices,
+                                usage.as_dict())
+
+    async def chat_body(self, streams: list[RequestStream], req: ChatCompletionRequest
+                        ) -> dict:
+        (out,) = await _finals(streams)
+        usage = formats.Usage()
+        usage.add(out)
+        choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
+                   for c in out.outputs]
+        return formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
+                                usage.as_dict())
+
+    # ---- streams -----------------------------------------------------------------------
+    async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
+                                ) -> AsyncIterator[str]:
+        head = formats.Head("cmpl", "text_completion", self.model_name)
+        offsets: dict[int, int] = {}
+        usage = formats.Usage()
+        async for i, out in _merge(streams):
+            usage.add(out, delta=True)
+            for c in out.outputs:
+                index = i * req.n + c.index
+                if not (c.text or c.token_ids or c.finished):
+                    continue
+                lp = None
+                if req.logprobs is not None:
+                    lp = formats.completion_logprobs(c, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, lp["tokens"]))
+                yield _sse(head.chunk([formats.completion_choice(
+                    index, c.text, lp, c.finish_reason, c.stop_reason)]))
+        if req.include_usage:
+            yield _sse(head.chunk([], usage.as_dict()))
+        yield "data: [DONE]\n\n"
+
+    async def chat_events(self, streams: list[RequestStream], req: ChatCompletionRequest
+                          ) -> AsyncIterator[str]:
+        head = formats.Head("chatcmpl", "chat.completion.chunk", self.model_name)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        for index in range(req.n):
+            yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
+                                                               "content": ""}, None, None)]))
+        usage = formats.Usage()
+        async for _, out in _merge(streams):
+            usage.add(out, delta=True)
+            for c in out.outputs:
+                # Tokens whose text is held back (a partial character or a possible stop
+                # string) still send their logprobs; without logprobs they wait for text.
+                if c.text or (c.token_ids and k is not None):
+                    lp = formats.chat_logprobs(c, k) if k is not None else None
+                    yield _sse(head.chunk([formats.chat_delta(c.index, {"content": c.text},
+                                                              lp, None)]))
+                if c.finished:
+                    yield _sse(head.chunk([formats.chat_delta(c.index, {}, None,
+                                                              c.finish_reason,
+                                                              c.stop_reason)]))
+        if req.include_usage:
+            yield _sse(head.chunk([], usage.as_dict()))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        assert out is not None and out.finished
+        return out
+
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:  # one failed or we were cancelled: the others must abort too
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _merge(streams: list[RequestStream]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs in arrival order, tagged with the stream index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    _END = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await merged.put((i, out))
+            await merged.put((i, _END))
+        except BaseException as e:
+            await merged.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await merged.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+

@@ -1,0 +1,225 @@
+"""AsyncLLM: concurrent streams equal LLM.generate, early exits abort and free blocks, bad
+input raises before anything is queued, and a failing engine ends every stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from engine_helpers import generate, make_llm
+
+from cadence import SamplingParams
+from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from cadence.engine_args import EngineArgs
+from cadence.output_state import OutputKind
+
+PROMPTS = ["the quick brown fox", "a small bird sings", "hello", "once upon a time there"]
+
+
+def make_async(model: str, **kw) -> AsyncLLM:
+    pending = kw.pop("max_pending_requests", None)
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("backend_options", {"overlap": "sync"})
+    return AsyncLLM.from_engine_args(EngineArgs(model=model, **kw),
+                                     max_pending_requests=pending)
+
+
+def all_blocks_free(engine: AsyncLLM) -> bool:
+    eng = engine.engine
+    return eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+async def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def collect(engine: AsyncLLM, prompt, params: SamplingParams, kind=OutputKind.DELTA):
+    """Concatenate a stream's deltas per sample; return (texts, token_ids, finish reasons)."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    finals = 0
+    async for out in engine.generate(prompt, params, output_kind=kind):
+        finals += out.finished
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            reasons[c.index] = c.finish_reason
+    assert finals == 1, "exactly one final output per request"
+    return ([texts[i] for i in sorted(texts)], [ids[i] for i in sorted(ids)],
+            [reasons[i] for i in sorted(reasons)])
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """LLM.generate results (the offline path) for greedy and seeded n=2 sampling."""
+    llm = make_llm(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, stop=[" the"])
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16)
+    res = {
+        "greedy": [[(c.text, c.token_ids, c.finish_reason) for c in o.outputs]
+                   for o in generate(llm, PROMPTS, greedy)],
+        "seeded": [[(c.text, c.token_ids, c.finish_reason) for c in o.outputs]
+                   for o in generate(llm, PROMPTS, seeded)],
+    }
+    llm.shutdown()
+    return res, greedy, seeded
+
+
+def test_concurrent_streams_equal_offline_generate(model, reference):
+    expected, greedy, seeded = reference
+
+    async def main():
+        engine = make_async(model)
+        try:
+            for key, params in (("greedy", greedy), ("seeded", seeded)):
+                got = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+                for (texts, ids, reasons), want in zip(got, expected[key]):
+                    assert [(t, i, r) for t, i, r in zip(texts, ids, reasons)] == want
+            assert engine.num_pending_requests == 0
+            assert all_blocks_free(engine)
+            stats = engine.stats()
+            assert stats.num_generation_tokens == sum(
+                len(c[1]) for rows in expected.values() for r in rows for c in r)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cumulative_and_final_only_kinds(model, reference):
+    expected, greedy, _ = reference
+
+    async def main():
+        engine = make_async(model)
+        try:
+            outs = [o async for o in engine.generate(PROMPTS[0], greedy,
+                                                     output_kind=OutputKind.FINAL_ONLY)]
+            assert len(outs) == 1 and outs[0].finished
+            assert outs[0].outputs[0].text == expected["greedy"][0][0][0]
+            cumulative = [o.outputs[0].text async for o in engine.generate(
+                PROMPTS[0], greedy, output_kind=OutputKind.CUMULATIVE)]
+            assert cumulative[-1] == expected["greedy"][0][0][0]
+            assert all(b.startswith(a) for a, b in zip(cumulative, cumulative[1:]))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
+    async def main():
+        engine = make_async(model)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            seen = 0
+            async for _ in engine.generate(PROMPTS[1], params):
+                seen += 1
+                if seen == 3:
+                    break
+            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
+            await wait_until(lambda: all_blocks_free(engine))
+            assert engine.num_pending_requests == 0
+
+            # A cancelled consumer task aborts too.
+            async def consume():
+                async for _ in engine.generate(PROMPTS[2], params):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await wait_until(lambda: engine.stats().num_running == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 2)
+            await wait_until(lambda: all_blocks_free(engine))
+            # The engine still serves.
+            texts, _, reasons = await collect(engine, PROMPTS[0],
+                                              SamplingParams(temperature=0.0, max_tokens=4))
+            assert reasons == ["length"] and texts[0]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_input_raises_before_queueing(model):
+    async def main():
+        engine = make_async(model, max_pending_requests=2)
+        try:
+            with pytest.raises(ValueError, match="max_model_len"):
+                await engine.add_request({"prompt_token_ids": [5] * 300})
+            with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, "):
+                await engine.add_request([10**6])
+            assert engine.num_pending_requests == 0
+            params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+            a = await engine.add_request(PROMPTS[0], params, request_id="a")
+            with pytest.raises(ValueError, match="already in use"):
+                await engine.add_request(PROMPTS[0], params, request_id="a")
+            b = await engine.add_request(PROMPTS[1], params)
+            with pytest.raises(EngineOverloadedError, match="max_pending_requests=2"):
+                await engine.add_request(PROMPTS[2], params)
+            for stream in (a, b):
+                outs = [o async for o in stream]
+                assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+            assert engine.num_pending_requests == 0 and all_blocks_free(engine)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_engine_failure_ends_every_stream(model):
+    async def main():
+        engine = make_async(model)
+        backend = engine.engine.backend
+        original = backend.execute
+        calls = [0]
+
+        def failing(mi, post_sample):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("simulated device failure")
+            return original(mi, post_sample)
+
+        backend.execute = failing
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS[:2]),
+                                       return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "simulated device failure" in str(results[0])
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            await engine.add_request(PROMPTS[0], params)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_pending_streams(model):
+    async def main():
+        engine = make_async(model)
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = await engine.add_request(PROMPTS[0], params)
+
+        async def drain():
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(drain())
+        await wait_until(lambda: engine.stats().num_running == 1)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await task
+        assert not engine.is_running
+
+    asyncio.run(main())
