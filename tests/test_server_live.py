@@ -44,6 +44,13 @@ def model(tiny_model_dir) -> str:
 
 def test_client_disconnect_aborts_the_request(model):
     engine = make_async(model)
+    execute = engine.engine.backend.execute
+
+    def slow_execute(mi, post_sample):  # >= 2.5 s for 250 tokens, whatever the machine
+        time.sleep(0.01)
+        return execute(mi, post_sample)
+
+    engine.engine.backend.execute = slow_execute
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1",
                                            port=port, log_level="warning"))
@@ -66,6 +73,12 @@ def test_client_disconnect_aborts_the_request(model):
         wait_for(lambda: all_blocks_free(engine), 30, "the blocks to be freed")
         assert engine.num_pending_requests == 0
         assert engine.stats().num_generation_tokens < 200
+        # A non-streamed request whose client gives up is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={**body, "stream": False, "max_tokens": 250}, timeout=1.0)
+        wait_for(lambda: engine.stats().finish_reasons.get("abort") == 2, 30, "the 2nd abort")
+        wait_for(lambda: all_blocks_free(engine), 30, "the blocks to be freed")
+        assert engine.stats().num_generation_tokens < 450
         # Others are still served.
         r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

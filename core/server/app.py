@@ -8,9 +8,10 @@ flight (with ``Retry-After``), 503 engine not running. A rejected request queues
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -72,24 +73,50 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
         inputs = serving.completion_inputs(req)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req.priority, kind)
         if req.stream:
             return _event_stream(serving.completion_events(streams, req))
-        return await serving.completion_body(streams, req)
+        return await _unless_disconnected(raw, serving.completion_body(streams, req))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         inputs = [serving.chat_input(req)]
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req.priority, kind)
         if req.stream:
             return _event_stream(serving.chat_events(streams, req))
-        return await serving.chat_body(streams, req)
+        return await _unless_disconnected(raw, serving.chat_body(streams, req))
 
     return app
+
+
+async def _unless_disconnected(raw: Request, body: Coroutine[Any, Any, dict]) -> Any:
+    """Await ``body`` unless the client hangs up first; then cancel it, which aborts its
+    requests in the engine (a streamed response gets the same from Starlette)."""
+    work = asyncio.ensure_future(body)
+
+    async def hang_up() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    # Nobody reads this; 499 is what nginx logs for a client that closed the request.
+    return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
