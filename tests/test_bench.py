@@ -115,3 +115,39 @@ def test_bad_flags_are_value_errors(tiny_model_dir, capsys):
     rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"),
                "--output-len-range", "5", *WORKLOAD])
     assert rc == 2
+
+
+SERVE_KEYS = {"name", "num_prompts", "num_input_tokens", "num_output_tokens", "elapsed_s",
+              "request_rate", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+              "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms",
+              "tpot_p99_ms", "itl_median_ms", "itl_p99_ms", "ratio_to_offline"}
+
+
+def test_engine_flags_forwards_only_what_was_set():
+    from cadence.bench.serve import engine_flags
+    from cadence.cli.main import build_parser
+
+    ns = build_parser().parse_args(["bench", "serve", "--model", "/m", "--cpu-overlap", "sync",
+                                    "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                                    "--num-prompts", "3"])
+    argv = engine_flags(ns)
+    assert argv == ["--model", "/m", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                    "--cpu-overlap", "sync"]
+
+
+@pytest.mark.slow
+def test_serve_bench_through_a_server_process(tiny_model_dir, tmp_path):
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    data = _run(["bench", "serve", "--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                 *WORKLOAD, "--host-work", "heavy", "--cpu-overlap", "sync",
+                 "--request-rate", "50", "--compare-offline"], tmp_path / "serve.json")
+    serve, offline = data["runs"]
+    assert SERVE_KEYS <= set(serve) and serve["name"] == "serve"
+    assert offline["name"] == "offline"
+    # ignore_eos: both generate exactly 4 x 6 tokens, counted from the server's usage.
+    assert serve["num_output_tokens"] == offline["num_output_tokens"] == 24
+    assert serve["request_rate"] == 50 and serve["ttft_median_ms"] > 0
+    assert serve["ratio_to_offline"] == pytest.approx(
+        serve["output_tokens_per_s"] / offline["output_tokens_per_s"])
+    assert ENV_KEYS <= set(data["env"])

@@ -49,6 +49,12 @@ def _scale(ns: argparse.Namespace) -> int:
     return cmd_scale(ns)
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from cadence.bench.serve import cmd_serve_bench
+
+    return cmd_serve_bench(ns)
+
+
 def _make_small_model(ns: argparse.Namespace) -> int:
     from cadence.bench.hf_baselines import make_small_model
     from cadence.engine_args import EngineArgs
@@ -87,6 +93,19 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     sc.add_argument("--batch-size", type=int, default=32, help="running batch (max_num_seqs)")
     sc.add_argument("--num-steps", type=int, default=20, help="decode steps measured")
     sc.set_defaults(bench_func=_scale)
+
+    sv = sub.add_parser("serve", help="throughput and latency through the HTTP server "
+                                      "(vLLM benchmark_serving idiom), next to offline")
+    _add_workload_args(sv)
+    g = sv.add_argument_group("serving")
+    g.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    g.add_argument("--base-url", default=None,
+                   help="measure this running server instead of starting engine serve")
+    g.add_argument("--compare-offline", action="store_true",
+                   help="also run the offline engine on the same workload, after the server")
+    g.add_argument("--server-start-timeout", type=float, default=600.0)
+    sv.set_defaults(bench_func=_serve)
 
     sm = sub.add_parser("make-small-model",
                         help="write a small random-weight model with the default tokenizer")
