@@ -25,7 +25,9 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per token: copy its [num_kv_heads, head_dim] K and V rows into the slot.
-    t = tl.program_id(0)
+    # Offsets in int64: a layer's cache passes 2**31 elements on a large card (hence the
+    # int64 slot), and tokens x the fused-qkv row stride can at a large token budget.
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
