@@ -213,11 +213,51 @@ def test_kv_cache_bytes() -> None:
 def test_profile_input_is_the_largest_step_and_writes_nothing() -> None:
     mi = profile_input(max_tokens=100, max_seqs=8, max_model_len=64)
     assert mi.num_tokens == 100 and mi.num_seqs == 8 and mi.num_decodes == 0
-    assert sum(mi.query_lens) == 100 and max(mi.query_lens) <= 64
+    assert sum(mi.query_lens) == 100 and max(mi.query_lens) == 64  # the longest prompt
+    assert min(mi.query_lens) >= 1
     assert set(mi.slot_mapping) == {-1}
     assert len(mi.sampling.temperature) == len(mi.sample_seq_indices) == 8
     small = profile_input(max_tokens=8192, max_seqs=2, max_model_len=16)
     assert small.num_tokens == 32 and small.query_lens == [16, 16]
+
+
+@pytest.mark.parametrize("context_len", [0, 5])
+def test_prefill_attention_is_4d_and_matches_the_core(monkeypatch, context_len: int) -> None:
+    """SDPA's fused CUDA kernels take only 4-D inputs (3-D falls back to the math kernel and
+    its [H, Lq, Lk] scores), so the backend's prefill must call it with 4-D tensors."""
+    import cadence.backends.cuda.attention as attn
+    from cadence.layers import paged_attention as ref
+
+    torch.manual_seed(0)
+    lq, heads, kvh, dim = 7, 4, 2, 16
+    q = torch.randn(lq, heads, dim)
+    k, v = torch.randn(context_len + lq, kvh, dim), torch.randn(context_len + lq, kvh, dim)
+    dims: list[int] = []
+    sdpa = attn.F.scaled_dot_product_attention
+
+    def spy(query, *a, **kw):
+        dims.append(query.dim())
+        return sdpa(query, *a, **kw)
+
+    monkeypatch.setattr(attn.F, "scaled_dot_product_attention", spy)
+    out = attn.prefill_attention(q, k, v, context_len, dim ** -0.5)
+    monkeypatch.undo()
+    assert dims == [4]
+    expected = ref.prefill_attention(q, k, v, context_len, dim ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_init_makes_the_backend_device_current(monkeypatch) -> None:
+    """Triton launches on the current device, not the tensors': "cuda:1" must become it."""
+    from cadence.backends.cuda import runtime
+
+    current: list[torch.device] = []
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(runtime, "ModelRunner", lambda config, device: ("runner", device))
+    be = SimpleNamespace(options=CudaOptions(device="cuda:1"), config=None)
+    runtime.init(be)
+    assert be.device == torch.device("cuda", 1) and current == [be.device]
+    assert be.runner == ("runner", be.device)
 
 
 def _config(**opts: object) -> SimpleNamespace:

@@ -96,11 +96,19 @@ def kv_cache_bytes(total: int, free: int, torch_peak: int, torch_reserved: int,
 def profile_input(max_tokens: int, max_seqs: int, max_model_len: int) -> ModelInput:
     """The largest step the scheduler can build: ``max_tokens`` prompt tokens over up to
     ``max_seqs`` sequences, every one sampled with top-p (the sort is the sampler's peak).
-    Every slot is -1, so the forward writes no KV and needs no real cache."""
+    Every slot is -1, so the forward writes no KV and needs no real cache.
+
+    The tokens go to the first sequences first, each up to ``max_model_len``: attention
+    memory grows with a prompt's length, so the profile must hold the longest prompt a step
+    can carry, not ``max_tokens`` spread thinly (the KV cache takes what the profile leaves).
+    """
     num_tokens = min(max_tokens, max_seqs * max_model_len)
     num_seqs = min(max_seqs, num_tokens)
-    base, extra = divmod(num_tokens, num_seqs)
-    lens = [base + (i < extra) for i in range(num_seqs)]
+    lens, left = [], num_tokens - num_seqs  # every sequence has at least one token
+    for _ in range(num_seqs):
+        extra = min(left, max_model_len - 1)
+        lens.append(1 + extra)
+        left -= extra
     positions = [p for n in lens for p in range(n)]
     sampling = SamplingMetadata([1.0] * num_seqs, [0] * num_seqs, [0.9] * num_seqs,
                                 [0.0] * num_seqs, [None] * num_seqs, [0] * num_seqs, False)

@@ -33,8 +33,13 @@ if TYPE_CHECKING:
 def init(be: CudaBackend) -> None:
     """Resolve the device and build the model runner (the torch half of ``__init__``)."""
     device = torch.device(be.options.device or "cuda")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        # Triton launches on the *current* device whatever the tensors' device, and the
+        # graph capture, side streams and events below use it too: "cuda:1" with device 0
+        # current would launch the kernels on the wrong GPU.
+        torch.cuda.set_device(device)
     be.device = device
     be.runner = ModelRunner(be.config, device)
 
@@ -100,7 +105,10 @@ def allocate_kv_cache(be: CudaBackend) -> int:
 
 
 def warmup(be: CudaBackend) -> None:
-    sizes = capture_sizes(be.options.cuda_graph_max_bs)
+    # No decode batch has more rows than max_num_seqs: a larger bucket would only cost capture
+    # time and graph memory (an explicit --cuda-graph-max-bs is not capped by the default).
+    max_bs = min(be.options.cuda_graph_max_bs, be.config.scheduler_config.max_num_seqs)
+    sizes = capture_sizes(max_bs)
     be.graphs = CudaGraphRunner(be.runner.model, be.runner.attn, sizes, be.width,
                                 be.dummy_block, be.device)
     be.graphs.capture()
