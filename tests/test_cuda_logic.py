@@ -222,28 +222,36 @@ def test_profile_input_is_the_largest_step_and_writes_nothing() -> None:
 
 
 @pytest.mark.parametrize("context_len", [0, 5])
-def test_prefill_attention_is_4d_and_matches_the_core(monkeypatch, context_len: int) -> None:
-    """SDPA's fused CUDA kernels take only 4-D inputs (3-D falls back to the math kernel and
-    its [H, Lq, Lk] scores), so the backend's prefill must call it with 4-D tensors."""
+def test_prefill_attention_is_4d_and_exact(monkeypatch, context_len: int) -> None:
+    """SDPA's fused kernels (CUDA and CPU) take only 4-D inputs (3-D falls back to the math
+    kernel and its [H, Lq, Lk] scores), so the prefill the CUDA backend shares with the core
+    must call it with 4-D tensors; checked against softmax attention written out."""
     import cadence.backends.cuda.attention as attn
     from cadence.layers import paged_attention as ref
 
+    assert attn.run_prefills is ref.run_prefills
     torch.manual_seed(0)
     lq, heads, kvh, dim = 7, 4, 2, 16
     q = torch.randn(lq, heads, dim)
     k, v = torch.randn(context_len + lq, kvh, dim), torch.randn(context_len + lq, kvh, dim)
     dims: list[int] = []
-    sdpa = attn.F.scaled_dot_product_attention
+    sdpa = ref.F.scaled_dot_product_attention
 
     def spy(query, *a, **kw):
         dims.append(query.dim())
         return sdpa(query, *a, **kw)
 
-    monkeypatch.setattr(attn.F, "scaled_dot_product_attention", spy)
-    out = attn.prefill_attention(q, k, v, context_len, dim ** -0.5)
+    monkeypatch.setattr(ref.F, "scaled_dot_product_attention", spy)
+    out = ref.prefill_attention(q, k, v, context_len, dim ** -0.5)
     monkeypatch.undo()
     assert dims == [4]
-    expected = ref.prefill_attention(q, k, v, context_len, dim ** -0.5)
+    kr = k.repeat_interleave(heads // kvh, dim=1)
+    vr = v.repeat_interleave(heads // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kr) * dim ** -0.5
+    allowed = torch.arange(context_len + lq)[None] <= torch.arange(context_len,
+                                                                    context_len + lq)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    expected = torch.einsum("hqk,khd->qhd", probs, vr)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from cadence.backend import ModelInput
 from cadence.backends.cuda.buffers import StagedViews
-from cadence.layers.paged_attention import PrefillSeq
+from cadence.layers.paged_attention import PrefillSeq, run_prefills
 
 
 @dataclass(slots=True)
@@ -62,46 +61,6 @@ def decode_metadata(views: StagedViews, num_rows: int) -> CudaAttentionMetadata:
     """Metadata of a decode-only (graph) batch of ``num_rows`` rows, padding included."""
     return CudaAttentionMetadata(views.slot_mapping[:num_rows], num_rows,
                                  views.block_tables[:num_rows], views.seq_lens[:num_rows], [])
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
-                      scale: float) -> torch.Tensor:
-    """The core's ``prefill_attention`` (same arguments, same result) with 4-D SDPA inputs.
-
-    SDPA's flash and memory-efficient CUDA kernels accept only [B, H, L, D]; the core's 3-D
-    call falls back to the math kernel on a GPU, which materialises the [H, Lq, Lk] scores in
-    fp32: GBs for one long prompt, which the profiling step (short sequences) never sees.
-    """
-    lq, h, _ = q.shape
-    lk, kvh, _ = k.shape
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, L, D]
-    if kvh != h:
-        # Not enable_gqa: torch 2.4 lacks it, and kernels that do not take it (the masked
-        # path's) would send the call back to the math kernel.
-        kt = kt.repeat_interleave(h // kvh, dim=1)
-        vt = vt.repeat_interleave(h // kvh, dim=1)
-    if context_len == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        # is_causal aligns the diagonal top-left, wrong when Lq < Lk: an explicit mask.
-        qpos = torch.arange(context_len, context_len + lq, device=q.device)
-        mask = torch.arange(lk, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
-
-
-def run_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float,
-                 out: torch.Tensor) -> None:
-    """The core's ``run_prefills`` over ``prefill_attention`` above."""
-    for p in prefills:
-        s, e = p.query_start, p.query_start + p.query_len
-        if p.gather_slots is None:
-            ks, vs = k[s:e], v[s:e]
-        else:
-            ks, vs = k_cache[p.gather_slots], v_cache[p.gather_slots]
-        out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype), p.context_len,
-                                     scale)
 
 
 def _default_kernels() -> ModuleType:

@@ -102,20 +102,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
                       scale: float) -> torch.Tensor:
     """Causal attention of a chunk: q [Lq, H, D] at positions context_len.., k/v [Lk, KVH, D]
-    covering positions 0..Lk-1 (Lk = context_len + Lq) -> [Lq, H, D]."""
+    covering positions 0..Lk-1 (Lk = context_len + Lq) -> [Lq, H, D].
+
+    NOTE 4-D inputs: SDPA's flash kernels (CPU and CUDA) accept only [B, H, L, D]; a 3-D
+    call falls back to the math kernel, which materialises the [H, Lq, Lk] scores.
+    """
     lq, h, _ = q.shape
     lk, kvh, _ = k.shape
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, D]
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, L, D]
     if kvh != h:
-        kt = kt.repeat_interleave(h // kvh, dim=0)
-        vt = vt.repeat_interleave(h // kvh, dim=0)
+        # Not enable_gqa: kernels that do not take it (the masked path's) would send the
+        # call back to the math kernel.
+        kt = kt.repeat_interleave(h // kvh, dim=1)
+        vt = vt.repeat_interleave(h // kvh, dim=1)
     if context_len == 0:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
+        # is_causal aligns the diagonal top-left, wrong when Lq < Lk: an explicit mask.
         qpos = torch.arange(context_len, context_len + lq, device=q.device)
         mask = torch.arange(lk, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def run_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
