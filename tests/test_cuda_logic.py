@@ -374,3 +374,34 @@ def test_probe_device_check_honours_cuda_visible_devices(monkeypatch) -> None:
     for hidden in ("", "-1", " -1,0"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         assert "hides all" in b._nvidia_device_missing()
+
+
+def test_sampler_builds_every_parameter_tensor_through_host_tensor(monkeypatch) -> None:
+    """On CUDA, ``torch.tensor(values, device=cuda)`` is a pageable copy that first waits for
+    the forward; the sampler must build its per-step tensors with ``host_tensor`` (pinned,
+    non-blocking). Checked on the CPU: with every feature on, no other call names a device."""
+    from cadence.backend import SamplingMetadata
+    from cadence.layers import sampler
+
+    calls: list[dict] = []
+    real = torch.tensor
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    meta = SamplingMetadata(
+        temperature=[0.0, 0.7, 1.3], top_k=[0, 5, 0], top_p=[1.0, 0.9, 0.8],
+        min_p=[0.0, 0.05, 0.0], seeds=[None, 3, None], output_lens=[1, 2, 3], all_greedy=False,
+        presence_penalty=[0.0, 0.5, 0.0], frequency_penalty=[0.1, 0.0, 0.0],
+        repetition_penalty=[1.0, 1.2, 1.0], prompt_token_ids=[[1, 2], [3], [4, 5, 6]],
+        output_token_ids=[[7], [8, 9], []], banned_token_ids=[[0], [], [2]],
+        num_logprobs=[2, -1, 0], max_num_logprobs=2)
+    monkeypatch.setattr(sampler.torch, "tensor", spy)
+    out = sampler.sample(torch.randn(3, 11), meta, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+    assert out.token_ids.shape == (3,)
+    assert calls, "host_tensor builds on the host with torch.tensor"
+    assert all("device" not in kw for kw in calls), calls
+    pinned = sampler.host_tensor([1.0, 2.0], torch.float32, torch.device("cpu"))
+    assert pinned.tolist() == [1.0, 2.0] and pinned.dtype == torch.float32
