@@ -8,14 +8,15 @@
 #
 # The machine is bare and offline: its python3 already has torch (CUDA), triton,
 # transformers, tokenizers, safetensors, pluggy, pytest (see /work/.library/device/KINDS.md),
-# so cadence is installed with --no-deps --no-index. Each stage has its own time limit and
-# the stages run most-valuable-first within the 10-minute call; STAGES selects some of them.
+# so cadence is installed with --no-deps --no-index. Each stage has its own time limit, cut
+# to what is left of BUDGET_S (570 s), and the stages run most-valuable-first (correctness,
+# then the overlap timings, then the bench command); STAGES selects some of them.
 # Results (at most 8 files, the device tool's limit) land in $OUT:
 #   env.txt  pytest.log  bench.log  bench.json  timing.log  timing.json  summary.txt
 set -u -o pipefail
 OUT="${OUT:-/tmp/cadence-cuda-check}"
 mkdir -p "$OUT"
-STAGES="${STAGES:-env,install,model,timing,tests,bench}"
+STAGES="${STAGES:-env,install,model,tests,timing,bench}"
 BATCHES="${BATCHES:-1,8,32,64,128,256}"
 MODEL_DIR="${MODEL_DIR:-/tmp/cadence-llama-1b}"
 PY="${PYTHON:-python3}"
@@ -23,6 +24,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 say() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+# One deadline for the whole run (the device call is killed at its timeout_s, 600 at most):
+# each stage gets min(its own limit, what is left), so a slow stage cannot starve the rest
+# of time to write their results, and a stage with under 20 s left is skipped.
+BUDGET_S="${BUDGET_S:-570}"
+DEADLINE=$(( $(date +%s) + BUDGET_S ))
+left() { local l=$(( DEADLINE - $(date +%s) - 5 )); (( l < $1 )) && echo "$l" || echo "$1"; }
+fits() { (( $(left 9999) >= 20 )) || { say "skipped $1: out of time"; return 1; }; }
 
 if has env; then
   say "env"
@@ -42,9 +50,9 @@ if has install; then
     2>&1 | tee -a "$OUT/summary.txt"
 fi
 
-if has model; then
+if has model && fits model; then
   say "build a ~1.1B Llama-shaped random-weight model (TinyLlama shape) in $MODEL_DIR"
-  timeout 180 "$PY" - "$MODEL_DIR" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+  timeout "$(left 180)" "$PY" - "$MODEL_DIR" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
 import os, shutil, sys
 import torch
 from safetensors.torch import save_file
@@ -81,11 +89,20 @@ print("params", sum(t.numel() for t in w.values()) / 1e9, "B")
 EOF
 fi
 
+if has tests && fits tests; then
+  say "GPU tests"
+  timeout "$(left 200)" "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
+    tests/test_cuda_logic.py -q -rs -x >"$OUT/pytest.log" 2>&1
+  echo "pytest exit $?" | tee -a "$OUT/summary.txt"
+  tail -5 "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
+fi
+
 if has timing; then
   # One process per setting: each engine takes 0.9 of the card for its KV cache.
   for setting in async sync eager; do
+    fits "timing $setting" || break
     say "timing loop: $setting (batches $BATCHES)"
-    timeout 150 "$PY" - "$MODEL_DIR" "$setting" "$BATCHES" "$OUT/timing.json" <<'EOF' \
+    timeout "$(left 150)" "$PY" - "$MODEL_DIR" "$setting" "$BATCHES" "$OUT/timing.json" <<'EOF' \
       2>&1 | tee -a "$OUT/timing.log" | grep -E '^(RESULT|Traceback|[A-Za-z]*Error)' \
       | tee -a "$OUT/summary.txt"
 import json, os, random, sys, time
@@ -139,7 +156,7 @@ old = json.load(open(out_path)) if os.path.exists(out_path) else []
 json.dump(old + results, open(out_path, "w"), indent=1)
 EOF
   done
-  "$PY" - "$OUT/timing.json" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+  [[ -f "$OUT/timing.json" ]] && "$PY" - "$OUT/timing.json" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
 rows = json.load(open(sys.argv[1]))
 by = {(r["setting"], r["batch"]): r for r in rows}
@@ -155,18 +172,10 @@ for b in sorted({r["batch"] for r in rows}):
 EOF
 fi
 
-if has tests; then
-  say "GPU tests"
-  timeout 200 "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
-    tests/test_cuda_logic.py -q -rs -x >"$OUT/pytest.log" 2>&1
-  echo "pytest exit $?" | tee -a "$OUT/summary.txt"
-  tail -5 "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
-fi
-
-if has bench; then
+if has bench && fits bench; then
   say "engine bench compare"
   { engine bench compare --help 2>&1 | head -40
-    timeout 150 engine bench compare --backend cuda --model "$MODEL_DIR" --dtype bfloat16 \
+    timeout "$(left 150)" engine bench compare --backend cuda --model "$MODEL_DIR" --dtype bfloat16 \
       --output-json "$OUT/bench.json" ${BENCH_EXTRA_ARGS:-}
     echo "bench exit $?"; } >"$OUT/bench.log" 2>&1
   tail -15 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
