@@ -12,11 +12,12 @@ from cadence.hookspecs import hookimpl
 from cadence.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
-           "EngineArgs", "hookimpl", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
 
 _LAZY = {
     "LLM": "cadence.llm",
+    "AsyncLLM": "cadence.async_engine",
     "LLMEngine": "cadence.engine",
     "EngineArgs": "cadence.engine_args",
     "RequestOutput": "cadence.outputs",
@@ -24,6 +25,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from cadence.async_engine import AsyncLLM
     from cadence.engine import LLMEngine
     from cadence.engine_args import EngineArgs
     from cadence.llm import LLM

@@ -76,6 +76,9 @@ def reference(model):
 
 
 def test_concurrent_streams_equal_offline_generate(model, reference):
+    import cadence
+
+    assert cadence.AsyncLLM is AsyncLLM
     expected, greedy, seeded = reference
 
     async def main():
