@@ -136,3 +136,46 @@ def _read(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()[-3000:]
+
+
+def test_the_official_openai_client_works(model):
+    """The openai SDK against a live server: completions, chat, streaming, errors."""
+    openai = pytest.importorskip("openai", reason="the openai SDK is in the test extra")
+    engine = make_async(model, max_pending_requests=64)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        whole = client.completions.create(model="tiny", prompt="the quick brown fox",
+                                          max_tokens=10, temperature=0, seed=1)
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage.completion_tokens == 10
+        streamed = client.completions.create(model="tiny", prompt="the quick brown fox",
+                                             max_tokens=10, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == \
+            whole.choices[0].text
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+            temperature=0, logprobs=True, top_logprobs=2)
+        assert chat.choices[0].message.role == "assistant"
+        assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+        pieces = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(pieces)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == chat.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.completions.create(model="tiny", prompt="x", temperature=-1)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-4", prompt="x")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
