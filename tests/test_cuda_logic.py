@@ -221,11 +221,14 @@ def test_profile_input_is_the_largest_step_and_writes_nothing() -> None:
     assert small.num_tokens == 32 and small.query_lens == [16, 16]
 
 
-@pytest.mark.parametrize("context_len", [0, 5])
-def test_prefill_attention_is_4d_and_exact(monkeypatch, context_len: int) -> None:
-    """SDPA's fused kernels (CUDA and CPU) take only 4-D inputs (3-D falls back to the math
-    kernel and its [H, Lq, Lk] scores), so the prefill the CUDA backend shares with the core
-    must call it with 4-D tensors; checked against softmax attention written out."""
+@pytest.mark.parametrize(("context_len", "fused_context", "dims"),
+                         [(0, False, 4), (0, True, 4), (5, True, 4), (5, False, 3)])
+def test_prefill_attention_kernel_choice_and_values(monkeypatch, context_len: int,
+                                                    fused_context: bool, dims: int) -> None:
+    """SDPA's fused kernels (CUDA and CPU) take only 4-D inputs (3-D runs the math kernel and
+    its [H, Lq, Lk] scores): fresh prompts always go 4-D, context chunks only when asked
+    (the CUDA backend asks; the CPU keeps the math kernel there for exactness). Every choice
+    is checked against softmax attention written out."""
     import cadence.backends.cuda.attention as attn
     from cadence.layers import paged_attention as ref
 
@@ -234,17 +237,17 @@ def test_prefill_attention_is_4d_and_exact(monkeypatch, context_len: int) -> Non
     lq, heads, kvh, dim = 7, 4, 2, 16
     q = torch.randn(lq, heads, dim)
     k, v = torch.randn(context_len + lq, kvh, dim), torch.randn(context_len + lq, kvh, dim)
-    dims: list[int] = []
+    seen: list[int] = []
     sdpa = ref.F.scaled_dot_product_attention
 
     def spy(query, *a, **kw):
-        dims.append(query.dim())
+        seen.append(query.dim())
         return sdpa(query, *a, **kw)
 
     monkeypatch.setattr(ref.F, "scaled_dot_product_attention", spy)
-    out = ref.prefill_attention(q, k, v, context_len, dim ** -0.5)
+    out = ref.prefill_attention(q, k, v, context_len, dim ** -0.5, fused_context)
     monkeypatch.undo()
-    assert dims == [4]
+    assert seen == [dims]
     kr = k.repeat_interleave(heads // kvh, dim=1)
     vr = v.repeat_interleave(heads // kvh, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, kr) * dim ** -0.5

@@ -96,5 +96,6 @@ class TritonPagedAttention:
         if nd:
             self.kernels.paged_decode(q[:nd], kc, vc, metadata.block_tables, metadata.seq_lens,
                                       self.block_size, self.scale, out=out[:nd])
-        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
+        # fused_context: the math kernel's [H, Lq, Lk] scores would not fit for long contexts.
+        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out, fused_context=True)
         return out
