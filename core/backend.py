@@ -203,7 +203,8 @@ class Backend(ABC):
         return out
 
     def shutdown(self) -> None:
-        """Release the device and any worker threads or processes."""
+        """Release the device, any worker threads or processes, and the weights and KV cache
+        (drop the references): a process may build one engine after another."""
 
     def env_info(self) -> dict[str, str]:
         """Versions and device facts for bug reports and benchmark JSON."""

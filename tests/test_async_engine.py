@@ -20,7 +20,8 @@ PROMPTS = ["the quick brown fox", "a small bird sings", "hello", "once upon a ti
 def make_async(model: str, **kw) -> AsyncLLM:
     pending = kw.pop("max_pending_requests", None)
     kw.setdefault("max_model_len", 256)
-    kw.setdefault("backend_options", {"overlap": "sync"})
+    # A small KV cache: these tests build many engines in one process.
+    kw.setdefault("backend_options", {"overlap": "sync", "kv_cache_gb": 0.1})
     return AsyncLLM.from_engine_args(EngineArgs(model=model, **kw),
                                      max_pending_requests=pending)
 

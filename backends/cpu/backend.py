@@ -133,6 +133,10 @@ class CpuBackend(Backend):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        # Weights and the KV cache go now, not whenever the engine object is collected: a
+        # process that builds engines one after another (tests, notebooks, a server that
+        # restarts its engine) would otherwise hold every one's cache (2 GiB by default).
+        self.runner = None
 
     def env_info(self) -> dict[str, str]:
         import torch

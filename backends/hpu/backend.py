@@ -250,6 +250,10 @@ class HpuBackend(Backend):
             self._mark_step()
         return self.to_host(parts)
 
+    def shutdown(self) -> None:
+        # Weights and the KV cache go with the engine, not when the object is collected.
+        self.runner = None
+
     def env_info(self) -> dict[str, str]:
         import torch
 
