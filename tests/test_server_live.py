@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,6 +43,22 @@ def model(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
 
 
+@contextlib.contextmanager
+def live_server(engine):
+    """Serve ``engine`` with uvicorn on a free port in a thread; yield the base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
 def test_client_disconnect_aborts_the_request(model):
     engine = make_async(model)
     execute = engine.engine.backend.execute
@@ -51,14 +68,8 @@ def test_client_disconnect_aborts_the_request(model):
         return execute(mi, post_sample)
 
     engine.engine.backend.execute = slow_execute
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server to start")
-        url = f"http://127.0.0.1:{port}/v1/completions"
+    with live_server(engine) as base:
+        url = f"{base}/v1/completions"
         body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
         received = 0
         with httpx.Client(timeout=30) as client:
@@ -82,9 +93,6 @@ def test_client_disconnect_aborts_the_request(model):
         # Others are still served.
         r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
     assert not engine.is_running, "the app's shutdown stops the engine"
 
 
@@ -142,14 +150,8 @@ def test_the_official_openai_client_works(model):
     """The openai SDK against a live server: completions, chat, streaming, errors."""
     openai = pytest.importorskip("openai", reason="the openai SDK is in the test extra")
     engine = make_async(model, max_pending_requests=64)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server to start")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+    with live_server(engine) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused",
                                max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         whole = client.completions.create(model="tiny", prompt="the quick brown fox",
@@ -176,6 +178,3 @@ def test_the_official_openai_client_works(model):
             client.completions.create(model="tiny", prompt="x", temperature=-1)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gpt-4", prompt="x")
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
