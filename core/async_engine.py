@@ -164,9 +164,13 @@ class AsyncLLM:
             # Validation happens in the engine thread, between steps: the engine is not
             # thread-safe, and this way a ValueError reaches the caller, not the loop.
             await asyncio.wrap_future(done)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
+            if not isinstance(e, Exception):
+                # Cancelled while the engine thread may already have queued it: abort it
+                # (commands are applied in order, so the abort follows the add).
+                self._commands.put(_Abort(rid))
             raise
         return stream
 
@@ -185,7 +189,7 @@ class AsyncLLM:
                 if any(c is _STOP for c in cmds):
                     error = EngineDeadError("the engine was shut down")
                     for cmd in cmds:
-                        if isinstance(cmd, _Add):
+                        if isinstance(cmd, _Add) and not cmd.done.done():
                             cmd.done.set_exception(error)
                     self._fail_all(error)
                     return
@@ -210,6 +214,8 @@ class AsyncLLM:
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
             return
+        if not cmd.done.set_running_or_notify_cancel():
+            return  # the caller was cancelled before its request got here: never add it
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
                                     cmd.output_kind)

@@ -227,3 +227,31 @@ def test_shutdown_ends_pending_streams(model):
         assert not engine.is_running
 
     asyncio.run(main())
+
+
+def test_cancelled_while_being_added_is_aborted(model):
+    """A caller cancelled while the engine thread is still adding its request (a client that
+    hangs up at once) must not leave the request running with nobody listening."""
+    async def main():
+        engine = make_async(model)
+        add = engine.engine.add_request
+
+        def slow_add(*args, **kwargs):
+            time.sleep(0.3)
+            return add(*args, **kwargs)
+
+        engine.engine.add_request = slow_add
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            task = asyncio.ensure_future(engine.add_request(PROMPTS[0], params))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
+            await wait_until(lambda: all_blocks_free(engine))
+            assert engine.stats().num_generation_tokens < 200
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
