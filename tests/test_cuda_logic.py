@@ -408,3 +408,20 @@ def test_sampler_builds_every_parameter_tensor_through_host_tensor(monkeypatch) 
     assert all("device" not in kw for kw in calls), calls
     pinned = sampler.host_tensor([1.0, 2.0], torch.float32, torch.device("cpu"))
     assert pinned.tolist() == [1.0, 2.0] and pinned.dtype == torch.float32
+
+
+def test_launch_makes_the_device_current_in_the_stepping_thread(monkeypatch) -> None:
+    """AsyncLLM steps the engine from its own thread, where the current device is 0 again."""
+    from cadence.backends.cuda import runtime
+
+    current = [0]
+    calls: list[torch.device] = []
+    monkeypatch.setattr(runtime.torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(runtime.torch.cuda, "set_device",
+                        lambda d: (calls.append(d), current.__setitem__(0, d.index)))
+    be = SimpleNamespace(device=torch.device("cuda", 1))
+    runtime.ensure_current_device(be)
+    runtime.ensure_current_device(be)
+    assert calls == [torch.device("cuda", 1)]  # set once, then already current
+    runtime.ensure_current_device(SimpleNamespace(device=torch.device("cpu")))
+    assert calls == [torch.device("cuda", 1)]

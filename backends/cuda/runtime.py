@@ -114,8 +114,19 @@ def warmup(be: CudaBackend) -> None:
     be.graphs.capture()
 
 
+def ensure_current_device(be: CudaBackend) -> None:
+    """Make the backend's device current in the calling thread.
+
+    NOTE the current device is per thread: ``init`` set it in the thread that built the
+    engine, but ``AsyncLLM`` steps the engine from its own thread, which starts on device 0.
+    """
+    if be.device.type == "cuda" and torch.cuda.current_device() != be.device.index:
+        torch.cuda.set_device(be.device)
+
+
 def launch(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
     """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible)."""
+    ensure_current_device(be)
     bucket = None
     if be.graphs is not None and mi.is_decode_only and mi.num_seqs:
         bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
