@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cadence.cli.main import main
 
 WORKLOAD = ["--input-len", "8", "--output-len", "6", "--disable-tqdm",

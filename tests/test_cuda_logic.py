@@ -11,10 +11,11 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import cadence.backends.cuda as plugin
 import numpy as np
 import pytest
 import torch
+
+import cadence.backends.cuda as plugin
 from cadence.backend import ModelInput, PostSample, SamplerOutput, SamplingMetadata
 from cadence.backends.cuda import CudaOptions
 from cadence.backends.cuda.backend import (

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
 from cadence.backend import ModelInput
 from cadence.backends.cuda.buffers import StagedViews
 from cadence.layers.paged_attention import PrefillSeq, run_prefills

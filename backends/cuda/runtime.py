@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from cadence.backends.cuda.attention import (
     TritonPagedAttention,
     build_metadata,

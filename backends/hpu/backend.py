@@ -193,6 +193,7 @@ class HpuBackend(Backend):
 
     def _run_parts(self, parts: list[_Part]) -> None:
         import torch
+
         from cadence.backends.hpu.attention import graph_kind, to_tensors
 
         with torch.inference_mode():

@@ -24,9 +24,16 @@ import time
 from typing import Any
 
 from cadence.bench.report import env_info, format_table, write_json
-from cadence.bench.throughput import (HEAVY_LOGPROBS, HEAVY_STOP, Workload, build_engine,
-                                      config_of, release_engine, run_engine,
-                                      workload_from_args)
+from cadence.bench.throughput import (
+    HEAVY_LOGPROBS,
+    HEAVY_STOP,
+    Workload,
+    build_engine,
+    config_of,
+    release_engine,
+    run_engine,
+    workload_from_args,
+)
 
 
 def cmd_serve_bench(ns: argparse.Namespace) -> int:
