@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
-from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +87,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._closed = False  # set under _lock once the loop stops taking commands
-        self._stats = deepcopy(engine.stats)
+        self._stats = engine.stats.snapshot()
         self._thread = threading.Thread(target=self._run, name="cadence-engine", daemon=True)
         self._thread.start()
 
@@ -198,7 +197,7 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     # Snapshot first: a caller woken by its final output sees stats with it.
-                    self._stats = deepcopy(engine.stats)
+                    self._stats = engine.stats.snapshot()
                     self._dispatch(outputs)
         except BaseException as e:  # a bug or a device failure: every stream must learn it
             logger.exception("engine loop failed")
