@@ -48,7 +48,6 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     app = FastAPI(title="cadence", version=cadence.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.state.serving = serving
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -126,7 +125,7 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except (EngineDeadError, RuntimeError) as e:
+        except RuntimeError as e:  # EngineDeadError, or a failure while streaming
             body = {"error": {"message": str(e), "type": "server_error", "param": None,
                               "code": None}}
             yield f"data: {json.dumps(body)}\n\n"

@@ -33,13 +33,13 @@ class OpenAIServing:
             raise RequestError(f"the model {requested!r} does not exist; this server serves "
                                f"{self.model_name!r}", "model", 404, "model_not_found")
 
-    def _params(self, num_prompt: int, requested: int | None, make: Any) -> SamplingParams:
+    def _params(self, num_prompt: int, requested: int | None, make: Any, prompt_field: str
+                ) -> SamplingParams:
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {num_prompt}", "messages" if requested is None else "prompt",
-                code="context_length_exceeded")
+                f"prompt has {num_prompt}", prompt_field, code="context_length_exceeded")
         if requested is not None and requested > room:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
@@ -60,7 +60,8 @@ class OpenAIServing:
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
             n = len(prompt["prompt_token_ids"])
-            inputs.append((prompt, self._params(n, req.max_tokens, req.sampling_params)))
+            inputs.append((prompt, self._params(n, req.max_tokens, req.sampling_params,
+                                                "prompt")))
         return inputs
 
     def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
@@ -79,7 +80,8 @@ class OpenAIServing:
         # The template already holds BOS and the like; encode must not add them again.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = {"prompt": text, "prompt_token_ids": ids}
-        return prompt, self._params(len(ids), req.requested_max_tokens, req.sampling_params)
+        return prompt, self._params(len(ids), req.requested_max_tokens, req.sampling_params,
+                                    "messages")
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]], priority: int,
                      kind: OutputKind) -> list[RequestStream]:
@@ -173,21 +175,13 @@ def _sse(payload: dict) -> str:
 
 
 async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    async def last(stream: RequestStream) -> RequestOutput:
-        out = None
-        async for out in stream:
-            pass
-        assert out is not None and out.finished
-        return out
-
-    tasks = [asyncio.ensure_future(last(s)) for s in streams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:  # one failed or we were cancelled: the others must abort too
-            t.cancel()
-        for s in streams:
-            s.abort()
+    """The final output of each stream (``_merge`` aborts them all if this is cancelled)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merge(streams):
+        if out.finished:
+            finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals
 
 
 async def _merge(streams: list[RequestStream]
