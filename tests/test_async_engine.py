@@ -31,6 +31,18 @@ def all_blocks_free(engine: AsyncLLM) -> bool:
     return eng.block_manager.num_free_blocks == eng.num_blocks
 
 
+def with_engine(model: str, body, **kw):
+    """Run ``await body(engine)`` on a fresh AsyncLLM; the engine is always shut down."""
+    async def main():
+        engine = make_async(model, **kw)
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
 async def wait_until(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -82,104 +94,88 @@ def test_concurrent_streams_equal_offline_generate(model, reference):
     assert cadence.AsyncLLM is AsyncLLM
     expected, greedy, seeded = reference
 
-    async def main():
-        engine = make_async(model)
-        try:
-            for key, params in (("greedy", greedy), ("seeded", seeded)):
-                got = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
-                for (texts, ids, reasons), want in zip(got, expected[key]):
-                    assert [(t, i, r) for t, i, r in zip(texts, ids, reasons)] == want
-            assert engine.num_pending_requests == 0
-            assert all_blocks_free(engine)
-            stats = engine.stats()
-            assert stats.num_generation_tokens == sum(
-                len(c[1]) for rows in expected.values() for r in rows for c in r)
-        finally:
-            await engine.shutdown()
+    async def body(engine):
+        for key, params in (("greedy", greedy), ("seeded", seeded)):
+            got = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+            for (texts, ids, reasons), want in zip(got, expected[key]):
+                assert [(t, i, r) for t, i, r in zip(texts, ids, reasons)] == want
+        assert engine.num_pending_requests == 0
+        assert all_blocks_free(engine)
+        stats = engine.stats()
+        assert stats.num_generation_tokens == sum(
+            len(c[1]) for rows in expected.values() for r in rows for c in r)
 
-    asyncio.run(main())
+    with_engine(model, body)
 
 
 def test_cumulative_and_final_only_kinds(model, reference):
     expected, greedy, _ = reference
 
-    async def main():
-        engine = make_async(model)
-        try:
-            outs = [o async for o in engine.generate(PROMPTS[0], greedy,
-                                                     output_kind=OutputKind.FINAL_ONLY)]
-            assert len(outs) == 1 and outs[0].finished
-            assert outs[0].outputs[0].text == expected["greedy"][0][0][0]
-            cumulative = [o.outputs[0].text async for o in engine.generate(
-                PROMPTS[0], greedy, output_kind=OutputKind.CUMULATIVE)]
-            assert cumulative[-1] == expected["greedy"][0][0][0]
-            assert all(b.startswith(a) for a, b in zip(cumulative, cumulative[1:]))
-        finally:
-            await engine.shutdown()
+    async def body(engine):
+        outs = [o async for o in engine.generate(PROMPTS[0], greedy,
+                                                 output_kind=OutputKind.FINAL_ONLY)]
+        assert len(outs) == 1 and outs[0].finished
+        assert outs[0].outputs[0].text == expected["greedy"][0][0][0]
+        cumulative = [o.outputs[0].text async for o in engine.generate(
+            PROMPTS[0], greedy, output_kind=OutputKind.CUMULATIVE)]
+        assert cumulative[-1] == expected["greedy"][0][0][0]
+        assert all(b.startswith(a) for a, b in zip(cumulative, cumulative[1:]))
 
-    asyncio.run(main())
+    with_engine(model, body)
 
 
 def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
-    async def main():
-        engine = make_async(model)
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            seen = 0
-            async for _ in engine.generate(PROMPTS[1], params):
-                seen += 1
-                if seen == 3:
-                    break
-            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
-            await wait_until(lambda: all_blocks_free(engine))
-            assert engine.num_pending_requests == 0
+    async def body(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        seen = 0
+        async for _ in engine.generate(PROMPTS[1], params):
+            seen += 1
+            if seen == 3:
+                break
+        await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
+        await wait_until(lambda: all_blocks_free(engine))
+        assert engine.num_pending_requests == 0
 
-            # A cancelled consumer task aborts too.
-            async def consume():
-                async for _ in engine.generate(PROMPTS[2], params):
-                    pass
+        # A cancelled consumer task aborts too.
+        async def consume():
+            async for _ in engine.generate(PROMPTS[2], params):
+                pass
 
-            task = asyncio.ensure_future(consume())
-            await wait_until(lambda: engine.stats().num_running == 1)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 2)
-            await wait_until(lambda: all_blocks_free(engine))
-            # The engine still serves.
-            texts, _, reasons = await collect(engine, PROMPTS[0],
-                                              SamplingParams(temperature=0.0, max_tokens=4))
-            assert reasons == ["length"] and texts[0]
-        finally:
-            await engine.shutdown()
+        task = asyncio.ensure_future(consume())
+        await wait_until(lambda: engine.stats().num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 2)
+        await wait_until(lambda: all_blocks_free(engine))
+        # The engine still serves.
+        texts, _, reasons = await collect(engine, PROMPTS[0],
+                                          SamplingParams(temperature=0.0, max_tokens=4))
+        assert reasons == ["length"] and texts[0]
 
-    asyncio.run(main())
+    with_engine(model, body)
 
 
 def test_bad_input_raises_before_queueing(model):
-    async def main():
-        engine = make_async(model, max_pending_requests=2)
-        try:
-            with pytest.raises(ValueError, match="max_model_len"):
-                await engine.add_request({"prompt_token_ids": [5] * 300})
-            with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, "):
-                await engine.add_request([10**6])
-            assert engine.num_pending_requests == 0
-            params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-            a = await engine.add_request(PROMPTS[0], params, request_id="a")
-            with pytest.raises(ValueError, match="already in use"):
-                await engine.add_request(PROMPTS[0], params, request_id="a")
-            b = await engine.add_request(PROMPTS[1], params)
-            with pytest.raises(EngineOverloadedError, match="max_pending_requests=2"):
-                await engine.add_request(PROMPTS[2], params)
-            for stream in (a, b):
-                outs = [o async for o in stream]
-                assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
-            assert engine.num_pending_requests == 0 and all_blocks_free(engine)
-        finally:
-            await engine.shutdown()
+    async def body(engine):
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request({"prompt_token_ids": [5] * 300})
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, "):
+            await engine.add_request([10**6])
+        assert engine.num_pending_requests == 0
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        a = await engine.add_request(PROMPTS[0], params, request_id="a")
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request(PROMPTS[0], params, request_id="a")
+        b = await engine.add_request(PROMPTS[1], params)
+        with pytest.raises(EngineOverloadedError, match="max_pending_requests=2"):
+            await engine.add_request(PROMPTS[2], params)
+        for stream in (a, b):
+            outs = [o async for o in stream]
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert engine.num_pending_requests == 0 and all_blocks_free(engine)
 
-    asyncio.run(main())
+    with_engine(model, body, max_pending_requests=2)
 
 
 def test_engine_failure_ends_every_stream(model):
@@ -232,8 +228,7 @@ def test_shutdown_ends_pending_streams(model):
 def test_cancelled_while_being_added_is_aborted(model):
     """A caller cancelled while the engine thread is still adding its request (a client that
     hangs up at once) must not leave the request running with nobody listening."""
-    async def main():
-        engine = make_async(model)
+    async def body(engine):
         add = engine.engine.add_request
 
         def slow_add(*args, **kwargs):
@@ -241,17 +236,30 @@ def test_cancelled_while_being_added_is_aborted(model):
             return add(*args, **kwargs)
 
         engine.engine.add_request = slow_add
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            task = asyncio.ensure_future(engine.add_request(PROMPTS[0], params))
-            await asyncio.sleep(0.05)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
-            await wait_until(lambda: all_blocks_free(engine))
-            assert engine.stats().num_generation_tokens < 200
-        finally:
-            await engine.shutdown()
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(engine.add_request(PROMPTS[0], params))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1)
+        await wait_until(lambda: all_blocks_free(engine))
+        assert engine.stats().num_generation_tokens < 200
 
-    asyncio.run(main())
+    with_engine(model, body)
+
+
+def test_stats_snapshot_is_independent_of_the_live_stats():
+    """The engine thread keeps counting while the event loop reads the snapshot."""
+    from cadence.metrics import EngineStats
+
+    live = EngineStats(finish_reasons={"length": 3})
+    live.time_to_first_token.observe(0.2)
+    snap = live.snapshot()
+    text = snap.render_prometheus("m")
+    live.finish_reasons["stop"] = 1
+    live.time_to_first_token.observe(5.0)
+    live.times.add("schedule", 1.0)
+    assert snap.finish_reasons == {"length": 3} and snap.time_to_first_token.count == 1
+    assert snap.times.phases["schedule"] == 0.0
+    assert snap.render_prometheus("m") == text

@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the te
 pytest.importorskip("fastapi", reason="the server tests need the server extra")
 
 from engine_helpers import generate, make_llm  # noqa: E402
-from test_async_engine import all_blocks_free, make_async, wait_until  # noqa: E402
+from test_async_engine import all_blocks_free, wait_until, with_engine  # noqa: E402
 
 from cadence import SamplingParams  # noqa: E402
 from cadence.server.app import build_app  # noqa: E402
@@ -31,18 +31,13 @@ def serve(model: str, body, **kw):
     """Run ``body(client, engine)`` against a fresh app; always shut the engine down."""
     limits = {k: kw.pop(k) for k in ("max_request_bytes",) if k in kw}
 
-    async def main():
-        engine = make_async(model, **kw)
+    async def run(engine):
         app = build_app(engine, "tiny", **limits)
-        transport = httpx.ASGITransport(app=app)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                         timeout=60) as client:
-                return await body(client, engine)
-        finally:
-            await engine.shutdown()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as client:
+            return await body(client, engine)
 
-    return asyncio.run(main())
+    return with_engine(model, run, **kw)
 
 
 def events(text: str) -> list:
