@@ -52,7 +52,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.tokenizer = tokenizer
         self.eos_token_id = _eos_token_id(tokenizer, config.model_config.model)
-        self.vocab_size = _vocab_size(config.model_config.model)
+        self.vocab_size = vocab_size_from_config(config.model_config.model)
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
@@ -204,7 +204,8 @@ class LLMEngine:
         self._registry.hook.cadence_shutdown()
 
 
-def _vocab_size(model_dir: str) -> int | None:
+def vocab_size_from_config(model_dir: str) -> int | None:
+    """``vocab_size`` from the model folder's config.json (or its text_config)."""
     import json
     import os
 

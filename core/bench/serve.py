@@ -30,6 +30,7 @@ from cadence.bench.throughput import (
     Workload,
     build_engine,
     config_of,
+    prompt_vocab_size,
     release_engine,
     run_engine,
     workload_from_args,
@@ -72,13 +73,13 @@ def cmd_serve_bench(ns: argparse.Namespace) -> int:
 
 def _workload_tokens(ns: argparse.Namespace, workload: Workload
                      ) -> tuple[list[list[int]], list[int]]:
-    from cadence.engine import _vocab_size
+    from cadence.engine import vocab_size_from_config
     from cadence.engine_args import EngineArgs
     from cadence.model_loader import load_tokenizer
 
     model = EngineArgs(model=ns.model).resolve_model()
-    vocab = min(v for v in (_vocab_size(model), len(load_tokenizer(ns.tokenizer or model)))
-                if v)
+    vocab = prompt_vocab_size(vocab_size_from_config(model),
+                              load_tokenizer(ns.tokenizer or model))
     return workload.prompts(vocab), workload.output_lens()
 
 

@@ -96,9 +96,14 @@ def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
 
 
 def vocab_size_of(engine: Any) -> int:
-    sizes = [engine.vocab_size]
+    return prompt_vocab_size(engine.vocab_size, engine.tokenizer)
+
+
+def prompt_vocab_size(config_vocab_size: int | None, tokenizer: Any) -> int:
+    """Random prompt ids stay below both the model's and the tokenizer's vocabulary."""
+    sizes = [config_vocab_size]
     try:
-        sizes.append(len(engine.tokenizer))
+        sizes.append(len(tokenizer))
     except TypeError:
         pass
     sizes = [s for s in sizes if s]
