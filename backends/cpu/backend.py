@@ -79,12 +79,6 @@ class CpuBackend(Backend):
         self.runner.attn = TorchPagedAttention(k, v, spec.head_dim ** -0.5)
         return num_blocks
 
-    @property
-    def vocab_size(self) -> int:
-        if self._worker is not None:
-            return self._worker.vocab_size
-        return self.runner.model.vocab_size
-
     def forward(self, model_input: ModelInput) -> Any:
         if self._worker is not None:
             # Enqueue: the worker samples too, so the "logits" are a handle to its reply.

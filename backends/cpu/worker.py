@@ -50,7 +50,7 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
         k, v = runner.allocate_kv_cache(num_blocks)
         runner.attn = TorchPagedAttention(k, v, runner.kv_cache_spec().head_dim ** -0.5)
-        _send(out, ("ready", num_blocks, runner.model.vocab_size))
+        _send(out, ("ready", num_blocks))
     except BaseException as e:
         _send(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
         return
@@ -104,7 +104,7 @@ class ForwardWorker:
             if is_user_error:  # a bad model folder, a KV cache too small: the user's to fix
                 raise ValueError(message)
             raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
-        _, self.num_blocks, self.vocab_size = reply
+        _, self.num_blocks = reply
 
     def _recv(self) -> Any:
         try:
