@@ -24,6 +24,7 @@ from cadence.backends.cuda.graphs import (
     pack_padded,
     pad_decode,
 )
+from cadence.layers.sampler import host_tensor
 from cadence.model_runner import ModelRunner, PreparedInput
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def launch(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
     rows = mi.sample_seq_indices
     if rows == list(range(len(rows))):
         return logits[:len(rows)]
-    return logits[torch.tensor(rows, device=be.device)]
+    return logits[host_tensor(rows, torch.int64, be.device)]  # pinned: no wait on the stream
 
 
 def launch_eager(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
