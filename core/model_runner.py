@@ -55,6 +55,9 @@ class ModelRunner:
         self.model = None
         self.hf_config = None
         self.attn = None
+        # Turns a ModelInput into the attention metadata ``self.attn`` expects; a backend
+        # with its own attention sets its own.
+        self.metadata_builder = paged_attention.build_metadata
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
 
@@ -91,7 +94,7 @@ class ModelRunner:
         return k, v
 
     def prepare(self, mi: ModelInput, build_metadata=None) -> PreparedInput:
-        build = build_metadata or paged_attention.build_metadata
+        build = build_metadata or self.metadata_builder
         input_ids = torch.tensor(mi.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(mi.positions, dtype=torch.int64, device=self.device)
         ends, total = [], 0

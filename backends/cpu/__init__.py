@@ -24,6 +24,14 @@ def cadence_add_cli_options(parser) -> None:
              "reference) or 'thread' (a worker thread; slower on few cores)")
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=None,
                         help="host memory for the KV cache in GiB (default 2)")
+    parser.add_argument("--cpu-attention", choices=("auto", "kernel", "torch"), default=None,
+                        help="decode attention: 'kernel' (compiled once per CPU, reads the paged "
+                             "cache in place), 'torch' (the reference path), or 'auto' "
+                             "(default: the kernel where it builds, else torch with a warning)")
+    parser.add_argument("--cpu-linear", choices=("auto", "packed", "torch"), default=None,
+                        help="GEMMs: 'packed' (oneDNN weights packed at load), 'torch' "
+                             "(F.linear), or 'auto' (default: whichever measured faster on this "
+                             "CPU, measured once and cached)")
 
 
 @hookimpl
@@ -35,6 +43,9 @@ def cadence_configure(config) -> None:
         opts["overlap"] = config["cpu_overlap"]
     if config.get("cpu_kv_cache_gb"):
         opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
+    for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear")):
+        if config.get(flag):
+            opts[key] = config[flag]
 
 
 @hookimpl

@@ -46,10 +46,7 @@ class CpuBackend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._worker = None
         self.runner = None
-        if self.overlap != "process":
-            from cadence.model_runner import ModelRunner
-
-            self.runner = ModelRunner(config, "cpu")
+        self.runtime_info: dict[str, str] = {}
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -60,24 +57,22 @@ class CpuBackend(Backend):
                    * (1 << 30))
 
     def load_model(self) -> None:
+        # The model, its packed GEMMs, the KV cache and the attention kernel are built in one
+        # go (backends/cpu/runtime.py), in the worker process or here.
         if self.overlap == "process":
             from cadence.backends.cpu.worker import ForwardWorker
 
-            # The worker loads the model and allocates the cache in one go.
             self._worker = ForwardWorker(self.config, self._kv_cache_bytes())
+            self.num_blocks = self._worker.num_blocks
+            self.runtime_info = self._worker.runtime_info
             return
-        self.runner.load_model()
+        from cadence.backends.cpu.runtime import build_runtime
+
+        rt = build_runtime(self.config, self._kv_cache_bytes())
+        self.runner, self.num_blocks, self.runtime_info = rt.runner, rt.num_blocks, rt.describe()
 
     def allocate_kv_cache(self) -> int:
-        if self._worker is not None:
-            return self._worker.num_blocks
-        num_blocks = self.runner.num_blocks_for_bytes(self._kv_cache_bytes())
-        from cadence.layers.paged_attention import TorchPagedAttention
-
-        k, v = self.runner.allocate_kv_cache(num_blocks)
-        spec = self.runner.kv_cache_spec()
-        self.runner.attn = TorchPagedAttention(k, v, spec.head_dim ** -0.5)
-        return num_blocks
+        return self.num_blocks
 
     def forward(self, model_input: ModelInput) -> Any:
         if self._worker is not None:
@@ -136,4 +131,4 @@ class CpuBackend(Backend):
         import torch
 
         return {"torch": torch.__version__, "cpu_threads": str(torch.get_num_threads()),
-                "cpu_count": str(os.cpu_count())}
+                "cpu_count": str(os.cpu_count()), **self.runtime_info}

@@ -42,15 +42,11 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        from cadence.layers.paged_attention import TorchPagedAttention
-        from cadence.model_runner import ModelRunner
+        from cadence.backends.cpu.runtime import build_runtime
 
-        runner = ModelRunner(config, "cpu")
-        runner.load_model()
-        num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
-        k, v = runner.allocate_kv_cache(num_blocks)
-        runner.attn = TorchPagedAttention(k, v, runner.kv_cache_spec().head_dim ** -0.5)
-        _send(out, ("ready", num_blocks))
+        rt = build_runtime(config, kv_cache_bytes)
+        runner = rt.runner
+        _send(out, ("ready", rt.num_blocks, rt.describe()))
     except BaseException as e:
         _send(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
         return
@@ -104,7 +100,7 @@ class ForwardWorker:
             if is_user_error:  # a bad model folder, a KV cache too small: the user's to fix
                 raise ValueError(message)
             raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
-        _, self.num_blocks = reply
+        _, self.num_blocks, self.runtime_info = reply
 
     def _recv(self) -> Any:
         try:

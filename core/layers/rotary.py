@@ -109,6 +109,14 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+class ApplyRotary(nn.Module):
+    """``apply_rotary`` as a module, so a backend can swap in a fused kernel."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, cos_sin)
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:

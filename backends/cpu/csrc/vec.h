@@ -1,0 +1,91 @@
+// Portable 16-float vectors for the CPU kernels (GCC/Clang vector extensions): the compiler
+// lowers one vfloat to one AVX-512 register, two AVX2 registers or four SSE registers, as
+// -march allows, so one source serves every x86 CPU the backend meets.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace cadence_cpu {
+
+constexpr int64_t kVec = 16;  // floats per vector
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vfloat load(const c10::BFloat16* p) {
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const vuint bits = __builtin_convertvector(raw, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+// float -> bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) (NaN stays NaN).
+inline void store(c10::BFloat16* p, vfloat v) {
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  const vuint nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const vuint out = nan ? ((bits >> 16) | 0x40u) : rounded;
+  const vu16 narrow = __builtin_convertvector(out, vu16);
+  std::memcpy(p, &narrow, sizeof(narrow));
+}
+// Rounds through the storage type: what torch does between two ops on bf16 tensors.
+inline vfloat round_to(vfloat v, const float*) { return v; }
+inline vfloat round_to(vfloat v, const c10::BFloat16*) {
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + (((bits >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline float hsum(vfloat v) {
+  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp(x) = 2^n * p(r), n = round(x / ln 2), |r| <= ln2 / 2, p a degree-6 Taylor polynomial
+// (relative error < 2e-7). x is clamped to [-87, 88]: exp underflows to ~1e-38 and
+// overflows to ~1.6e38 there instead of to 0 and inf, which no caller can tell apart.
+inline vfloat exp(vfloat x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vfloat n = (x * 1.44269504088896341f + shifter) - shifter;
+  const vfloat r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  vfloat p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // n <= 127 after the clamp; split the scale in two so 2^n never overflows the exponent.
+  const vint ni = __builtin_convertvector(n, vint);
+  const vint half = ni >> 1;
+  const vint b1 = (half + 127) << 23;
+  const vint b2 = (ni - half + 127) << 23;
+  vfloat s1, s2;
+  std::memcpy(&s1, &b1, sizeof(s1));
+  std::memcpy(&s2, &b2, sizeof(s2));
+  return p * s1 * s2;
+}
+
+}  // namespace cadence_cpu

@@ -1,0 +1,69 @@
+"""Swaps the decoder's elementwise modules for the compiled CPU kernels (csrc/ops.cpp) after
+the model is built: RMSNorm, SiLU-and-mul and the rotary embedding. The model code stays the
+reference; this is the same module-replacement idea as ``linear.pack_linears``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from cadence.layers.activation import SiluAndMul
+from cadence.layers.norm import RMSNorm
+from cadence.layers.rotary import ApplyRotary
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class KernelRMSNorm(nn.Module):
+    """``RMSNorm`` in one pass (same rounding points in bf16)."""
+
+    def __init__(self, ops: ModuleType, norm: RMSNorm) -> None:
+        super().__init__()
+        self.ops = ops
+        self.weight = norm.weight
+        self.eps = norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class KernelSiluAndMul(nn.Module):
+    def __init__(self, ops: ModuleType) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(x)
+
+
+class KernelRotary(nn.Module):
+    """Rotates q and k in place (they are views of this step's fresh qkv output)."""
+
+    def __init__(self, ops: ModuleType) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ops.rotary_inplace(q, k, *cos_sin)
+        return q, k
+
+
+def install_fused_ops(model: nn.Module, ops: ModuleType) -> int:
+    """Replace the modules above in ``model``; returns how many were replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new: nn.Module | None = None
+            if isinstance(child, RMSNorm) and child.weight.dtype in FUSED_DTYPES:
+                new = KernelRMSNorm(ops, child)
+            elif isinstance(child, SiluAndMul):
+                new = KernelSiluAndMul(ops)
+            elif isinstance(child, ApplyRotary):
+                new = KernelRotary(ops)
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+    return count

@@ -1,0 +1,94 @@
+"""The CPU backend's compiled kernels: built once per machine with ``torch.utils.cpp_extension``
+and cached under ``~/.cache/cadence/kernels``.
+
+The build targets the CPU it runs on (``-march=native``), so the cache folder is keyed by the
+source, the compiler flags, torch's version and the CPU's model and flags: a home directory
+shared by machines with different CPUs never loads a kernel built for another. The first
+build announces itself on stderr (it takes ~30-60 s); later loads take well under a second.
+Where there is no compiler, or the build fails, ``load_kernels`` returns None after one
+warning that says so and names the fallback (the torch reference path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from cadence.cpuinfo import cpu_info
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "ops.cpp")
+_HEADERS = ("vec.h",)
+# -fopenmp: at::parallel_for is inline OpenMP code; without it the loop runs on one thread.
+# The extension then shares torch's own libgomp (same soname, already loaded).
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("CADENCE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cadence")
+    return Path(base) / "kernels"
+
+
+def _build_dir(sources: list[Path]) -> Path:
+    import torch
+
+    h = hashlib.sha256()
+    for src in [*sources, *(sources[0].parent / n for n in _HEADERS)]:
+        h.update(src.read_bytes())
+    info = cpu_info()
+    h.update(repr((_CFLAGS, torch.__version__, info.model, sorted(info.flags))).encode())
+    return cache_root() / f"cpu_kernels_{h.hexdigest()[:16]}"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def load_kernels() -> ModuleType | None:
+    """The compiled kernel module, or None (with one logged warning) where it cannot be built.
+
+    ``CADENCE_CPU_KERNELS=0`` skips the build and takes the torch path on purpose.
+    """
+    if "cpu" in _loaded:
+        return _loaded["cpu"]
+    _loaded["cpu"] = mod = _build()
+    return mod
+
+
+def _build() -> ModuleType | None:
+    if os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
+        logger.info("CADENCE_CPU_KERNELS=0: CPU attention runs the torch reference path")
+        return None
+    if _compiler() is None:
+        logger.warning("no C++ compiler found (c++/g++, or $CXX): the CPU backend falls back to "
+                       "the torch attention path, which is slower; install g++ to enable the "
+                       "compiled kernel")
+        return None
+    csrc = Path(__file__).resolve().parent / "csrc"
+    sources = [csrc / s for s in _SOURCES]
+    build_dir = _build_dir(sources)
+    first = not any(build_dir.glob("*.so"))
+    if first:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        print(f"cadence: compiling the CPU attention kernel for this CPU (once, ~30-60 s); "
+              f"cached in {build_dir}", file=sys.stderr, flush=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="cadence_cpu_kernels", sources=[str(s) for s in sources],
+                    build_directory=str(build_dir), extra_cflags=list(_CFLAGS),
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as e:  # a broken toolchain must not take the engine down
+        logger.warning("building the CPU attention kernel failed (%s: %s); the CPU backend "
+                       "falls back to the torch attention path, which is slower",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e) else "")
+        return None

@@ -1,0 +1,86 @@
+"""What this CPU can do, read once: model name, the vector flags the kernels and the dtype
+choice depend on, and torch's own view of it. Bench JSON headers record this, because figures
+from machines of one name but different CPUs are not comparable.
+
+Reading /proc/cpuinfo needs no torch; ``torch_capability`` imports torch only when asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass, field
+
+# The flags that change which kernels and dtypes are fast, in the order printed.
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                  "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd",
+                  "sve")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str] = field(default_factory=frozenset)
+    family: str | None = None
+    cpu_model: str | None = None
+
+    @property
+    def relevant_flags(self) -> list[str]:
+        return [f for f in RELEVANT_FLAGS if f in self.flags]
+
+    @property
+    def has_native_bf16(self) -> bool:
+        """bf16 matmuls run natively (AVX-512 BF16 or AMX), not emulated through fp32."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    model, flags, family, cpu_model = platform.processor() or platform.machine(), set(), None, None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name":
+                    model = value
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+                elif key == "cpu family" and family is None:
+                    family = value
+                elif key == "model" and cpu_model is None:
+                    cpu_model = value
+                if key == "" and flags and model:
+                    break
+    except OSError:
+        pass
+    return CpuInfo(model, frozenset(flags), family, cpu_model)
+
+
+def torch_capability() -> str:
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # torch < 2.1
+        return "unknown"
+
+
+def describe(num_threads: int | None = None, dtype: str | None = None) -> dict[str, object]:
+    """The machine block every bench JSON and performance table carries."""
+    info = cpu_info()
+    out: dict[str, object] = {
+        "cpu_model": info.model,
+        "cpu_family": info.family,
+        "cpu_model_id": info.cpu_model,
+        "cpu_flags": info.relevant_flags,
+        "torch_cpu_capability": torch_capability(),
+        "native_bf16": info.has_native_bf16,
+        "cpu_count": os.cpu_count(),
+    }
+    if num_threads is not None:
+        out["threads"] = num_threads
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
