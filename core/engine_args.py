@@ -117,6 +117,27 @@ def _jsonable(v: object) -> bool:
         return False
 
 
+def trained_dtype(model: str) -> str | None:
+    """The dtype a model folder's checkpoint was released in (config.json's ``dtype`` or
+    ``torch_dtype``), or None when it does not say. Backends use it to resolve
+    ``--dtype auto``.
+
+    The built-in default model is the exception: its folder holds fp32 weights dequantized
+    from a 4-bit GGUF, but SmolLM2 itself was trained and released in bfloat16.
+    """
+    from cadence.default_model import DEFAULT_MODEL_TRAINED_DTYPE, is_default_model_folder
+
+    if is_default_model_folder(model):
+        return DEFAULT_MODEL_TRAINED_DTYPE
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
 def _max_position_embeddings(model: str) -> int | None:
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):

@@ -38,6 +38,10 @@ def cadence_add_cli_options(parser) -> None:
 def cadence_configure(config) -> None:
     if config.get("backend") != "cpu":
         return
+    if config.get("dtype") == "auto":
+        from cadence.backends.cpu.dtype import resolve_auto_dtype
+
+        config["dtype"] = resolve_auto_dtype(config["model"])
     opts = config.setdefault("backend_options", {})
     if config.get("cpu_overlap"):
         opts["overlap"] = config["cpu_overlap"]
