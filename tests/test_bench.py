@@ -24,6 +24,8 @@ BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
                   "hidden_finalize_s", "exposed_finalize_s", "hidden_fraction",
                   "host_critical_s", "other_s", "device_idle_fraction"}
 PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain"}
+MACHINE_KEYS = {"cpu_model", "cpu_family", "cpu_model_id", "cpu_flags", "torch_cpu_capability",
+                "native_bf16", "cpu_count", "threads", "dtype"}
 
 
 def _run(argv: list[str], out: Path) -> dict:
@@ -48,10 +50,16 @@ def _check_breakdown(b: dict) -> None:
     ["--disable-async-output-proc", "--disable-detokenize", "--output-len-range", "2:5",
      "--temperature", "0"],
 ])
-def test_throughput_json(tiny_model_dir, tmp_path, extra):
+def test_throughput_json(tiny_model_dir, tmp_path, capsys, extra):
     data = _run(["bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts",
                  "5", *WORKLOAD, *extra], tmp_path / "tp.json")
     assert TOP_KEYS <= set(data) and ENV_KEYS <= set(data["env"])
+    machine = data["machine"]
+    assert MACHINE_KEYS <= set(machine) and machine["dtype"] == data["env"]["dtype"]
+    assert machine["threads"] >= 1 and isinstance(machine["cpu_flags"], list)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("machine: ") and f"{machine['threads']} threads" in header
+    assert header.endswith(f"dtype {machine['dtype']}")
     assert data["num_prompts"] == 5 and data["num_input_tokens"] == 40
     assert data["output_tokens_per_s"] > 0 and data["requests_per_s"] > 0
     if "--output-len-range" in extra:
@@ -70,7 +78,7 @@ def test_compare_without_hf(tiny_model_dir, tmp_path):
                  "--batch-sizes", "1,4", "--waves", "1", "--skip-hf", "--breakdown",
                  "--chart", str(chart), *WORKLOAD], tmp_path / "cmp.json")
     assert chart.stat().st_size > 1000
-    assert {"runs", "config", "env", "elapsed_s"} <= set(data)
+    assert {"runs", "config", "env", "machine", "elapsed_s"} <= set(data)
     names = [(r["name"], r["batch_size"]) for r in data["runs"]]
     assert sorted(names) == sorted((n, b) for n in ("async", "sync", "floor") for b in (1, 4))
     for r in data["runs"]:
@@ -102,6 +110,7 @@ def test_scale_reports_both_queue_lengths(tiny_model_dir, tmp_path):
     data = _run(["bench", "scale", "--model", tiny_model_dir("llama"), "--num-queued", "2,40",
                  "--batch-size", "2", "--num-steps", "3", *WORKLOAD], tmp_path / "scale.json")
     by_q = {r["num_queued"]: r for r in data["scale"]}
+    assert MACHINE_KEYS <= set(data["machine"])
     assert set(by_q) == {2, 40}
     assert by_q[40]["num_waiting"] == 40 and by_q[40]["num_running"] == 2
     for r in by_q.values():

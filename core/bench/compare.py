@@ -1,6 +1,7 @@
 """``engine bench compare`` (async, sync, floor and the transformers baselines on the same
-prompts, for each batch size and host-work setting) and ``engine bench scale`` (host cost
-per step with a short and a long waiting queue)."""
+prompts, for each batch size and host-work setting, and with ``--peer`` another engine in
+alternating rounds, see ``cadence.bench.peer``) and ``engine bench scale`` (host cost per
+step with a short and a long waiting queue)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import time
 from typing import Any
 
 from cadence.bench.floor import run_floor
-from cadence.bench.report import draw_chart, env_info, format_table, write_json
+from cadence.bench.peer import (
+    PeerWorkdir,
+    async_rounds_with_peer,
+    check_peer,
+    peer_options,
+    print_peer,
+)
+from cadence.bench.report import draw_chart, env_info, format_table, machine_info, write_json
 from cadence.bench.throughput import (
     Workload,
     build_engine,
@@ -19,6 +27,7 @@ from cadence.bench.throughput import (
     run_engine,
     vocab_size_of,
     workload_from_args,
+    workload_tokens,
 )
 
 RUN_NAMES = ("async", "sync", "floor", "hf_generate", "hf_generate_batch")
@@ -44,10 +53,17 @@ def selected_runs(ns: argparse.Namespace) -> list[str]:
     return runs
 
 
+def _record_env(engine: Any, info: dict[str, Any]) -> None:
+    """The first engine's ``env`` and ``machine`` blocks, for the JSON."""
+    if not info:
+        info.update(env=env_info(engine), machine=machine_info(engine))
+
+
 def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs: int,
-                 prompts: list[list[int]] | None) -> tuple[list[dict], list[list[int]], dict]:
+                 prompts: list[list[int]] | None, info: dict[str, Any]
+                 ) -> tuple[list[dict], list[list[int]]]:
     """async (+ floor on the same backend) and sync at one batch size."""
-    out, env = [], {}
+    out = []
     out_lens = workload.output_lens()
     for mode in ("async", "sync"):
         if mode not in runs and not (mode == "async" and "floor" in runs):
@@ -56,7 +72,7 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
         try:
             if prompts is None:
                 prompts = workload.prompts(vocab_size_of(engine))
-            env = env or env_info(engine)
+            _record_env(engine, info)
             if mode in runs:
                 out.append(run_engine(engine, workload, prompts, out_lens, ns.breakdown,
                                       not ns.disable_tqdm, mode))
@@ -69,7 +85,7 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
                                      not ns.disable_tqdm))
         finally:
             release_engine(engine)
-    return out, prompts, env
+    return out, prompts
 
 
 def _hf_runs(ns: argparse.Namespace, runs: list[str], hf_model: Any, workload: Workload,
@@ -90,19 +106,43 @@ def _hf_runs(ns: argparse.Namespace, runs: list[str], hf_model: Any, workload: W
     return out
 
 
+def _check_peer_workload(runs: list[str], batch_sizes: list[int], host_works: list[str]
+                         ) -> None:
+    if "async" not in runs:
+        raise ValueError("--peer compares the async run: keep async in --runs")
+    if len(batch_sizes) > 1 or len(host_works) > 1:
+        raise ValueError("--peer compares one workload: give one --batch-sizes value and one "
+                         "--host-work setting per command")
+
+
 def cmd_compare(ns: argparse.Namespace) -> int:
     runs = selected_runs(ns)
+    peer = peer_options(ns)
     batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
                                  "batch_sizes")
     host_works = [h.strip() for h in ns.host_work.split(",")]
-    hf_model, records, env = None, [], {}
+    peer_version, peer_section = None, None
+    if peer is not None:
+        _check_peer_workload(runs, batch_sizes, host_works)
+        with PeerWorkdir() as workdir:
+            peer_version = check_peer(peer, workdir)
+    hf_model, records, info = None, [], {}
     started = time.perf_counter()
     try:
         for hw in host_works:
             for bs in batch_sizes:
                 workload = workload_from_args(ns, bs * ns.waves if ns.waves else None, hw)
-                recs, prompts, env_ = _engine_runs(ns, runs, workload, bs, None)
-                env = env or env_
+                if peer is None:
+                    recs, prompts = _engine_runs(ns, runs, workload, bs, None, info)
+                else:
+                    prompts = workload_tokens(ns, workload)[0]
+                    recs, _ = _engine_runs(ns, [r for r in runs if r != "async"], workload,
+                                           bs, prompts, info)
+                    rounds, peer_section = async_rounds_with_peer(
+                        ns, peer, peer_version, workload, bs, prompts, _model_dir(ns),
+                        lambda engine: _record_env(engine, info))
+                    recs = rounds + recs
+                env = info.get("env", {})
                 if any(r.startswith("hf_") for r in runs):
                     if prompts is None:
                         raise ValueError("hf runs need an engine run to pick the prompts")
@@ -118,8 +158,14 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     finally:
         del hf_model
     _print_compare(records, ns.breakdown)
+    if peer_section is not None:
+        print_peer(peer_section)
+    env = info.get("env", {})
     data = {"runs": records, "config": config_of(ns), "env": env,
+            "machine": info.get("machine") or machine_info(ns=ns),
             "elapsed_s": time.perf_counter() - started}
+    if peer_section is not None:
+        data["peer"] = peer_section
     if ns.output_json:
         write_json(ns.output_json, data)
     if ns.chart:
@@ -149,12 +195,15 @@ def _add_ratios(recs: list[dict]) -> None:
 
 
 def _print_compare(records: list[dict], breakdown: bool) -> None:
+    cols = ["name", "host_work", "batch_size", "num_prompts", "output_tokens_per_s",
+            "requests_per_s", "elapsed_s", "ratio_to_floor"]
+    heads = ["run", "host work", "batch", "prompts", "output tok/s", "req/s", "elapsed s",
+             "x floor"]
+    if any("round" in r for r in records):
+        cols.insert(1, "round")
+        heads.insert(1, "round")
     print()
-    print(format_table(records, ["name", "host_work", "batch_size", "num_prompts",
-                                 "output_tokens_per_s", "requests_per_s", "elapsed_s",
-                                 "ratio_to_floor"],
-                       ["run", "host work", "batch", "prompts", "output tok/s", "req/s",
-                        "elapsed s", "x floor"]))
+    print(format_table(records, cols, heads))
     for r in records:
         if r.get("skipped"):
             print(f"{r['name']} (batch {r['batch_size']}) skipped: {r['skipped']}")
@@ -165,10 +214,11 @@ def _print_compare(records: list[dict], breakdown: bool) -> None:
 def cmd_scale(ns: argparse.Namespace) -> int:
     """Host cost per decode step with ``--num-queued`` requests waiting behind the batch."""
     queued = parse_int_list(ns.num_queued, "num_queued")
-    results = []
+    results, info = [], {}
     for n in queued:
         engine = build_engine(ns, max_num_seqs=ns.batch_size)
         try:
+            _record_env(engine, info)
             results.append(_scale_one(engine, ns, n))
         finally:
             release_engine(engine)
@@ -181,7 +231,7 @@ def cmd_scale(ns: argparse.Namespace) -> int:
     print(format_table(rows, ["phase", *cols],
                        ["phase", *(f"{r['num_queued']} queued" for r in results)]))
     if ns.output_json:
-        write_json(ns.output_json, {"scale": results, "config": config_of(ns)})
+        write_json(ns.output_json, {"scale": results, "config": config_of(ns), **info})
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Benchmark output: plain-text tables, the JSON file, the environment record and the PNG chart.
+"""Benchmark output: plain-text tables, the JSON file, the environment and machine records and
+the PNG chart.
 
 matplotlib is imported only when a chart is drawn (it is the ``bench`` extra).
 """
@@ -121,6 +122,44 @@ def env_info(engine: Any = None) -> dict[str, Any]:
         plugins_env["error"] = repr(e)
     info["plugins_env"] = plugins_env
     return info
+
+
+def machine_info(engine: Any = None, ns: Any = None) -> dict[str, Any]:
+    """The ``machine`` block of every bench JSON (``cadence.cpuinfo.describe``).
+
+    ``threads`` is this process's ``torch.get_num_threads()``; ``dtype`` is the engine's
+    resolved dtype, or, before an engine exists, the one its flags ``ns`` resolve to.
+    """
+    import torch
+
+    from cadence.cpuinfo import describe
+
+    if engine is not None:
+        dtype = engine.config.model_config.dtype
+    elif ns is not None:
+        dtype = resolved_dtype(ns)
+    else:
+        dtype = None
+    return describe(torch.get_num_threads(), dtype)
+
+
+def resolved_dtype(ns: Any) -> str:
+    """The dtype an engine built from the CLI namespace ``ns`` will run in ("auto" resolved
+    the way the engine resolves it, plugins included)."""
+    from cadence.engine_args import EngineArgs
+
+    args, extra = EngineArgs.from_cli_args(ns)
+    return args.create_engine_config(extra).model_config.dtype
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """One line: CPU model, its vector flags, torch's capability, threads and dtype."""
+    model = m.get("cpu_model") or "unknown CPU"
+    if m.get("cpu_family") is not None:
+        model += f" (family {m['cpu_family']} model {m.get('cpu_model_id')})"
+    flags = " ".join(m.get("cpu_flags") or []) or "no vector flags"
+    return (f"machine: {model} | {flags} | torch capability {m.get('torch_cpu_capability')} "
+            f"| {m.get('threads')} threads | dtype {m.get('dtype')}")
 
 
 def draw_chart(runs: Sequence[dict[str, Any]], path: str | os.PathLike,

@@ -23,23 +23,23 @@ import tempfile
 import time
 from typing import Any
 
-from cadence.bench.report import env_info, format_table, write_json
+from cadence.bench.report import env_info, format_table, machine_info, write_json
 from cadence.bench.throughput import (
     HEAVY_LOGPROBS,
     HEAVY_STOP,
     Workload,
     build_engine,
     config_of,
-    prompt_vocab_size,
     release_engine,
     run_engine,
     workload_from_args,
+    workload_tokens,
 )
 
 
 def cmd_serve_bench(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns)
-    prompts, out_lens = _workload_tokens(ns, workload)
+    prompts, out_lens = workload_tokens(ns, workload)
     server = None
     base = ns.base_url
     if base is None:
@@ -51,13 +51,13 @@ def cmd_serve_bench(ns: argparse.Namespace) -> int:
         if server is not None:
             _stop(server)
     records = [rec]
-    env = None
+    env, machine = None, None
     if ns.compare_offline:
         engine = build_engine(ns)
         try:
             off = run_engine(engine, workload, prompts, out_lens, progress=not ns.disable_tqdm,
                              name="offline")
-            env = env_info(engine)
+            env, machine = env_info(engine), machine_info(engine)
         finally:
             release_engine(engine)
         records.append(off)
@@ -66,21 +66,11 @@ def cmd_serve_bench(ns: argparse.Namespace) -> int:
             "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "itl_p99_ms", "ratio_to_offline"]
     print(format_table(records, cols))
     if ns.output_json:
+        # Without an offline engine here, the machine block is this process's view (the
+        # server started with the same flags and environment).
         write_json(ns.output_json, {"runs": records, "config": config_of(ns, workload),
-                                    "env": env})
+                                    "env": env, "machine": machine or machine_info(ns=ns)})
     return 0
-
-
-def _workload_tokens(ns: argparse.Namespace, workload: Workload
-                     ) -> tuple[list[list[int]], list[int]]:
-    from cadence.engine import vocab_size_from_config
-    from cadence.engine_args import EngineArgs
-    from cadence.model_loader import load_tokenizer
-
-    model = EngineArgs(model=ns.model).resolve_model()
-    vocab = prompt_vocab_size(vocab_size_from_config(model),
-                              load_tokenizer(ns.tokenizer or model))
-    return workload.prompts(vocab), workload.output_lens()
 
 
 # ---- the server process -----------------------------------------------------------------

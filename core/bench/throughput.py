@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.bench.floor import StepTimer, breakdown_from
-from cadence.bench.report import env_info, format_table, write_json
+from cadence.bench.report import env_info, format_table, machine_info, write_json
 
 HOST_WORK = ("light", "heavy")
 # "heavy" host work: ten stop strings that never match (every token is checked against all
@@ -93,6 +93,20 @@ def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
     return Workload(ns.input_len, ns.output_len, num_prompts or ns.num_prompts,
                     parse_len_range(ns.output_len_range), ns.seed,
                     host_work or ns.host_work, not ns.disable_detokenize, ns.temperature)
+
+
+def workload_tokens(ns: argparse.Namespace, workload: Workload
+                    ) -> tuple[list[list[int]], list[int]]:
+    """The workload's prompts and output lengths without building an engine (the same ids
+    ``workload.prompts(vocab_size_of(engine))`` gives)."""
+    from cadence.engine import vocab_size_from_config
+    from cadence.engine_args import EngineArgs
+    from cadence.model_loader import load_tokenizer
+
+    model = EngineArgs(model=ns.model).resolve_model()
+    vocab = prompt_vocab_size(vocab_size_from_config(model),
+                              load_tokenizer(ns.tokenizer or model))
+    return workload.prompts(vocab), workload.output_lens()
 
 
 def vocab_size_of(engine: Any) -> int:
@@ -204,7 +218,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         name = "sync" if not engine.async_output else "async"
         rec = run_engine(engine, workload, prompts, workload.output_lens(), ns.breakdown,
                          not ns.disable_tqdm, name)
-        env = env_info(engine)
+        env, machine = env_info(engine), machine_info(engine)
     finally:
         release_engine(engine)
     print(f"Throughput: {rec['requests_per_s']:.2f} requests/s, "
@@ -213,7 +227,8 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
           f"({rec['num_prompts']} prompts in {rec['elapsed_s']:.2f} s)")
     print_breakdown(rec)
     if ns.output_json:
-        write_json(ns.output_json, {**rec, "config": config_of(ns, workload), "env": env})
+        write_json(ns.output_json, {**rec, "config": config_of(ns, workload), "env": env,
+                                    "machine": machine})
     return 0
 
 
