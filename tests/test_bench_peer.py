@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,8 @@ def test_failing_peer_names_its_python_and_stderr(tmp_path):
         check_peer(PeerOptions("vllm", missing, 1, ("eager",)), workdir)
 
 
-def test_cli_errors(tiny_model_dir, tmp_path, capsys):
+def test_cli_errors(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept cadence-peer-* folder
     model = tiny_model_dir("llama")
     rc = main(["bench", "compare", "--model", model, "--runs", "async", "--peer", "vllm",
                *WORKLOAD])
