@@ -280,7 +280,7 @@ def test_decode_attention_rejects_bad_input(ops) -> None:
         ops.paged_decode_attention(q, kb, vb, tables, too_long, 1.0)
     with pytest.raises(RuntimeError, match="longer than its block table"):
         ops.paged_decode_attention(q, kb, vb, tables, torch.tensor([-1], dtype=torch.int32), 1.0)
-    c80 = torch.zeros(4, bs, kvh, 80)
+    c80 = torch.zeros(num_blocks, bs, kvh, 80)
     with pytest.raises(RuntimeError, match="head_dim must be one of 16, 32, 64, 128, 256"):
         ops.paged_decode_attention(torch.randn(1, 4, 80), c80, c80, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="q must be float32 or bfloat16"):
@@ -882,3 +882,23 @@ def test_engine_refuses_kernel_attention_for_head_dim_80(tokenizer_dir, tmp_path
     # 'auto' runs such a model on the torch path instead.
     _, _, info, _ = _greedy_run(model, {"overlap": "sync", "linear": "torch"})
     assert info["cpu_attention"] == "torch"
+
+
+def test_malformed_kernel_input_raises_instead_of_reading_out_of_bounds():
+    from cadence.backends.cpu.kernels import load_kernels
+
+    ops = load_kernels()
+    if ops is None:
+        pytest.skip("the CPU kernels could not be built here (see the logged reason)")
+    kc = torch.randn(4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.paged_decode_attention(q, kc, kc, torch.tensor([[0, 10**8]], dtype=torch.int32),
+                                   torch.tensor([20], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="num_seqs"):
+        ops.paged_decode_attention(torch.randn(2, 4, 64), kc, kc,
+                                   torch.tensor([[0, 1]], dtype=torch.int32),
+                                   torch.tensor([20, 20], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ops.paged_decode_attention(q, kc, kc[:1], torch.tensor([[2, 3]], dtype=torch.int32),
+                                   torch.tensor([20], dtype=torch.int32), 0.125)

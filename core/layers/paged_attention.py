@@ -129,13 +129,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, D]
     if fused:
         qt, kt, vt = qt.unsqueeze(0), kt.unsqueeze(0), vt.unsqueeze(0)  # [1, heads, L, D]
-    if kvh != h:
-        # Not enable_gqa: kernels that do not take it (the masked path's) would send the
-        # call back to the math kernel.
+    if kvh != h and context_len != 0:
+        # Not enable_gqa here: kernels that do not take it (the masked path's) would send
+        # the call back to the math kernel. The causal flash kernel takes it and reads each
+        # KV head once (measured bitwise equal to repeating K/V, without the copies).
         kt = kt.repeat_interleave(h // kvh, dim=-3)
         vt = vt.repeat_interleave(h // kvh, dim=-3)
     if context_len == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=kvh != h)
     else:
         # is_causal aligns the diagonal top-left, wrong when Lq < Lk: an explicit mask.
         qpos = torch.arange(context_len, context_len + lq, device=q.device)

@@ -54,79 +54,132 @@ struct Geometry {
   int64_t max_partitions;
 };
 
+// Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
+// (15 two-input shuffles pairs) instead of 16 separate horizontal sums (~3x fewer ops).
+inline vfloat reduce16(const vfloat* v) {
+  vfloat r[8], s[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    r[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1],
+                             vint{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[2 * k], v[2 * k + 1],
+                             vint{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int k = 0; k < 4; ++k)
+    s[k] = __builtin_shuffle(r[2 * k], r[2 * k + 1],
+                             vint{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(r[2 * k], r[2 * k + 1],
+                             vint{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int k = 0; k < 2; ++k)
+    w[k] = __builtin_shuffle(s[2 * k], s[2 * k + 1],
+                             vint{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(s[2 * k], s[2 * k + 1],
+                             vint{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(w[0], w[1],
+                           vint{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(w[0], w[1],
+                           vint{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+// Copies the rows of tokens [t, t + count), KV heads [kh0, kh1), into fp32 rows of `tile`
+// ([kVec][kh1 - kh0][d]; rows past `count` are zeroed), prefetching the next block at a
+// block start. All the heads of a token are read together: in the core's token-major cache
+// layout they are one contiguous run, which streams from memory far better than three
+// strided passes (one per KV head).
+template <typename cache_t, int NC>
+inline void load_tile(const Geometry& g, const cache_t* cache, int64_t block_stride,
+                      int64_t token_stride, int64_t head_stride, const int32_t* table,
+                      int64_t kh0, int64_t kh1, int64_t t, int64_t count, int64_t t_end,
+                      float* tile) {
+  constexpr int64_t d = NC * kVec;
+  const int64_t bs = g.block_size;
+  const int64_t nkv = kh1 - kh0;
+  for (int64_t i = 0; i < kVec; ++i) {
+    float* row = tile + i * nkv * d;
+    if (i >= count) {
+      for (int64_t x = 0; x < nkv * NC; ++x) store(row + x * kVec, vfloat{});
+      continue;
+    }
+    const int64_t tt = t + i;
+    const int64_t bi = tt / bs, off = tt % bs;
+    if (off == 0 && (bi + 1) * bs < t_end)
+      prefetch_block(cache + table[bi + 1] * block_stride, bs, token_stride, head_stride, kh0,
+                     kh1, d);
+    const cache_t* src = cache + table[bi] * block_stride + off * token_stride;
+    for (int64_t kvh = kh0; kvh < kh1; ++kvh) {
+      const cache_t* h = src + kvh * head_stride;
+      float* dst = row + (kvh - kh0) * d;
+      for (int c = 0; c < NC; ++c) store(dst + c * kVec, load(h + c * kVec));
+    }
+  }
+}
+
 // One work item: the query heads of KV heads [kh0, kh1) over tokens [t0, t1) of one
-// sequence. For each query head: scores (q in registers, one K row at a time), softmax
-// with a running max, and the weighted V sum (accumulator in registers). The first head of
-// a group reads the partition's K/V rows from memory (prefetching the next block); the
-// group's other heads find them in L2. NC = head_dim / 16 vectors per row.
-// Writes the unnormalized accumulators, maxima and sums of heads kh0 * group ...
+// sequence. Tokens go in tiles of 16: a tile of K (then V) rows is converted to fp32 once
+// and serves every query head from L1; the scores of a tile come out of one
+// transpose-and-add reduction. Softmax per head over the partition, then the weighted V
+// sum. NC = head_dim / 16 vectors per row. Writes the unnormalized accumulators, maxima and
+// sums of heads kh0 * group ...
 template <typename cache_t, int NC>
 void attend_partition(const Geometry& g, const float* q, const cache_t* k_cache,
                       const cache_t* v_cache, const int32_t* table, int64_t kh0, int64_t kh1,
-                      int64_t t0, int64_t t1, float* scores, float* acc_out, float* max_out,
-                      float* sum_out) {
+                      int64_t t0, int64_t t1, float* scores, float* tile, float* acc_out,
+                      float* max_out, float* sum_out) {
   constexpr int64_t d = NC * kVec;
   const int64_t n = t1 - t0;
-  const int64_t bs = g.block_size;
-  for (int64_t kvh = kh0; kvh < kh1; ++kvh) {
-    for (int64_t j = 0; j < g.group; ++j) {
-      const int64_t h = (kvh - kh0) * g.group + j;
-      const bool lead = j == 0;
+  const int64_t G = g.group;
+  const int64_t nkv = kh1 - kh0;
+  const int64_t nh = nkv * G;
+  const int64_t stride = kPartition + kVec;  // scores of one head; room for a full last tile
+  const int64_t padded = ((n + kVec - 1) / kVec) * kVec;
+  for (int64_t t = t0; t < t1; t += kVec) {
+    const int64_t count = std::min<int64_t>(kVec, t1 - t);
+    load_tile<cache_t, NC>(g, k_cache, g.k_block_stride, g.k_token_stride, g.k_head_stride,
+                           table, kh0, kh1, t, count, t1, tile);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = q + h * d;
+      const float* krows = tile + (h / G) * d;  // this head's KV head in each tile row
       vfloat qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = load(q + h * d + c * kVec);
-      float* sh = scores;  // one head at a time: n scores
-      float m = -std::numeric_limits<float>::infinity();
-      // Block by block: one table lookup and no division per token.
-      for (int64_t bt0 = t0; bt0 < t1; bt0 += bs) {
-        const int64_t bi = bt0 / bs;
-        const int64_t bt1 = std::min(t1, bt0 + bs);
-        if (lead && bt1 < t1)
-          prefetch_block(k_cache + table[bi + 1] * g.k_block_stride, bs, g.k_token_stride,
-                         g.k_head_stride, kvh, kvh + 1, d);
-        const cache_t* k = k_cache + table[bi] * g.k_block_stride + kvh * g.k_head_stride;
-        for (int64_t t = bt0; t < bt1; ++t, k += g.k_token_stride) {
-          vfloat s = qv[0] * load(k);
-          for (int c = 1; c < NC; ++c) s += qv[c] * load(k + c * kVec);
-          const float x = hsum(s);
-          sh[t - t0] = x;
-          m = std::max(m, x);
-        }
+      for (int c = 0; c < NC; ++c) qv[c] = load(qh + c * kVec);
+      vfloat part[kVec];
+      for (int64_t i = 0; i < kVec; ++i) {
+        const float* row = krows + i * nkv * d;
+        vfloat s = qv[0] * load(row);
+        for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
+        part[i] = s;
       }
-      int64_t i = 0;
-      vfloat lv = vfloat{};
-      for (; i + kVec <= n; i += kVec) {
-        const vfloat e = exp(load(sh + i) - m);
-        store(sh + i, e);
-        lv += e;
+      store(scores + h * stride + (t - t0), reduce16(part));
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = scores + h * stride;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+    vfloat lv = vfloat{};
+    for (int64_t i = 0; i < padded; i += kVec) {
+      vfloat e = exp(load(sh + i) - m);
+      // Lanes past n hold the scores of a tile's zero rows: they weigh nothing.
+      for (int64_t lane = std::max<int64_t>(0, n - i); lane < kVec; ++lane) e[lane] = 0.f;
+      store(sh + i, e);
+      lv += e;
+    }
+    max_out[h] = m;
+    sum_out[h] = hsum(lv);
+  }
+  std::fill(acc_out, acc_out + nh * d, 0.f);
+  for (int64_t t = t0; t < t1; t += kVec) {
+    const int64_t count = std::min<int64_t>(kVec, t1 - t);
+    load_tile<cache_t, NC>(g, v_cache, g.v_block_stride, g.v_token_stride, g.v_head_stride,
+                           table, kh0, kh1, t, count, t1, tile);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* p = scores + h * stride + (t - t0);
+      const float* vrows = tile + (h / G) * d;
+      vfloat a[NC];
+      for (int c = 0; c < NC; ++c) a[c] = load(acc_out + h * d + c * kVec);
+      for (int64_t i = 0; i < count; ++i) {
+        const vfloat pi = splat(p[i]);
+        const float* row = vrows + i * nkv * d;
+        for (int c = 0; c < NC; ++c) a[c] += pi * load(row + c * kVec);
       }
-      float l = hsum(lv);
-      for (; i < n; ++i) {  // the tail, through the same vector code
-        vfloat x = splat(-std::numeric_limits<float>::infinity());
-        x[0] = sh[i] - m;
-        const float e = exp(x)[0];
-        sh[i] = e;
-        l += e;
-      }
-      max_out[h] = m;
-      sum_out[h] = l;
-      vfloat acc[NC];
-      for (int c = 0; c < NC; ++c) acc[c] = vfloat{};
-      if (lead && t0 < t1)
-        prefetch_block(v_cache + table[t0 / bs] * g.v_block_stride, bs, g.v_token_stride,
-                       g.v_head_stride, kvh, kvh + 1, d);
-      for (int64_t bt0 = t0; bt0 < t1; bt0 += bs) {
-        const int64_t bi = bt0 / bs;
-        const int64_t bt1 = std::min(t1, bt0 + bs);
-        if (lead && bt1 < t1)
-          prefetch_block(v_cache + table[bi + 1] * g.v_block_stride, bs, g.v_token_stride,
-                         g.v_head_stride, kvh, kvh + 1, d);
-        const cache_t* v = v_cache + table[bi] * g.v_block_stride + kvh * g.v_head_stride;
-        for (int64_t t = bt0; t < bt1; ++t, v += g.v_token_stride) {
-          const vfloat p = splat(sh[t - t0]);
-          for (int c = 0; c < NC; ++c) acc[c] += p * load(v + c * kVec);
-        }
-      }
-      for (int c = 0; c < NC; ++c) store(acc_out + h * d + c * kVec, acc[c]);
+      for (int c = 0; c < NC; ++c) store(acc_out + h * d + c * kVec, a[c]);
     }
   }
 }
@@ -160,7 +213,8 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     const int64_t max_nh = heads_per_item * g.group;
-    std::vector<float> scores(static_cast<size_t>(kPartition));
+    std::vector<float> scores(static_cast<size_t>(max_nh * (kPartition + kVec)));
+    std::vector<float> tile(static_cast<size_t>(kVec * heads_per_item * d));
     std::vector<float> acc(static_cast<size_t>(max_nh * d));
     std::vector<float> m(static_cast<size_t>(max_nh)), l(static_cast<size_t>(max_nh));
     for (int64_t item = next++; item < num_items; item = next++) {
@@ -177,7 +231,7 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
       if (t1 > t0) {
         attend_partition<cache_t, NC>(g, q + (b * H + h0) * d, k_cache, v_cache,
                                      tables + b * g.max_blocks, kh0, kh1, t0, t1,
-                                     scores.data(), acc.data(), m.data(), l.data());
+                                     scores.data(), tile.data(), acc.data(), m.data(), l.data());
       } else {  // an empty sequence: its output is zero
         std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.end(), 0.f);
@@ -268,12 +322,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   g.v_block_stride = v_cache.stride(0);
   g.v_token_stride = v_cache.stride(1);
   g.v_head_stride = v_cache.stride(2);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == g.num_seqs && lens.dim() == 1 &&
+                  lens.size(0) == g.num_seqs,
+              "block_tables must be [num_seqs, max_blocks] and seq_lens [num_seqs], with "
+              "num_seqs = q.size(0)");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "K and V caches differ in shape");
+  // A bad block id would read outside the cache: checked once over the used table entries.
+  const int64_t num_blocks = k_cache.size(0);
   int64_t max_len = 0;
   const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp_check = tables.data_ptr<int32_t>();
   for (int64_t b = 0; b < g.num_seqs; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= g.max_blocks * g.block_size,
                 "a sequence is longer than its block table");
     max_len = std::max<int64_t>(max_len, lp[b]);
+    const int64_t used = (lp[b] + g.block_size - 1) / g.block_size;
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t blk = tp_check[b * g.max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the cache (",
+                  num_blocks, " blocks)");
+    }
   }
   g.max_partitions = std::max<int64_t>(1, (max_len + kPartition - 1) / kPartition);
   // Scaled fp32 queries: the scale is folded in once instead of per score.
