@@ -205,8 +205,20 @@ def test_attention_impls_agree_on_a_mixed_decode_and_prefill_step(ops) -> None:
     expected = torch_impl.forward(0, q, k, v, ref.build_metadata(mi, bs))
     out = kernel_impl.forward(0, q, k, v, cpu_attention.build_metadata(mi, bs))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(out[num_decodes:], expected[num_decodes:])  # the same torch code
+    fresh = t - seqs[-1][1]
+    assert torch.equal(out[fresh:], expected[fresh:])  # the fresh prompt: the same torch code
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # The chunk with cached context ran through the decode kernel row by row: each row has
+    # the bits a decode of that position would have (what keeps async == sync exact when a
+    # recompute after preemption replaces decodes).
+    start = sum(n for _, n in seqs[:3])
+    ctx, n = seqs[3]
+    for i in range(n):
+        row = ops.paged_decode_attention(
+            q[start + i:start + i + 1], kc2.view(-1, bs, kvh, d), vc2.view(-1, bs, kvh, d),
+            torch.tensor([tables[3]], dtype=torch.int32),
+            torch.tensor([ctx + i + 1], dtype=torch.int32), d ** -0.5)
+        assert torch.equal(out[start + i], row[0])
     # The kernel read the token written this step (a stale cache would not match).
     assert torch.equal(kc2[slots[1]], k[1])
 

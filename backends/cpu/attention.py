@@ -17,16 +17,22 @@ from types import ModuleType
 import torch
 
 from cadence.backend import ModelInput
-from cadence.layers.paged_attention import (
-    PrefillSeq,
-    build_prefills,
-    run_prefills,
-    write_kv,
-)
+from cadence.layers.paged_attention import PrefillSeq, run_prefills, write_kv
 
 # head_dim values the kernel is instantiated for (csrc/paged_attention.cpp dispatch_dim).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class ContextChunk:
+    """A prefill chunk with cached context, attended one query row at a time by the decode
+    kernel: row i sees the first ``lens[i]`` tokens of the sequence (causal)."""
+
+    query_start: int
+    query_len: int
+    tables: torch.Tensor  # [query_len, num_blocks] int32: the sequence's table on every row
+    lens: torch.Tensor  # [query_len] int32: context_len + 1 ... context_len + query_len
 
 
 @dataclass(slots=True)
@@ -35,11 +41,18 @@ class CpuAttentionMetadata:
     num_decodes: int
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, padded with 0
     decode_lens: torch.Tensor | None  # [num_decodes] int32: tokens in the cache
-    prefills: list[PrefillSeq]
+    prefills: list[PrefillSeq]  # fresh prompts (no cached context): SDPA's flash kernel
+    context_chunks: list[ContextChunk]
 
 
 def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
                    ) -> CpuAttentionMetadata:
+    """NOTE exactness: a chunk with cached context (a chunked prefill's later chunks, a
+    prefix-cache hit, or a request recomputed after preemption) goes through the decode
+    kernel row by row, not through SDPA. A token's attention then has the same bits whether
+    it was computed as a decode or inside such a chunk, so async on == off stays exact even
+    when the two preempt at different moments (the recompute would otherwise produce K/V a
+    few ulps off the originals, and every later token would inherit the difference)."""
     slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64)
     nd = mi.num_decodes
     tables = lens = None
@@ -48,8 +61,20 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
         rows = [bt[:need] + [0] * (need - len(bt[:need])) for bt in mi.block_tables[:nd]]
         tables = torch.tensor(rows, dtype=torch.int32)
         lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int32)
-    return CpuAttentionMetadata(slot_mapping, nd, tables, lens,
-                                build_prefills(mi, block_size, device))
+    fresh, chunks = [], []
+    start = sum(mi.query_lens[:nd])
+    for i in range(nd, mi.num_seqs):
+        qlen, slen = mi.query_lens[i], mi.seq_lens[i]
+        ctx = slen - qlen
+        if ctx == 0:
+            fresh.append(PrefillSeq(start, qlen, 0, None))
+        else:
+            need = (slen + block_size - 1) // block_size
+            table = torch.tensor(mi.block_tables[i][:need], dtype=torch.int32)
+            chunks.append(ContextChunk(start, qlen, table.expand(qlen, need).contiguous(),
+                                       torch.arange(ctx + 1, slen + 1, dtype=torch.int32)))
+        start += qlen
+    return CpuAttentionMetadata(slot_mapping, nd, tables, lens, fresh, chunks)
 
 
 def kernel_supports(head_dim: int, dtype: torch.dtype) -> str | None:
@@ -77,17 +102,21 @@ class CpuPagedAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
         write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
         decode = None
         if nd:
-            decode = self.ops.paged_decode_attention(
-                q[:nd], self.k_blocks[layer_idx], self.v_blocks[layer_idx],
-                metadata.decode_tables, metadata.decode_lens, self.scale)
-            if not metadata.prefills:
+            decode = self.ops.paged_decode_attention(q[:nd], kb, vb, metadata.decode_tables,
+                                                     metadata.decode_lens, self.scale)
+            if not metadata.prefills and not metadata.context_chunks:
                 return decode
         out = torch.empty_like(q)
         if decode is not None:
             out[:nd] = decode
+        for c in metadata.context_chunks:
+            s, e = c.query_start, c.query_start + c.query_len
+            out[s:e] = self.ops.paged_decode_attention(q[s:e], kb, vb, c.tables, c.lens,
+                                                       self.scale)
         run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
         return out

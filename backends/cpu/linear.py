@@ -128,7 +128,10 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
     # started together on one machine never run different GEMMs.
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        verdicts = json.loads(path.read_text()) if path.is_file() else {}
+        try:
+            verdicts = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            verdicts = {}  # unreadable or half-written by a killed process: measure again
         if key not in verdicts:
             times = _measure([s for s in shapes if s[0] <= 8192], dtype)
             choice = "packed" if times["packed_s"] <= times["torch_s"] else "torch"
