@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from cadence.hookspecs import hookimpl
 
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @hookimpl
 def cadence_register_backends(register) -> None:
@@ -38,6 +40,12 @@ def cadence_add_cli_options(parser) -> None:
 def cadence_configure(config) -> None:
     if config.get("backend") != "cpu":
         return
+    if config.get("max_num_batched_tokens") is None and config.get("enable_chunked_prefill",
+                                                                   True):
+        # Prefill in chunks of 2048 tokens: the activations of a chunk stay under glibc's
+        # 32 MiB mmap threshold and in cache, and oneDNN's GEMMs run ~10 % faster at that
+        # size than at 8192 rows (measured: docs/backends/cpu.md).
+        config["max_num_batched_tokens"] = CPU_MAX_NUM_BATCHED_TOKENS
     if config.get("dtype") == "auto":
         from cadence.backends.cpu.dtype import resolve_auto_dtype
 
