@@ -8,8 +8,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from cadence.config import (DTYPES, POLICIES, CacheConfig, EngineConfig, ModelConfig,
-                            SchedulerConfig)
+from cadence.config import DTYPES, POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from engine_helpers import generate, make_llm
+
 from cadence import SamplingParams
 from cadence.cpuinfo import CpuInfo
 

@@ -78,8 +78,8 @@ def _build() -> ModuleType | None:
     first = not any(build_dir.glob("*.so"))
     if first:
         build_dir.mkdir(parents=True, exist_ok=True)
-        print(f"cadence: compiling the CPU attention kernel for this CPU (once, ~30-60 s); "
-              f"cached in {build_dir}", file=sys.stderr, flush=True)
+        print(f"cadence: compiling the CPU kernels (attention, norm, activation, rotary) for "
+              f"this CPU (once, ~30-60 s); cached in {build_dir}", file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
 
@@ -88,7 +88,7 @@ def _build() -> ModuleType | None:
                     extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down
-        logger.warning("building the CPU attention kernel failed (%s: %s); the CPU backend "
+        logger.warning("building the CPU kernels failed (%s: %s); the CPU backend "
                        "falls back to the torch attention path, which is slower",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e) else "")
         return None

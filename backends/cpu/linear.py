@@ -92,9 +92,9 @@ def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64) 
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
         wp = torch.ops.mkldnn._reorder_linear_weight(w)
-        plain += _time(lambda: torch.nn.functional.linear(x, w), 5)
-        packed += _time(lambda: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], ""),
-                        5)
+        plain += _time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 5)
+        packed += _time(lambda x=x, wp=wp: torch.ops.mkldnn._linear_pointwise(
+            x, wp, None, "none", [], ""), 5)
     return {"torch_s": plain, "packed_s": packed}
 
 
