@@ -10,7 +10,7 @@ the verdict, so later runs on the machine make the same choice.
 
 NOTE batch invariance: oneDNN computes a single row with another kernel (measured: M=1
 differs in the last bits from the same row in any larger batch; every M >= 2 agrees). Rows
-are padded to a multiple of ``ROW_ALIGN`` exactly as in ``cadence.layers.linear``, so no
+go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
 GEMM ever runs with one row and a request's logits never depend on its batch.
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from cadence.cpuinfo import cpu_info
-from cadence.layers.linear import ROW_ALIGN, Linear
+from cadence.layers.linear import Linear, row_aligned
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,10 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        pad = -m % ROW_ALIGN
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y[:m] if pad else y
+        return row_aligned(self._gemm, x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:

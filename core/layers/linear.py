@@ -11,6 +11,8 @@ The cost is at most three extra rows per matmul.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,14 +20,21 @@ from torch import nn
 ROW_ALIGN = 4
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def row_aligned(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``gemm(x)`` with x's rows padded to a multiple of ``ROW_ALIGN`` (module NOTE); any CPU
+    GEMM kernel goes through this."""
     m = x.shape[0]
     pad = -m % ROW_ALIGN
-    if pad == 0 or x.device.type != "cpu":
+    if pad == 0:
+        return gemm(x)
+    return gemm(torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))]))[:m]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
-    return F.linear(x, weight, bias)[:m]
+    return row_aligned(lambda rows: F.linear(rows, weight, bias), x)
 
 
 class Linear(nn.Linear):

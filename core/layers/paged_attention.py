@@ -57,15 +57,6 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
         valid = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
         decode_tables = torch.tensor(rows, dtype=torch.int64, device=device)
         decode_mask = valid.view(nd, 1, 1, max_len).to(device)
-    prefills = build_prefills(mi, block_size, device)
-    return TorchAttentionMetadata(slot_mapping, nd, decode_tables, decode_mask, prefills)
-
-
-def build_prefills(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
-                   ) -> list[PrefillSeq]:
-    """The prefill chunks of a step (sequences after the decodes), with the slot ids of their
-    cached context where they have one."""
-    nd = mi.num_decodes
     prefills = []
     start = sum(mi.query_lens[:nd])
     for i in range(nd, mi.num_seqs):
@@ -79,7 +70,7 @@ def build_prefills(mi: ModelInput, block_size: int, device: torch.device | str =
             gather = (table[pos // block_size] * block_size + pos % block_size).to(device)
         prefills.append(PrefillSeq(start, qlen, ctx, gather))
         start += qlen
-    return prefills
+    return TorchAttentionMetadata(slot_mapping, nd, decode_tables, decode_mask, prefills)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
