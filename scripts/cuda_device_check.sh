@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# One prepared run of the CUDA backend on a lent GPU machine (an H200 through the `device`
-# tool): environment facts, the GPU tests, `engine bench compare`, and a direct timing loop
-# through cadence.LLM so numbers come back even if the bench command is not there.
+# One prepared check of the CUDA backend on a GPU machine (H100/H200 class): environment
+# facts, the GPU tests, `engine bench compare`, and a direct timing loop through cadence.LLM
+# so numbers come back even if the bench command is not there.
 #
-#   device run:  bash scripts/cuda_device_check.sh        (timeout_s=600; nothing to carry)
-#   elsewhere:   OUT=/tmp/cuda-check bash scripts/cuda_device_check.sh
+#   OUT=/tmp/cuda-check bash scripts/cuda_device_check.sh     (about ten minutes)
 #
-# The machine is bare and offline: its python3 already has torch (CUDA), triton,
-# transformers, tokenizers, safetensors, pluggy, pytest (see /work/.library/device/KINDS.md),
+# It assumes a bare, offline machine whose python3 already has torch (CUDA), triton,
+# transformers, tokenizers, safetensors, pluggy and pytest,
 # so cadence is installed with --no-deps --no-index. Each stage has its own time limit, cut
 # to what is left of BUDGET_S (570 s), and the stages run most-valuable-first (correctness,
 # then the overlap timings, then the bench command); STAGES selects some of them.
-# Results (at most 8 files, the device tool's limit) land in $OUT:
+# Results (eight files) land in $OUT:
 #   env.txt  pytest.log  bench.log  bench.json  timing.log  timing.json  summary.txt
 set -u -o pipefail
 OUT="${OUT:-/tmp/cadence-cuda-check}"
