@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -17,7 +18,8 @@ typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 
-inline vfloat splat(float x) { return vfloat{} + x; }
+// A broadcast (vfloat{} + x would keep an add: 0 + x is not x for x = -0).
+inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -25,12 +27,21 @@ inline vfloat load(const float* p) {
   return v;
 }
 inline vfloat load(const c10::BFloat16* p) {
+#ifdef __AVX512F__
+  // One widening load; GCC lowers __builtin_convertvector below to two half-width ones.
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#else
   vu16 raw;
   std::memcpy(&raw, p, sizeof(raw));
   const vuint bits = __builtin_convertvector(raw, vuint) << 16;
   vfloat v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+#endif
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 // float -> bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) (NaN stays NaN).
