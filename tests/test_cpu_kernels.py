@@ -388,6 +388,35 @@ def test_rms_norm_bf16_within_one_step_before_the_weight(ops) -> None:
     assert differing <= total * 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(64, 576), (37, 130), (1, 16), (5, 7)])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(ops, dtype, rows, n) -> None:
+    """The fused op leaves the residual stream exactly as ``x + residual`` (same rounding)
+    and the normalised sum as RMSNorm computes it, both in place; the KernelRMSNorm module
+    gives the core norm's (hidden, residual) pair."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    residual = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    norm = _norm(n, dtype, seed=n)
+    with torch.no_grad():
+        expected_out, expected_sum = norm(x.clone(), residual.clone())
+        kernel = KernelRMSNorm(ops, norm)
+        xi, ri = x.clone(), residual.clone()
+        out, summed = kernel(xi, ri)
+    assert out.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr()
+    assert torch.equal(summed, expected_sum)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
+    else:
+        assert _bf16_ulps(out, expected_out).max() <= 2
+    with torch.no_grad():  # a non-contiguous input is copied, never misread
+        wide = torch.cat([x, x], dim=1)[:, :n]
+        out2, summed2 = kernel(wide, residual.clone())
+    assert torch.equal(summed2, expected_sum)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.add_rms_norm(x.float(), residual.float(), norm.weight.double(), 1e-6)
+
+
 def test_rms_norm_rejects_mixed_dtypes_and_fp16(ops) -> None:
     x = torch.randn(3, 16)
     with pytest.raises(RuntimeError, match="x and weight dtypes differ"):

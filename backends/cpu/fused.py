@@ -17,7 +17,8 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class KernelRMSNorm(nn.Module):
-    """``RMSNorm`` in one pass (same rounding points in bf16)."""
+    """``RMSNorm`` in one pass (same rounding points in bf16); with a residual, the add and
+    the norm in one pass, in place (both inputs are this step's own intermediates)."""
 
     def __init__(self, ops: ModuleType, norm: RMSNorm) -> None:
         super().__init__()
@@ -25,8 +26,14 @@ class KernelRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = norm.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            x, residual = x.contiguous(), residual.contiguous()
+        self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class KernelSiluAndMul(nn.Module):

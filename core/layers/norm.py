@@ -11,6 +11,10 @@ class RMSNorm(nn.Module):
 
     The statistics are taken in float32 and the result is cast back before the weight is
     applied, in this order, to match transformers' ``LlamaRMSNorm`` in bf16/fp16 too.
+
+    ``forward(x, residual)`` first adds the residual stream (``x + residual`` in x's dtype,
+    as the decoder's residual connection computes it) and returns ``(norm(sum), sum)``: the
+    decoder carries the residual separately, so a backend can fuse the add into the norm.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -18,7 +22,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)

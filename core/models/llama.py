@@ -73,7 +73,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder block: attention and MLP, each with a residual."""
+    """Pre-norm decoder block: attention and MLP, each with a residual.
+
+    The residual stream travels beside the hidden states (vLLM's layout): each norm adds the
+    branch output to it and normalises the sum in one call, which a backend can fuse
+    (``RMSNorm.forward(x, residual)``). ``a + b`` is ``b + a`` in IEEE arithmetic, so the
+    bits are those of the textbook ``x = x + branch(norm(x))``.
+    """
 
     def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int]):
         super().__init__()
@@ -82,9 +88,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(branch output, residual stream) -> the same pair after this layer."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -162,9 +177,12 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary_emb(positions)  # 2 x [T, 1, head_dim]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos_sin)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""

@@ -5,6 +5,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
@@ -12,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, read in place");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += x, then x = RMSNorm(residual), both in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rotary embedding of q and k, in place");
 }

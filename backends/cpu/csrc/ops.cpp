@@ -1,5 +1,5 @@
-// Fused elementwise ops of the decoder layer for the CPU backend: RMSNorm, SiLU-and-mul and
-// rotary embeddings. In torch each is several ops, each a full pass over memory; at a
+// Fused elementwise ops of the decoder layer for the CPU backend: RMSNorm (alone and with the
+// residual add before it), SiLU-and-mul and rotary embeddings. In torch each is several ops, each a full pass over memory; at a
 // prefill of thousands of tokens those passes cost as much as a third of the GEMM time
 // (measured on the default model). One pass each here, rows in parallel.
 //
@@ -44,6 +44,40 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
       for (; i < n; ++i) {
         const float y = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv));
         orow[i] = static_cast<T>(static_cast<float>(w[i]) * y);
+      }
+    }
+  });
+}
+
+// res <- x + res (rounded to T, as torch's add), then x <- rms_norm(res) * w: the decoder's
+// residual add and the next norm in one pass over each row, both in place.
+template <typename T>
+void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * n;
+      T* rr = res + r * n;
+      vfloat acc = vfloat{};
+      int64_t i = 0;
+      for (; i + kVec <= n; i += kVec) {
+        const vfloat v = round_to(load(xr + i) + load(rr + i), xr);
+        store(rr + i, v);
+        acc += v * v;
+      }
+      float ss = hsum(acc);
+      for (; i < n; ++i) {
+        const T v = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        rr[i] = v;
+        ss += static_cast<float>(v) * static_cast<float>(v);
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+      for (i = 0; i + kVec <= n; i += kVec) {
+        const vfloat y = round_to(load(rr + i) * inv, xr);
+        store(xr + i, load(w + i) * y);
+      }
+      for (; i < n; ++i) {
+        const float y = static_cast<float>(static_cast<T>(static_cast<float>(rr[i]) * inv));
+        xr[i] = static_cast<T>(static_cast<float>(w[i]) * y);
       }
     }
   });
@@ -134,6 +168,25 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
                      x2.size(0), n, static_cast<float>(eps));
   });
   return out.view(x.sizes());
+}
+
+// x, residual [T, n], contiguous, same dtype: residual <- x + residual, x <- rms_norm(residual),
+// in place.
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(),
+              "add_rms_norm: x and residual must both be [T, n]");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(),
+              "add_rms_norm: x and residual must be contiguous");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() &&
+                  x.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: x, residual and weight dtypes differ");
+  const auto w = weight.contiguous();
+  TORCH_CHECK(w.numel() == x.size(1), "add_rms_norm: weight must have n elements");
+  dispatch(x, "add_rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    add_rms_norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), x.size(0),
+                         x.size(1), static_cast<float>(eps));
+  });
 }
 
 // x [T, 2 * n] (gate, up) -> silu(gate) * up [T, n].
