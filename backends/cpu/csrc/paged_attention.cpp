@@ -20,6 +20,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -49,6 +50,10 @@ struct Geometry {
   int64_t k_block_stride, k_token_stride, k_head_stride;
   int64_t v_block_stride, v_token_stride, v_head_stride;
   int64_t max_partitions;
+  // bf16 q and cache on a CPU with vdpbf16ps: the scores come from the unscaled bf16 q
+  // (q_bf16, [num_seqs, H, D]) and are scaled after; else null, and q is fp32, prescaled.
+  const c10::BFloat16* q_bf16;
+  float scale;
 };
 
 // Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
@@ -130,10 +135,10 @@ inline void accumulate_v(const cache_t* const* rows, int64_t count, int64_t head
 // NC = head_dim / 16 vectors per row. Writes the unnormalized accumulators, maxima and
 // sums of heads kh0 * group ...
 template <typename cache_t, int NC, int HB>
-void attend_partition(const Geometry& g, const float* q, const cache_t* k_cache,
-                      const cache_t* v_cache, const int32_t* table, int64_t kh0, int64_t kh1,
-                      int64_t t0, int64_t t1, float* scores, vfloat* maxes, float* acc_out,
-                      float* max_out, float* sum_out) {
+void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb,
+                      const cache_t* k_cache, const cache_t* v_cache, const int32_t* table,
+                      int64_t kh0, int64_t kh1, int64_t t0, int64_t t1, float* scores,
+                      vfloat* maxes, float* acc_out, float* max_out, float* sum_out) {
   constexpr int64_t d = NC * kVec;
   const int64_t n = t1 - t0;
   const int64_t G = g.group;
@@ -160,17 +165,34 @@ void attend_partition(const Geometry& g, const float* q, const cache_t* k_cache,
     }
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t off = (kh0 + h / G) * g.k_head_stride;
-      const float* qh = q + h * d;
-      vfloat qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = load(qh + c * kVec);
       vfloat part[kVec];
-      for (int64_t i = 0; i < kVec; ++i) {
-        const cache_t* row = rows[i] + off;
-        vfloat s = qv[0] * load(row);
-        for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
-        part[i] = s;
+      vfloat sc;
+      bool scored = false;
+      if constexpr (std::is_same_v<cache_t, c10::BFloat16> && kHasDotBf16 && NC % 2 == 0) {
+        if (qb != nullptr) {  // bf16 q and K: vdpbf16ps, 32 dims per instruction
+          const c10::BFloat16* qh = qb + h * d;
+          for (int64_t i = 0; i < kVec; ++i) {
+            const cache_t* row = rows[i] + off;
+            vfloat s = dot_bf16(vfloat{}, qh, row);
+            for (int c = 2; c < NC; c += 2) s = dot_bf16(s, qh + c * kVec, row + c * kVec);
+            part[i] = s;
+          }
+          sc = reduce16(part) * g.scale;
+          scored = true;
+        }
       }
-      vfloat sc = reduce16(part);
+      if (!scored) {
+        const float* qh = q + h * d;
+        vfloat qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = load(qh + c * kVec);
+        for (int64_t i = 0; i < kVec; ++i) {
+          const cache_t* row = rows[i] + off;
+          vfloat s = qv[0] * load(row);
+          for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
+          part[i] = s;
+        }
+        sc = reduce16(part);
+      }
       // Lanes past the sequence's end weigh nothing: -inf, so exp gives 0 below.
       for (int64_t lane = count; lane < kVec; ++lane) sc[lane] = neg_inf[0];
       store(scores + h * stride + (t - t0), sc);
@@ -264,7 +286,8 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
         if (hb == 4) item_fn = attend_partition<cache_t, NC, 4>;
         else if (hb == 3) item_fn = attend_partition<cache_t, NC, 3>;
         else if (hb == 2) item_fn = attend_partition<cache_t, NC, 2>;
-        item_fn(g, q + (b * H + h0) * d, k_cache, v_cache, tables + b * g.max_blocks, kh0, kh1,
+        item_fn(g, q + (b * H + h0) * d,
+                g.q_bf16 == nullptr ? nullptr : g.q_bf16 + (b * H + h0) * d, k_cache, v_cache, tables + b * g.max_blocks, kh0, kh1,
                 t0, t1, scores.data(), maxes.data(), acc.data(), m.data(), l.data());
       } else {  // an empty sequence: its output is zero
         std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -378,8 +401,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     }
   }
   g.max_partitions = std::max<int64_t>(1, (max_len + kPartition - 1) / kPartition);
-  // Scaled fp32 queries: the scale is folded in once instead of per score.
+  // Scaled fp32 queries: the scale is folded in once instead of per score. With bf16 q and
+  // cache and vdpbf16ps, the scores come from q's own bf16 values (scaled after): measured
+  // 1.4x faster at batch 64 than widening every K row to fp32 (docs/backends/cpu.md).
   const auto qf = (q.to(torch::kFloat32) * scale).contiguous();
+  torch::Tensor qb;
+  g.q_bf16 = nullptr;
+  g.scale = static_cast<float>(scale);
+  if (kHasDotBf16 && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+      g.head_dim % 32 == 0) {
+    qb = q.contiguous();
+    g.q_bf16 = qb.data_ptr<c10::BFloat16>();
+  }
   auto out = torch::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = qf.data_ptr<float>();
   const int32_t* tp = tables.data_ptr<int32_t>();
