@@ -417,6 +417,29 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(ops, dtype, rows, n) -> 
         ops.add_rms_norm(x.float(), residual.float(), norm.weight.double(), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 64, 600])
+def test_write_kv_matches_index_copy_on_strided_views(ops, dtype, tokens) -> None:
+    """k and v arrive as views of the fused qkv output (token stride > row): the rows land
+    in the slots exactly as the torch path's index_copy_ puts them, nothing else changes."""
+    kvh, d, num_slots = 3, 64, 2048
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 * d + 2 * kvh * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d: 9 * d + kvh * d].view(tokens, kvh, d)
+    v = qkv[:, 9 * d + kvh * d:].view(tokens, kvh, d)
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    kc, vc = torch.randn(num_slots, kvh, d).to(dtype), torch.randn(num_slots, kvh, d).to(dtype)
+    ek, ev = kc.clone(), vc.clone()
+    ek.index_copy_(0, slots, k)
+    ev.index_copy_(0, slots, v)
+    ops.write_kv(kc, vc, k, v, slots)
+    assert torch.equal(kc, ek) and torch.equal(vc, ev)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.write_kv(kc, vc, k, v, torch.full((tokens,), num_slots, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.write_kv(kc.double(), vc.double(), k, v, slots)
+
+
 def test_rms_norm_rejects_mixed_dtypes_and_fp16(ops) -> None:
     x = torch.randn(3, 16)
     with pytest.raises(RuntimeError, match="x and weight dtypes differ"):

@@ -103,7 +103,10 @@ class CpuPagedAttention:
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
-        write_kv(kc, vc, k, v, metadata.slot_mapping)
+        if k.dtype == kc.dtype:
+            self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
+        else:
+            write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
         decode = None
         if nd:

@@ -7,6 +7,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slots);
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -15,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += x, then x = RMSNorm(residual), both in place");
+  m.def("write_kv", &write_kv, "k, v rows into the flat slot caches at the given slots");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rotary embedding of q and k, in place");
 }
