@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # cadence against vLLM's CPU build, side by side on this machine, plus the CPU figures the
-# performance issue asks for (docs/performance.md, "CPU against vLLM"). About 35 minutes on
+# performance issue asks for (docs/performance.md, "CPU against vLLM"). About 40 minutes on
 # 2 cores; run it on a quiet machine.
 #
 #   bash scripts/perf_cpu_vs_vllm.sh PEER_PYTHON [OUT_DIR]
@@ -10,7 +10,7 @@ set -euo pipefail
 peer=${1:?usage: perf_cpu_vs_vllm.sh PEER_PYTHON [OUT_DIR]}
 out=${2:-docs/perf}
 mkdir -p "$out"
-common=(--disable-tqdm --peer vllm --peer-python "$peer" --peer-rounds 2)
+common=(--disable-tqdm --peer vllm --peer-python "$peer" --peer-rounds 3)
 # Headline, fp32: vLLM in its default configuration and with enforce_eager.
 engine bench compare --num-prompts 64 --input-len 128 --output-len 128 --runs async \
     --dtype float32 --breakdown "${common[@]}" --peer-configs eager,default \
