@@ -3,18 +3,18 @@
 # facts, the GPU tests, `engine bench compare`, and a direct timing loop through cadence.LLM
 # so numbers come back even if the bench command is not there.
 #
-#   OUT=/tmp/cuda-check bash scripts/cuda_device_check.sh     (about ten minutes)
+#   bash scripts/cuda_device_check.sh [RESULTS_DIR]     (about ten minutes)
 #
 # It assumes a bare, offline machine whose python3 already has torch (CUDA), triton,
 # transformers, tokenizers, safetensors, pluggy and pytest,
 # so cadence is installed with --no-deps --no-index. Each stage has its own time limit, cut
 # to what is left of BUDGET_S (570 s), and the stages run most-valuable-first (correctness,
 # then the overlap timings, then the bench command); STAGES selects some of them.
-# Results (eight files) land in $OUT:
+# Results (eight files) land in RESULTS_DIR (default ./cuda-check-results):
 #   env.txt  pytest.log  bench.log  bench.json  timing.log  timing.json  summary.txt
 set -u -o pipefail
-OUT="${OUT:-/tmp/cadence-cuda-check}"
-mkdir -p "$OUT"
+results="${1:-cuda-check-results}"
+mkdir -p "$results"
 STAGES="${STAGES:-env,install,model,tests,timing,bench}"
 BATCHES="${BATCHES:-1,8,32,64,128,256}"
 MODEL_DIR="${MODEL_DIR:-/tmp/cadence-llama-1b}"
@@ -22,7 +22,7 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+say() { echo "== $(date +%T) $*" | tee -a "$results/summary.txt"; }
 # One deadline for the whole run (the device call is killed at its timeout_s, 600 at most):
 # each stage gets min(its own limit, what is left), so a slow stage cannot starve the rest
 # of time to write their results, and a stage with under 20 s left is skipped.
@@ -36,22 +36,22 @@ if has env; then
   { nvidia-smi; "$PY" -c 'import sys, torch, triton, transformers
 print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda,
       "gpu", torch.cuda.get_device_name(0)); print("triton", triton.__version__)
-print("transformers", transformers.__version__)'; } >"$OUT/env.txt" 2>&1
-  tail -4 "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+print("transformers", transformers.__version__)'; } >"$results/env.txt" 2>&1
+  tail -4 "$results/env.txt" | tee -a "$results/summary.txt"
 fi
 
 if has install; then
   say "install cadence (no deps, offline)"
-  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 \
-    || "$PY" -m pip install -q --no-deps --no-index --no-build-isolation . >>"$OUT/env.txt" 2>&1 \
+  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >>"$results/env.txt" 2>&1 \
+    || "$PY" -m pip install -q --no-deps --no-index --no-build-isolation . >>"$results/env.txt" 2>&1 \
     || say "pip install failed (see env.txt)"
   "$PY" -c 'from cadence.backends.cuda.backend import CudaBackend as C; print(C.probe())' \
-    2>&1 | tee -a "$OUT/summary.txt"
+    2>&1 | tee -a "$results/summary.txt"
 fi
 
 if has model && fits model; then
   say "build a ~1.1B Llama-shaped random-weight model (TinyLlama shape) in $MODEL_DIR"
-  timeout "$(left 180)" "$PY" - "$MODEL_DIR" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+  timeout "$(left 180)" "$PY" - "$MODEL_DIR" <<'EOF' 2>&1 | tee -a "$results/summary.txt"
 import os, shutil, sys
 import torch
 from safetensors.torch import save_file
@@ -91,9 +91,9 @@ fi
 if has tests && fits tests; then
   say "GPU tests"
   timeout "$(left 200)" "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
-    tests/test_cuda_logic.py -q -rs -x >"$OUT/pytest.log" 2>&1
-  echo "pytest exit $?" | tee -a "$OUT/summary.txt"
-  tail -5 "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
+    tests/test_cuda_logic.py -q -rs -x >"$results/pytest.log" 2>&1
+  echo "pytest exit $?" | tee -a "$results/summary.txt"
+  tail -5 "$results/pytest.log" | tee -a "$results/summary.txt"
 fi
 
 if has timing; then
@@ -101,9 +101,9 @@ if has timing; then
   for setting in async sync eager; do
     fits "timing $setting" || break
     say "timing loop: $setting (batches $BATCHES)"
-    timeout "$(left 150)" "$PY" - "$MODEL_DIR" "$setting" "$BATCHES" "$OUT/timing.json" <<'EOF' \
-      2>&1 | tee -a "$OUT/timing.log" | grep -E '^(RESULT|Traceback|[A-Za-z]*Error)' \
-      | tee -a "$OUT/summary.txt"
+    timeout "$(left 150)" "$PY" - "$MODEL_DIR" "$setting" "$BATCHES" "$results/timing.json" <<'EOF' \
+      2>&1 | tee -a "$results/timing.log" | grep -E '^(RESULT|Traceback|[A-Za-z]*Error)' \
+      | tee -a "$results/summary.txt"
 import json, os, random, sys, time
 import torch
 from cadence import LLM, SamplingParams
@@ -155,7 +155,7 @@ old = json.load(open(out_path)) if os.path.exists(out_path) else []
 json.dump(old + results, open(out_path, "w"), indent=1)
 EOF
   done
-  [[ -f "$OUT/timing.json" ]] && "$PY" - "$OUT/timing.json" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+  [[ -f "$results/timing.json" ]] && "$PY" - "$results/timing.json" <<'EOF' 2>&1 | tee -a "$results/summary.txt"
 import json, sys
 rows = json.load(open(sys.argv[1]))
 by = {(r["setting"], r["batch"]): r for r in rows}
@@ -175,8 +175,8 @@ if has bench && fits bench; then
   say "engine bench compare"
   { engine bench compare --help 2>&1 | head -40
     timeout "$(left 150)" engine bench compare --backend cuda --model "$MODEL_DIR" --dtype bfloat16 \
-      --output-json "$OUT/bench.json" ${BENCH_EXTRA_ARGS:-}
-    echo "bench exit $?"; } >"$OUT/bench.log" 2>&1
-  tail -15 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+      --output-json "$results/bench.json" ${BENCH_EXTRA_ARGS:-}
+    echo "bench exit $?"; } >"$results/bench.log" 2>&1
+  tail -15 "$results/bench.log" | tee -a "$results/summary.txt"
 fi
 say "done"

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from cadence.backend import ModelInput
-from cadence.layers.paged_attention import PrefillSeq, run_prefills, write_kv
+from cadence.layers.paged_attention import PrefillSeq, run_prefills
 
 # head_dim values the kernel is instantiated for (csrc/paged_attention.cpp dispatch_dim).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -103,10 +103,7 @@ class CpuPagedAttention:
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
-        if k.dtype == kc.dtype:
-            self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
-        else:
-            write_kv(kc, vc, k, v, metadata.slot_mapping)
+        self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
         decode = None
         if nd:

@@ -20,12 +20,12 @@
 #include "vec.h"
 
 #include <algorithm>
-#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {

@@ -29,8 +29,8 @@ inline vfloat load(const float* p) {
 inline vfloat load(const c10::BFloat16* p) {
 #ifdef __AVX512F__
   // One widening load; GCC lowers __builtin_convertvector below to two half-width ones.
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
   vfloat v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
