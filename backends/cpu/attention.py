@@ -1,6 +1,7 @@
-"""The CPU backend's attention: decode rows through the compiled paged kernel
-(csrc/paged_attention.cpp), which reads K/V blocks in place; prefill chunks and the cache
-write share the torch code of ``cadence.layers.paged_attention``.
+"""The CPU backend's attention, all compiled (csrc/): decode rows through the paged kernel
+(paged_attention.cpp), which reads K/V blocks in place; the fresh prompts of a step through
+one flash-style call (prefill_attention.cpp); chunks with cached context row by row through
+the decode kernel (see ``build_metadata``); the cache write in one pass (ops.cpp).
 
 The kernel reads the core's flat-slot cache ([num_slots, KVH, D], viewed as
 [num_blocks, block_size, KVH, D]) as it is. It accepts any strided layout with that index
@@ -17,7 +18,6 @@ from types import ModuleType
 import torch
 
 from cadence.backend import ModelInput
-from cadence.layers.paged_attention import PrefillSeq, run_prefills
 
 # head_dim values the kernel is instantiated for (csrc/paged_attention.cpp dispatch_dim).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -41,7 +41,9 @@ class CpuAttentionMetadata:
     num_decodes: int
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, padded with 0
     decode_lens: torch.Tensor | None  # [num_decodes] int32: tokens in the cache
-    prefills: list[PrefillSeq]  # fresh prompts (no cached context): SDPA's flash kernel
+    # Fresh prompts (no cached context): first token and length of each, int64 [n] (None: none)
+    prefill_starts: torch.Tensor | None
+    prefill_lens: torch.Tensor | None
     context_chunks: list[ContextChunk]
 
 
@@ -61,20 +63,23 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
         rows = [bt[:need] + [0] * (need - len(bt[:need])) for bt in mi.block_tables[:nd]]
         tables = torch.tensor(rows, dtype=torch.int32)
         lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int32)
-    fresh, chunks = [], []
+    starts, fresh_lens, chunks = [], [], []
     start = sum(mi.query_lens[:nd])
     for i in range(nd, mi.num_seqs):
         qlen, slen = mi.query_lens[i], mi.seq_lens[i]
         ctx = slen - qlen
         if ctx == 0:
-            fresh.append(PrefillSeq(start, qlen, 0, None))
+            starts.append(start)
+            fresh_lens.append(qlen)
         else:
             need = (slen + block_size - 1) // block_size
             table = torch.tensor(mi.block_tables[i][:need], dtype=torch.int32)
             chunks.append(ContextChunk(start, qlen, table.expand(qlen, need).contiguous(),
                                        torch.arange(ctx + 1, slen + 1, dtype=torch.int32)))
         start += qlen
-    return CpuAttentionMetadata(slot_mapping, nd, tables, lens, fresh, chunks)
+    fresh = (torch.tensor(starts, dtype=torch.int64), torch.tensor(fresh_lens, dtype=torch.int64)
+             ) if starts else (None, None)
+    return CpuAttentionMetadata(slot_mapping, nd, tables, lens, *fresh, chunks)
 
 
 def kernel_supports(head_dim: int, dtype: torch.dtype) -> str | None:
@@ -109,7 +114,7 @@ class CpuPagedAttention:
         if nd:
             decode = self.ops.paged_decode_attention(q[:nd], kb, vb, metadata.decode_tables,
                                                      metadata.decode_lens, self.scale)
-            if not metadata.prefills and not metadata.context_chunks:
+            if metadata.prefill_starts is None and not metadata.context_chunks:
                 return decode
         out = torch.empty_like(q)
         if decode is not None:
@@ -118,5 +123,7 @@ class CpuPagedAttention:
             s, e = c.query_start, c.query_start + c.query_len
             out[s:e] = self.ops.paged_decode_attention(q[s:e], kb, vb, c.tables, c.lens,
                                                        self.scale)
-        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
+        if metadata.prefill_starts is not None:
+            self.ops.prefill_attention(q, k, v, out, metadata.prefill_starts,
+                                       metadata.prefill_lens, self.scale)
         return out

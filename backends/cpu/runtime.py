@@ -60,7 +60,7 @@ def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype):
 
 
 # mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
 
 def tune_allocator() -> bool:
@@ -68,11 +68,14 @@ def tune_allocator() -> bool:
 
     By default glibc serves every allocation above a few MB with a fresh mmap and unmaps it
     on free, so each large activation of a forward pays page faults on first touch: measured
-    here, SiLU-and-mul over a 2048-token prefill chunk ran 4.7x slower that way. The mmap
-    threshold is raised to glibc's maximum (32 MiB) and trimming is deferred; activations
-    above 32 MiB still take mmap, which is one reason the CPU backend prefills in chunks
-    (``cadence_configure`` in backends/cpu/__init__.py). Returns False where the C library
-    is not glibc.
+    here, SiLU-and-mul over a 2048-token prefill chunk ran 4.7x slower that way. Raising the
+    mmap threshold only reaches glibc's cap (32 MiB), and a decode batch of 256 makes
+    logits of 48 MiB (and softmax temporaries the same size): a softmax over them took
+    18 ms with a fresh mapping per call against 4.7 ms from the heap. So mmap is off
+    altogether (``M_MMAP_MAX`` 0; glibc still maps when the heap cannot grow) and trimming
+    is deferred. The price is that memory freed in the middle of the heap stays with the
+    process for reuse, as it would in any caching allocator. Returns False where the C
+    library is not glibc.
     """
     import ctypes
     import ctypes.util
@@ -83,6 +86,7 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    ok = ok and mallopt(_M_MMAP_MAX, 0) == 1
     return ok and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
 
 

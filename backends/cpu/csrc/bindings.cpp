@@ -4,6 +4,8 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       torch::Tensor starts, torch::Tensor lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -14,6 +16,8 @@ void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, read in place");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of fresh prompts (no cached context), all prompts in one call");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += x, then x = RMSNorm(residual), both in place");

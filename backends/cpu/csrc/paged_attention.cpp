@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_common.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -33,7 +34,6 @@ namespace {
 using namespace cadence_cpu;
 
 
-constexpr int64_t kPartition = 256;  // tokens per work item; fixed (see NOTE above)
 // Software prefetch of one token row (KV heads [kh0, kh1)) into L2 (prefetcht1). Into L1
 // (prefetcht0) measured ~20 % slower on a cold cache: the lookahead below keeps more lines in
 // flight than L1's miss buffers hold.
@@ -55,31 +55,6 @@ struct Geometry {
   const c10::BFloat16* q_bf16;
   float scale;
 };
-
-// Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
-// (15 two-input shuffles pairs) instead of 16 separate horizontal sums (~3x fewer ops).
-inline vfloat reduce16(const vfloat* v) {
-  vfloat r[8], s[4], w[2];
-  for (int k = 0; k < 8; ++k)
-    r[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1],
-                             vint{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(v[2 * k], v[2 * k + 1],
-                             vint{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  for (int k = 0; k < 4; ++k)
-    s[k] = __builtin_shuffle(r[2 * k], r[2 * k + 1],
-                             vint{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-           __builtin_shuffle(r[2 * k], r[2 * k + 1],
-                             vint{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-  for (int k = 0; k < 2; ++k)
-    w[k] = __builtin_shuffle(s[2 * k], s[2 * k + 1],
-                             vint{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-           __builtin_shuffle(s[2 * k], s[2 * k + 1],
-                             vint{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(w[0], w[1],
-                           vint{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(w[0], w[1],
-                           vint{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-}
 
 // Pointers to the rows of tokens [t, t + count) (all KV heads of a token are one
 // contiguous run in the core's token-major layout), prefetching the row kVec tokens ahead
@@ -165,34 +140,8 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
     }
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t off = (kh0 + h / G) * g.k_head_stride;
-      vfloat part[kVec];
-      vfloat sc;
-      bool scored = false;
-      if constexpr (std::is_same_v<cache_t, c10::BFloat16> && kHasDotBf16 && NC % 2 == 0) {
-        if (qb != nullptr) {  // bf16 q and K: vdpbf16ps, 32 dims per instruction
-          const c10::BFloat16* qh = qb + h * d;
-          for (int64_t i = 0; i < kVec; ++i) {
-            const cache_t* row = rows[i] + off;
-            vfloat s = dot_bf16(vfloat{}, qh, row);
-            for (int c = 2; c < NC; c += 2) s = dot_bf16(s, qh + c * kVec, row + c * kVec);
-            part[i] = s;
-          }
-          sc = reduce16(part) * g.scale;
-          scored = true;
-        }
-      }
-      if (!scored) {
-        const float* qh = q + h * d;
-        vfloat qv[NC];
-        for (int c = 0; c < NC; ++c) qv[c] = load(qh + c * kVec);
-        for (int64_t i = 0; i < kVec; ++i) {
-          const cache_t* row = rows[i] + off;
-          vfloat s = qv[0] * load(row);
-          for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
-          part[i] = s;
-        }
-        sc = reduce16(part);
-      }
+      vfloat sc = tile_scores<cache_t, NC>(q + h * d, qb == nullptr ? nullptr : qb + h * d,
+                                           rows, off, g.scale);
       // Lanes past the sequence's end weigh nothing: -inf, so exp gives 0 below.
       for (int64_t lane = count; lane < kVec; ++lane) sc[lane] = neg_inf[0];
       store(scores + h * stride + (t - t0), sc);
@@ -204,23 +153,8 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
     prefetch_row(v_cache + table[tt / g.block_size] * g.v_block_stride +
                      (tt % g.block_size) * g.v_token_stride,
                  g.v_head_stride, kh0, kh1, d);
-  for (int64_t h = 0; h < nh; ++h) {
-    float* sh = scores + h * stride;
-    vfloat mv = maxes[h];
-    float m = mv[0];
-    for (int lane = 1; lane < kVec; ++lane) m = std::max(m, mv[lane]);
-    const vfloat ms = splat(m);
-    vfloat lv = vfloat{};
-    for (int64_t i = 0; i < padded; i += kVec) {
-      vfloat x = load(sh + i) - ms;
-      vfloat e = exp(x);
-      e = x == neg_inf ? vfloat{} : e;  // exp clamps; a masked lane must be exactly 0
-      store(sh + i, e);
-      lv += e;
-    }
-    max_out[h] = m;
-    sum_out[h] = hsum(lv);
-  }
+  for (int64_t h = 0; h < nh; ++h)
+    exp_partition(scores + h * stride, maxes[h], padded, max_out + h, sum_out + h);
   std::fill(acc_out, acc_out + nh * d, 0.f);
   for (int64_t t = t0; t < t1; t += kVec) {
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
@@ -310,24 +244,7 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
       const float* pm = part_max.data() + bh * P;
       const float* ps = part_sum.data() + bh * P;
       const float* pa = part_acc.data() + bh * P * d;
-      out_t* ob = out + bh * d;
-      if (parts == 1) {
-        const float inv = ps[0] > 0.f ? 1.f / ps[0] : 0.f;
-        for (int64_t i = 0; i < d; ++i) ob[i] = static_cast<out_t>(pa[i] * inv);
-        continue;
-      }
-      float gm = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts; ++p) gm = std::max(gm, pm[p]);
-      std::fill(o.begin(), o.end(), 0.f);
-      float total = 0.f;
-      for (int64_t p = 0; p < parts; ++p) {
-        if (ps[p] == 0.f) continue;
-        const float w = std::exp(pm[p] - gm);
-        total += ps[p] * w;
-        for (int64_t i = 0; i < d; ++i) o[i] += pa[p * d + i] * w;
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int64_t i = 0; i < d; ++i) ob[i] = static_cast<out_t>(o[i] * inv);
+      merge_partitions(parts, pm, ps, pa, d, out + bh * d, o.data());
     }
   });
 }

@@ -1,0 +1,119 @@
+// Arithmetic shared by the decode and prefill attention kernels. A token's attention must
+// have the same bits whichever kernel computes it: a request recomputed after preemption
+// turns decoded tokens into prompt rows, and async on == off stays exact only if those rows
+// match. So both kernels take their scores, softmax and partition merge from here, and
+// accumulate V in token order from zero.
+#pragma once
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace cadence_cpu {
+
+constexpr int64_t kPartition = 256;  // tokens per softmax partition; fixed (batch invariance)
+
+// Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
+// (15 two-input shuffles pairs) instead of 16 separate horizontal sums (~3x fewer ops).
+inline vfloat reduce16(const vfloat* v) {
+  vfloat r[8], s[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    r[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1],
+                             vint{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[2 * k], v[2 * k + 1],
+                             vint{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int k = 0; k < 4; ++k)
+    s[k] = __builtin_shuffle(r[2 * k], r[2 * k + 1],
+                             vint{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(r[2 * k], r[2 * k + 1],
+                             vint{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int k = 0; k < 2; ++k)
+    w[k] = __builtin_shuffle(s[2 * k], s[2 * k + 1],
+                             vint{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(s[2 * k], s[2 * k + 1],
+                             vint{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(w[0], w[1],
+                           vint{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(w[0], w[1],
+                           vint{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+// Scores of one query head against the 16 rows of a tile (head offset `off` into each row).
+// fp32: q prescaled (qh). bf16 q and K on a CPU with vdpbf16ps: the unscaled bf16 q (qbh,
+// non-null) through dot_bf16, scaled after.
+template <typename cache_t, int NC>
+inline vfloat tile_scores(const float* qh, const c10::BFloat16* qbh, const cache_t* const* rows,
+                          int64_t off, float scale) {
+  vfloat part[kVec];
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16> && kHasDotBf16 && NC % 2 == 0) {
+    if (qbh != nullptr) {  // 32 dims per instruction
+      for (int64_t i = 0; i < kVec; ++i) {
+        const cache_t* row = rows[i] + off;
+        vfloat s = dot_bf16(vfloat{}, qbh, row);
+        for (int c = 2; c < NC; c += 2) s = dot_bf16(s, qbh + c * kVec, row + c * kVec);
+        part[i] = s;
+      }
+      return reduce16(part) * scale;
+    }
+  }
+  vfloat qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load(qh + c * kVec);
+  for (int64_t i = 0; i < kVec; ++i) {
+    const cache_t* row = rows[i] + off;
+    vfloat s = qv[0] * load(row);
+    for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
+    part[i] = s;
+  }
+  return reduce16(part);
+}
+
+// One head's scores over a partition (`padded` of them, a multiple of 16; masked lanes are
+// -inf) -> their exponentials in place, relative to the partition's max (from the running
+// vector max `maxv`); writes that max and the exponentials' sum.
+inline void exp_partition(float* sh, vfloat maxv, int64_t padded, float* max_out,
+                          float* sum_out) {
+  const vfloat neg_inf = splat(-std::numeric_limits<float>::infinity());
+  float m = maxv[0];
+  for (int lane = 1; lane < kVec; ++lane) m = std::max(m, maxv[lane]);
+  const vfloat ms = splat(m);
+  vfloat lv = vfloat{};
+  for (int64_t i = 0; i < padded; i += kVec) {
+    vfloat x = load(sh + i) - ms;
+    vfloat e = exp(x);
+    e = x == neg_inf ? vfloat{} : e;  // exp clamps; a masked lane must be exactly 0
+    store(sh + i, e);
+    lv += e;
+  }
+  *max_out = m;
+  *sum_out = hsum(lv);
+}
+
+// One head's partitions (unnormalised accumulators pa [parts][d], maxima pm, sums ps) merged
+// in order and normalised into ob; o is [d] scratch.
+template <typename out_t>
+inline void merge_partitions(int64_t parts, const float* pm, const float* ps, const float* pa,
+                             int64_t d, out_t* ob, float* o) {
+  if (parts == 1) {
+    const float inv = ps[0] > 0.f ? 1.f / ps[0] : 0.f;
+    for (int64_t i = 0; i < d; ++i) ob[i] = static_cast<out_t>(pa[i] * inv);
+    return;
+  }
+  float gm = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < parts; ++p) gm = std::max(gm, pm[p]);
+  std::fill(o, o + d, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < parts; ++p) {
+    if (ps[p] == 0.f) continue;
+    const float w = std::exp(pm[p] - gm);
+    total += ps[p] * w;
+    for (int64_t i = 0; i < d; ++i) o[i] += pa[p * d + i] * w;
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t i = 0; i < d; ++i) ob[i] = static_cast<out_t>(o[i] * inv);
+}
+
+}  // namespace cadence_cpu
