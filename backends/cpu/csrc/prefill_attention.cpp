@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,22 +34,21 @@ using namespace cadence_cpu;
 constexpr int64_t kQueryTile = 32;  // query tokens per work item
 
 struct Inputs {
-  int64_t k_t, k_h, v_t, v_h;  // token and head strides of k and v (elements)
+  int64_t q_t, q_h, k_t, k_h, v_t, v_h;  // token and head strides (elements)
   int64_t heads, kv_heads, group;
   float scale;
-  const float* qf;  // [T, H, D] q * scale in fp32 (the decode kernel's)
-  const c10::BFloat16* qb;  // [T, H, D] raw bf16 q for the vdpbf16ps scores, or null
+  bool dot_bf16;  // scores from the raw bf16 q through vdpbf16ps (the decode kernel's rule)
 };
 
 struct Scratch {
-  std::vector<float> scores, acc, maxes, sums, merge;
+  std::vector<float> q, scores, acc, maxes, sums, merge;
 };
 
 // Query tokens [q0, q1) of the prompt starting at token s, for the query heads of KV head
 // kh, against keys [0, token + 1) of the same prompt.
 template <typename T, int NC>
-void attend_item(const Inputs& in, const T* k, const T* v, T* out, int64_t s, int64_t kh,
-                 int64_t q0, int64_t q1, Scratch& w) {
+void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, int64_t s,
+                 int64_t kh, int64_t q0, int64_t q1, Scratch& w) {
   constexpr int64_t D = NC * kVec;
   // Query rows per V-row load: R * NC accumulators within 16 vector registers.
   constexpr int R = NC >= 16 ? 1 : (16 / NC > 4 ? 4 : 16 / NC);
@@ -61,6 +61,14 @@ void attend_item(const Inputs& in, const T* k, const T* v, T* out, int64_t s, in
   w.maxes.resize(static_cast<size_t>(R * max_parts));
   w.sums.resize(static_cast<size_t>(R * max_parts));
   w.merge.resize(static_cast<size_t>(D));
+  // The decode kernel's fp32 queries, q * scale (one rounding, as torch's multiply), for
+  // row r = (token q0 + r / G, head kh * G + r % G).
+  w.q.resize(static_cast<size_t>(rows * D));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + (s + q0 + r / G) * in.q_t + (kh * G + r % G) * in.q_h;
+    for (int64_t c = 0; c < NC; ++c)
+      store(w.q.data() + r * D + c * kVec, load(qr + c * kVec) * splat(in.scale));
+  }
   const T* kp = k + s * in.k_t + kh * in.k_h;  // this KV head's row of token 0
   const T* vp = v + s * in.v_t + kh * in.v_h;
   const vfloat neg_inf = splat(-std::numeric_limits<float>::infinity());
@@ -68,11 +76,17 @@ void attend_item(const Inputs& in, const T* k, const T* v, T* out, int64_t s, in
 
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
-    int64_t lim[R], qrow[R];  // keys [0, lim) per row; its row in qf/qb/out ([T * H])
+    int64_t lim[R], qrow[R];  // keys [0, lim) per row; its row in out ([T * H])
+    const float* qf[R];
+    const c10::BFloat16* qb[R];
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + std::min(i, nr - 1);
       lim[i] = q0 + r / G + 1;
       qrow[i] = (s + q0 + r / G) * H + kh * G + r % G;
+      qf[i] = w.q.data() + r * D;
+      qb[i] = nullptr;
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        if (in.dot_bf16) qb[i] = q + (s + q0 + r / G) * in.q_t + (kh * G + r % G) * in.q_h;
     }
     const int64_t maxlim = lim[nr - 1];
     const int64_t parts = (maxlim + kPartition - 1) / kPartition;
@@ -86,9 +100,7 @@ void attend_item(const Inputs& in, const T* k, const T* v, T* out, int64_t s, in
         for (int64_t j = 0; j < kVec; ++j) krows[j] = kp + (t + std::min(j, count - 1)) * in.k_t;
         for (int i = 0; i < nr; ++i) {
           if (lim[i] <= t0) continue;  // this row's keys end before the partition
-          vfloat sc = tile_scores<T, NC>(in.qf + qrow[i] * D,
-                                         in.qb == nullptr ? nullptr : in.qb + qrow[i] * D,
-                                         krows, 0, in.scale);
+          vfloat sc = tile_scores<T, NC>(qf[i], qb[i], krows, 0, in.scale);
           for (int64_t lane = std::max<int64_t>(0, lim[i] - t); lane < kVec; ++lane)
             sc[lane] = neg_inf[0];
           store(w.scores.data() + i * stride + (t - t0), sc);
@@ -125,7 +137,7 @@ void attend_item(const Inputs& in, const T* k, const T* v, T* out, int64_t s, in
 }
 
 template <typename T, int NC>
-void run(const Inputs& in, const T* k, const T* v, T* out, const int64_t* starts,
+void run(const Inputs& in, const T* q, const T* k, const T* v, T* out, const int64_t* starts,
          const int64_t* lens, int64_t num_prompts) {
   struct Item {
     int64_t prompt, kh, q0, q1;
@@ -145,20 +157,20 @@ void run(const Inputs& in, const T* k, const T* v, T* out, const int64_t* starts
     Scratch w;
     for (int64_t i = next++; i < n; i = next++) {
       const Item& it = items[i];
-      attend_item<T, NC>(in, k, v, out, starts[it.prompt], it.kh, it.q0, it.q1, w);
+      attend_item<T, NC>(in, q, k, v, out, starts[it.prompt], it.kh, it.q0, it.q1, w);
     }
   });
 }
 
 template <typename T>
-void dispatch_dim(int64_t d, const Inputs& in, const T* k, const T* v, T* out,
+void dispatch_dim(int64_t d, const Inputs& in, const T* q, const T* k, const T* v, T* out,
                   const int64_t* starts, const int64_t* lens, int64_t num_prompts) {
   switch (d) {
-    case 16: return run<T, 1>(in, k, v, out, starts, lens, num_prompts);
-    case 32: return run<T, 2>(in, k, v, out, starts, lens, num_prompts);
-    case 64: return run<T, 4>(in, k, v, out, starts, lens, num_prompts);
-    case 128: return run<T, 8>(in, k, v, out, starts, lens, num_prompts);
-    case 256: return run<T, 16>(in, k, v, out, starts, lens, num_prompts);
+    case 16: return run<T, 1>(in, q, k, v, out, starts, lens, num_prompts);
+    case 32: return run<T, 2>(in, q, k, v, out, starts, lens, num_prompts);
+    case 64: return run<T, 4>(in, q, k, v, out, starts, lens, num_prompts);
+    case 128: return run<T, 8>(in, q, k, v, out, starts, lens, num_prompts);
+    case 256: return run<T, 16>(in, q, k, v, out, starts, lens, num_prompts);
     default: TORCH_CHECK(false, "prefill_attention: head_dim must be one of 16, 32, 64, 128, 256");
   }
 }
@@ -195,21 +207,16 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   for (int64_t i = 0; i < st.size(0); ++i)
     TORCH_CHECK(sp[i] >= 0 && lp[i] >= 0 && sp[i] + lp[i] <= q.size(0),
                 "prefill_attention: prompt ", i, " runs past the token batch");
-  // The decode kernel's query operands, built the same way (see its entry point).
-  const auto qf = (q.to(torch::kFloat32) * scale).contiguous();
-  torch::Tensor qb;
-  Inputs in{k.stride(0), k.stride(1), v.stride(0), v.stride(1), q.size(1), k.size(1),
-            q.size(1) / k.size(1), static_cast<float>(scale), qf.data_ptr<float>(), nullptr};
-  if (kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0) {
-    qb = q.contiguous();
-    in.qb = qb.data_ptr<c10::BFloat16>();
-  }
+  const Inputs in{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  q.size(1), k.size(1), q.size(1) / k.size(1), static_cast<float>(scale),
+                  kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0};
   if (q.scalar_type() == at::kFloat)
-    dispatch_dim<float>(d, in, k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        sp, lp, st.size(0));
+    dispatch_dim<float>(d, in, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                        out.data_ptr<float>(), sp, lp, st.size(0));
   else if (q.scalar_type() == at::kBFloat16)
-    dispatch_dim<c10::BFloat16>(d, in, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
-                                out.data_ptr<c10::BFloat16>(), sp, lp, st.size(0));
+    dispatch_dim<c10::BFloat16>(d, in, q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(),
+                                v.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), sp,
+                                lp, st.size(0));
   else
     TORCH_CHECK(false, "prefill_attention: only float32 and bfloat16 are supported");
 }
