@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from cadence.output_state import OutputKind, ParentRequest
 from cadence.outputs import RequestOutput
 from cadence.plugins import get_registry
 from cadence.request import Request
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, is_valid_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ class LLMEngine:
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         """Validate and queue a request; raises ValueError for bad input, queues nothing."""
         params = params or SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -98,15 +105,17 @@ class LLMEngine:
     def _tokenize(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if not is_valid_unicode(prompt):
+                raise ValueError("prompt must be valid Unicode text (it has a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        return None, _token_list(prompt)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.scheduler_config.max_model_len
@@ -115,9 +124,14 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for output")
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers, got {bad[0]!r} "
+                             f"({type(bad[0]).__name__})")
         vocab = self.vocab_size
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        params.check_against_model(vocab)
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
 
@@ -228,3 +242,12 @@ def _eos_token_id(tokenizer: Any, model_dir: str) -> int | None:
         if eos is not None:
             return int(eos)
     return getattr(tokenizer, "eos_token_id", None)
+
+
+def _token_list(ids: object) -> list[int]:
+    """A prompt's token ids as a list; bytes and non-sequences are refused (ValueError)."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+        raise ValueError("prompt_token_ids must be a list of integers, got "
+                         f"{type(ids).__name__}")
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+            for t in ids]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -58,38 +60,64 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "> 0")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        # numbers.Integral/Real admit numpy scalars; values are stored as plain int/float.
+        # bool is an int subclass, but True is not a token count.
+        def integer(name: str, allowed: str, ok, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not ok(v):
+                raise bad(name, allowed)
+            setattr(self, name, int(v))
+
+        def number(name: str, allowed: str, ok) -> None:
+            v = getattr(self, name)
+            if (not isinstance(v, numbers.Real) or isinstance(v, bool)
+                    or not math.isfinite(v) or not ok(v)):
+                raise bad(name, allowed)
+            setattr(self, name, float(v))
+
+        def flag(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+
+        integer("n", "an integer >= 1", lambda v: v >= 1)
+        number("temperature", "a finite number >= 0 (0 means greedy)", lambda v: v >= 0.0)
+        number("top_p", "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        integer("top_k", "0 or -1 (disabled) or a positive integer", lambda v: v >= -1)
+        number("min_p", "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        number("presence_penalty", "a number in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        number("frequency_penalty", "a number in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        number("repetition_penalty", "a finite number > 0", lambda v: v > 0.0)
+        integer("max_tokens", "an integer >= 1 or None", lambda v: v >= 1, optional=True)
+        integer("min_tokens", "an integer >= 0", lambda v: v >= 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "None or an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "None or an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
+        integer("seed", "None or an integer", lambda v: True, optional=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "detokenize"):
+            flag(name)
+        if any(not isinstance(s, str) or not s or not is_valid_unicode(s) for s in self.stop):
+            raise bad("stop", "a list of non-empty strings (valid Unicode, no lone surrogates)")
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0
+               for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    def check_against_model(self, vocab_size: int | None) -> None:
+        """The checks that need the model: token ids and counts against its vocabulary."""
+        if not vocab_size:
+            return
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size ({vocab_size}) or 0/-1 "
+                             f"(disabled), got {self.top_k}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
+                             f"{self.logprobs}")
+        bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad_ids[:5]}")
 
     @property
     def is_greedy(self) -> bool:
@@ -109,3 +137,12 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for strings UTF-8 cannot encode (lone surrogates, e.g. from a JSON "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

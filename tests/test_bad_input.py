@@ -25,6 +25,42 @@ from cadence.output_state import OutputKind
     ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stop": [""]}, "stop"),
+    # types, NaN and infinities: a ValueError naming the field, never a TypeError
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": None}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": "0.5"}, "top_p"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"top_k": "5"}, "top_k"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"n": 2.0}, "n"),
+    ({"n": True}, "n"),
+    ({"max_tokens": 3.0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": "16"}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"logprobs": 2.0}, "logprobs"),
+    ({"logprobs": False}, "logprobs"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"detokenize": 1}, "detokenize"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+    ({"stop": [3]}, "stop"),
+    ({"stop": ["ok", "\ud800"]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
 ])
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -45,6 +81,41 @@ def test_empty_and_too_long_prompts(llm):
         generate(llm, [{"prompt_token_ids": list(range(3, 70))}], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, "):
         generate(llm, [{"prompt_token_ids": [3, 10**6]}], SamplingParams())
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ({"prompt_token_ids": [3, 4.0]}, {}, "prompt_token_ids must be integers"),
+    ({"prompt_token_ids": [3, True]}, {}, "prompt_token_ids must be integers"),
+    ({"prompt_token_ids": ["3"]}, {}, "prompt_token_ids must be integers"),
+    ({"prompt_token_ids": b"\x03\x04"}, {}, "prompt_token_ids must be a list"),
+    ({"prompt_token_ids": 7}, {}, "prompt_token_ids must be a list"),
+    ({"prompt_token_ids": [3, -1]}, {}, "prompt_token_ids must be in"),
+    ("lone \udc80 surrogate", {}, "valid Unicode"),
+    ("fine", {"top_k": 10**20}, "top_k must be <= the vocabulary size"),
+    ("fine", {"logprobs": 10**9}, "logprobs must be <= the vocabulary size"),
+    ("fine", {"stop_token_ids": [10**6]}, "stop_token_ids must be in"),
+    ("fine", {"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids must be in"),
+])
+def test_bad_requests_against_the_model_are_refused_and_the_engine_serves_on(
+        llm, prompt, params, message):
+    eng = llm.engine
+    with pytest.raises(ValueError, match=message):
+        generate(llm, [prompt], SamplingParams(max_tokens=4, **params))
+    assert not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    out = generate(llm, ["fine prompt"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_request_id_and_priority_types(llm):
+    eng = llm.engine
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        eng.add_request(7, "fine", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        eng.add_request("r-prio", "fine", SamplingParams(max_tokens=2), priority="high")
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        eng.add_request("r-params", "fine", {"max_tokens": 2})
+    assert not eng.has_unfinished_requests()
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):

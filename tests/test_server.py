@@ -177,6 +177,13 @@ BAD_REQUESTS = [
                               "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature",
+     "valid number"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10**20}, 400, None,
+     "top_k must be <= the vocabulary size"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [10**6]}, 400,
+     None, "stop_token_ids must be in"),
+    ("/v1/completions", {"prompt": [3, 4.5]}, 400, "prompt", "list[int]"),
 ]
 
 
@@ -191,6 +198,13 @@ def test_bad_requests_get_clear_errors_and_queue_nothing(model):
         r = await client.post("/v1/completions", content=b"{oops",
                               headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        for raw, words in ((b'{"prompt": "a \\ud800 b"}', "valid Unicode"),
+                           (b'{"prompt": "\xff\xfe"}', "not valid JSON")):
+            r = await client.post("/v1/completions", content=raw,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400, (raw, r.status_code, r.text)
+            assert "error" in r.json(), (raw, r.text)
+            assert words in r.json()["error"]["message"], (raw, r.text)
         r = await client.post("/v1/completions", json={"prompt": "x" * 5000})
         assert r.status_code == 413 and "at most 4096" in r.json()["error"]["message"]
 

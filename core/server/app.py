@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cadence
 from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
@@ -138,10 +139,25 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = errors[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # A field with a union type (``prompt``) fails once per branch, each error's location
+        # tagged with the branch ("prompt.str", "prompt.list[int].1"): name the field and
+        # the shapes it takes instead of the first branch's complaint.
+        branches = [str(x) for x in loc if _is_branch_tag(x)]
+        if branches:
+            loc = loc[:loc.index(branches[0])]
         field = ".".join(loc) or None
-        if err.get("type") == "extra_forbidden":
+        if branches:
+            shapes = []
+            for e in errors:
+                tags = [str(x) for x in e.get("loc", ()) if _is_branch_tag(str(x))]
+                if tags and tags[0] not in shapes:
+                    shapes.append(tags[0])
+            message = f"{field} has the wrong type or value; it must be one of: " + \
+                ", ".join(shapes)
+        elif err.get("type") == "extra_forbidden":
             model = _BODIES.get(request.url.path)
             valid = sorted(model.model_fields) if model is not None else []
             message = f"unknown field {field!r}; valid fields: {', '.join(valid)}"
@@ -153,6 +169,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         else:
             message = f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
         return error_response(400, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own 400s (a body that is not UTF-8), 404s and 405s, in the OpenAI
+        # error shape every other answer has.
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the body is not valid JSON (it is not UTF-8 text)"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -218,3 +243,8 @@ class BodyLimit:
             413, f"the request body has {size}+ bytes; this server accepts at most "
                  f"{self.max_bytes} (--max-request-bytes)")
         await response(scope, receive, send)
+
+
+def _is_branch_tag(segment: str) -> bool:
+    """True for the union-branch tags pydantic puts in an error's location."""
+    return "[" in segment or segment in {"str", "int", "float", "bool"}

@@ -12,7 +12,7 @@ from typing import Any
 from cadence.async_engine import AsyncLLM, RequestStream
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, is_valid_unicode
 from cadence.server import formats
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
@@ -56,6 +56,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise RequestError("prompt must not be empty", "prompt")
+                _check_unicode(p, "prompt")
                 prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
@@ -77,6 +78,7 @@ class OpenAIServing:
         except Exception as e:  # jinja raises TemplateError for e.g. roles out of order
             raise RequestError(f"the chat template rejected the messages: {e}",
                                "messages") from None
+        _check_unicode(text, "messages")
         # The template already holds BOS and the like; encode must not add them again.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = {"prompt": text, "prompt_token_ids": ids}
@@ -219,3 +221,9 @@ async def _merge(streams: list[RequestStream]
         for s in streams:
             s.abort()
 
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"); the tokenizer cannot take them."""
+    if not is_valid_unicode(text):
+        raise RequestError(f"{param} must be valid Unicode text (it has a lone surrogate)",
+                           param)
