@@ -124,10 +124,6 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for output")
-        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers, got {bad[0]!r} "
-                             f"({type(bad[0]).__name__})")
         vocab = self.vocab_size
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
@@ -245,9 +241,13 @@ def _eos_token_id(tokenizer: Any, model_dir: str) -> int | None:
 
 
 def _token_list(ids: object) -> list[int]:
-    """A prompt's token ids as a list; bytes and non-sequences are refused (ValueError)."""
+    """A prompt's token ids as a list of plain ints (numpy integers accepted); bytes,
+    non-sequences, floats and bools are refused (ValueError)."""
     if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
         raise ValueError("prompt_token_ids must be a list of integers, got "
                          f"{type(ids).__name__}")
-    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-            for t in ids]
+    for t in ids:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"prompt_token_ids must be integers, got {t!r} "
+                             f"({type(t).__name__})")
+    return [int(t) for t in ids]

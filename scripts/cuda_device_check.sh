@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 say() { echo "== $(date +%T) $*" | tee -a "$results/summary.txt"; }
-# One deadline for the whole run (the device call is killed at its timeout_s, 600 at most):
+# One deadline for the whole run (BUDGET_S; set it below whatever limit the job runs under):
 # each stage gets min(its own limit, what is left), so a slow stage cannot starve the rest
 # of time to write their results, and a stage with under 20 s left is skipped.
 BUDGET_S="${BUDGET_S:-570}"

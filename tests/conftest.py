@@ -41,3 +41,29 @@ def tiny_model_dir(
         return built[kind]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled CPU kernel module (backends/cpu/csrc), built once per machine."""
+    import os
+
+    from cadence.backends.cpu import kernels
+
+    if os.environ.get("CADENCE_CPU_KERNELS") == "0" or kernels._compiler() is None:
+        pytest.skip("the CPU kernels are disabled here (CADENCE_CPU_KERNELS=0 or no compiler)")
+    mod = kernels.load_kernels()
+    if mod is None:  # a None cached by an earlier test that turned the kernels off
+        mod = kernels._loaded["cpu"] = kernels._build()
+    assert mod is not None, "the kernel build failed with a compiler present (see the warning)"
+    return mod
+
+
+@pytest.fixture
+def restore_threads():
+    """Puts torch's thread count back after a test that changes it."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

@@ -98,13 +98,9 @@ def test_empty_and_too_long_prompts(llm):
 ])
 def test_bad_requests_against_the_model_are_refused_and_the_engine_serves_on(
         llm, prompt, params, message):
-    eng = llm.engine
     with pytest.raises(ValueError, match=message):
         generate(llm, [prompt], SamplingParams(max_tokens=4, **params))
-    assert not eng.has_unfinished_requests()
-    assert eng.block_manager.num_free_blocks == eng.num_blocks
-    out = generate(llm, ["fine prompt"], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 3
+    _assert_nothing_queued_and_serving(llm, 3)
 
 
 def test_request_id_and_priority_types(llm):
@@ -119,13 +115,19 @@ def test_request_id_and_priority_types(llm):
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
-    eng = llm.engine
     with pytest.raises(ValueError):
         generate(llm, ["fine prompt", ""], SamplingParams(max_tokens=4))
+    _assert_nothing_queued_and_serving(llm, 4)
+
+
+def _assert_nothing_queued_and_serving(llm, max_tokens: int) -> None:
+    """After a refused request: nothing left queued, every block free, and a normal request
+    still gets all its tokens."""
+    eng = llm.engine
     assert not eng.has_unfinished_requests()
     assert eng.block_manager.num_free_blocks == eng.num_blocks
-    out = generate(llm, ["fine prompt"], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
+    out = generate(llm, ["fine prompt"], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == max_tokens
 
 
 def test_engine_keeps_serving_after_rejecting_a_request(llm):

@@ -40,24 +40,6 @@ from cadence.layers.sampler import inverse_cdf
 KERNEL_LOGGER = "cadence.backends.cpu.kernels"
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("CADENCE_CPU_KERNELS") == "0" or kernels._compiler() is None:
-        pytest.skip("the CPU kernels are disabled here (CADENCE_CPU_KERNELS=0 or no compiler)")
-    mod = kernels.load_kernels()
-    if mod is None:  # a None cached by an earlier test that turned the kernels off
-        mod = kernels._loaded["cpu"] = kernels._build()
-    assert mod is not None, "the kernel build failed with a compiler present (see the warning)"
-    return mod
-
-
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 steps between two bf16 tensors of the same signs (ordered bits)."""
     ai = a.float().view(torch.int32).long()

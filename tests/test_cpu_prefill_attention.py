@@ -5,31 +5,9 @@ batch and of the thread count."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from cadence.backends.cpu import kernels
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("CADENCE_CPU_KERNELS") == "0" or kernels._compiler() is None:
-        pytest.skip("the CPU kernels are disabled here (CADENCE_CPU_KERNELS=0 or no compiler)")
-    mod = kernels.load_kernels()
-    if mod is None:  # a None cached by an earlier test that turned the kernels off
-        mod = kernels._loaded["cpu"] = kernels._build()
-    assert mod is not None, "the kernel build failed with a compiler present (see the warning)"
-    return mod
-
-
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def _batch(lens: list[int], h: int, kvh: int, d: int, dtype: torch.dtype, seed: int,

@@ -1,7 +1,8 @@
 """The CPU backend's attention, all compiled (csrc/): decode rows through the paged kernel
-(paged_attention.cpp), which reads K/V blocks in place; the fresh prompts of a step through
-one flash-style call (prefill_attention.cpp); chunks with cached context row by row through
-the decode kernel (see ``build_metadata``); the cache write in one pass (ops.cpp).
+(paged_attention.cpp), which reads K/V blocks in place; the fresh prompts of a step in one
+call with the decode kernel's arithmetic (prefill_attention.cpp); chunks with cached context
+row by row through the decode kernel (see ``build_metadata``); the cache write in one pass
+(ops.cpp).
 
 The kernel reads the core's flat-slot cache ([num_slots, KVH, D], viewed as
 [num_blocks, block_size, KVH, D]) as it is. It accepts any strided layout with that index

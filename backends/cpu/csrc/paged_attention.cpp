@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -186,7 +185,8 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
   const int64_t heads_per_item = num_chunks >= 4 * nthreads ? g.num_kv_heads : 1;
   const int64_t splits = g.num_kv_heads / heads_per_item;
   std::vector<int64_t> item_start(g.num_seqs + 1, 0);
-  for (int64_t b = 0; b < g.num_seqs; ++b) item_start[b + 1] = item_start[b] + seq_parts[b] * splits;
+  for (int64_t b = 0; b < g.num_seqs; ++b)
+    item_start[b + 1] = item_start[b] + seq_parts[b] * splits;
   const int64_t num_items = item_start[g.num_seqs];
   // Partials per (seq, head, partition): accumulator [D], max, sum.
   std::vector<float> part_acc(static_cast<size_t>(g.num_seqs * H * P * d));
@@ -220,9 +220,9 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
         if (hb == 4) item_fn = attend_partition<cache_t, NC, 4>;
         else if (hb == 3) item_fn = attend_partition<cache_t, NC, 3>;
         else if (hb == 2) item_fn = attend_partition<cache_t, NC, 2>;
-        item_fn(g, q + (b * H + h0) * d,
-                g.q_bf16 == nullptr ? nullptr : g.q_bf16 + (b * H + h0) * d, k_cache, v_cache, tables + b * g.max_blocks, kh0, kh1,
-                t0, t1, scores.data(), maxes.data(), acc.data(), m.data(), l.data());
+        const c10::BFloat16* qb = g.q_bf16 == nullptr ? nullptr : g.q_bf16 + (b * H + h0) * d;
+        item_fn(g, q + (b * H + h0) * d, qb, k_cache, v_cache, tables + b * g.max_blocks, kh0,
+                kh1, t0, t1, scores.data(), maxes.data(), acc.data(), m.data(), l.data());
       } else {  // an empty sequence: its output is zero
         std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.end(), 0.f);
@@ -276,7 +276,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim] views");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
