@@ -9,6 +9,7 @@ The data that crosses the boundary is plain host data (lists of ints and floats)
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,6 +107,11 @@ class SamplerOutput:
     #: Seconds the device spent on this step's forward + sampling, when the backend measures
     #: it where the host cannot (a worker process); 0.0 otherwise. For the bench breakdown.
     device_seconds: float = 0.0
+    #: ``time.monotonic()`` when this step's results were ready on the host side of the
+    #: device (a worker process's clock is the same system-wide monotonic clock); 0.0 when
+    #: the backend does not know. With ``PostSample``'s own timestamps it tells how much of
+    #: post_sample ran while the device was still busy. For the bench breakdown.
+    device_done_at: float = 0.0
 
 
 class PostSample:
@@ -117,12 +123,15 @@ class PostSample:
     is always safe. A second call raises: that is a backend bug.
     """
 
-    __slots__ = ("_fn", "called", "caller_thread")
+    __slots__ = ("_fn", "called", "caller_thread", "started_at", "ended_at")
 
     def __init__(self, fn: Callable[[], None] | None) -> None:
         self._fn = fn
         self.called = False
         self.caller_thread: int | None = None
+        #: ``time.monotonic()`` around the call (0.0 until called), for the bench breakdown.
+        self.started_at = 0.0
+        self.ended_at = 0.0
 
     def __call__(self) -> None:
         if self.called:
@@ -131,8 +140,12 @@ class PostSample:
 
         self.called = True
         self.caller_thread = threading.get_ident()
-        if self._fn is not None:
-            self._fn()
+        self.started_at = time.monotonic()
+        try:
+            if self._fn is not None:
+                self._fn()
+        finally:
+            self.ended_at = time.monotonic()
 
 
 class Backend(ABC):

@@ -21,7 +21,7 @@ ENV_KEYS = {"torch", "cpu_count", "dtype", "backend", "git_commit", "transformer
             "plugins_env"}
 BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
                   "device_source", "device_per_step_ms", "finalize_s", "finalize_in_execute_s",
-                  "hidden_finalize_s", "exposed_finalize_s", "hidden_fraction",
+                  "hidden_finalize_s", "hidden_source", "exposed_finalize_s", "hidden_fraction",
                   "host_critical_s", "other_s", "device_idle_fraction"}
 PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain"}
 MACHINE_KEYS = {"cpu_model", "cpu_family", "cpu_model_id", "cpu_flags", "torch_cpu_capability",
@@ -69,6 +69,51 @@ def test_throughput_json(tiny_model_dir, tmp_path, capsys, extra):
     else:
         assert data["num_output_tokens"] == 30 and data["host_work"] == "heavy"
         _check_breakdown(data["breakdown"])
+        # The worker process stamps when each step's results were ready, so the hidden part
+        # of finalize is measured, not estimated; heavy host work outlasts a tiny forward
+        # but starts beside it.
+        assert data["breakdown"]["hidden_source"] == "timestamps"
+        assert data["breakdown"]["hidden_finalize_s"] > 0
+
+
+class _FakeOut:
+    def __init__(self, done_at: float) -> None:
+        self.device_seconds, self.device_done_at = 0.0, done_at
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_hidden_finalize_from_timestamps(overlapped):
+    """post_sample's span clipped at the moment the device's results were ready."""
+    import time
+    from types import SimpleNamespace
+
+    from cadence.backend import PostSample
+    from cadence.bench.floor import StepTimer, breakdown_from
+
+    def execute(model_input, post_sample):
+        if not overlapped:
+            done = time.monotonic()
+        post_sample()
+        if overlapped:
+            time.sleep(0.02)  # the device is still busy after post_sample returns
+            done = time.monotonic()
+        return _FakeOut(done)
+
+    backend = SimpleNamespace(execute=execute)
+    engine = SimpleNamespace(backend=backend, output_processor=SimpleNamespace())
+    timer = StepTimer(engine)
+    post = PostSample(lambda: time.sleep(0.01))
+    t0 = time.perf_counter()
+    engine.backend.execute(None, post)
+    spent = time.perf_counter() - t0
+    phases = {"schedule": 0.0, "prepare": 0.0, "commit": 0.0, "drain": 0.0,
+              "execute": spent, "post_sample": post.ended_at - post.started_at}
+    b = breakdown_from(phases, 1, spent, timer)
+    assert b["hidden_source"] == "timestamps"
+    if overlapped:
+        assert b["hidden_finalize_s"] == pytest.approx(phases["post_sample"])
+    else:
+        assert b["hidden_finalize_s"] == 0
 
 
 def test_compare_without_hf(tiny_model_dir, tmp_path):

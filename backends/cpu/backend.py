@@ -18,6 +18,7 @@ overlap needs a second worker. Strategies (``backend_options["overlap"]``):
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -92,7 +93,9 @@ class CpuBackend(Backend):
         return self.runner.to_host(sampled)
 
     def _forward_and_sample(self, model_input: ModelInput) -> SamplerOutput:
-        return self.to_host(self.sample(self.forward(model_input), model_input.sampling))
+        out = self.to_host(self.sample(self.forward(model_input), model_input.sampling))
+        out.device_done_at = time.monotonic()
+        return out
 
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         if self.overlap == "sync":

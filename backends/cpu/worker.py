@@ -62,6 +62,7 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             t0 = time.perf_counter()
             result = runner.to_host(runner.sample(runner.forward(mi), mi.sampling))
             result.device_seconds = time.perf_counter() - t0
+            result.device_done_at = time.monotonic()
         except BaseException:
             result = WorkerError(traceback.format_exc())
         _send(out, result)

@@ -48,17 +48,23 @@ class StepTimer:
     """
 
     def __init__(self, engine: Any) -> None:
-        self.totals = {"device": 0.0, "finalize": 0.0, "reported": 0.0}
-        self.calls = {"device": 0, "finalize": 0, "reported": 0}
+        self.totals = {"device": 0.0, "finalize": 0.0, "reported": 0.0, "hidden": 0.0}
+        self.calls = {"device": 0, "finalize": 0, "reported": 0, "hidden": 0}
         self._patched: list[tuple[Any, str]] = []
         execute = engine.backend.execute
 
-        def reporting_execute(*args: Any, **kwargs: Any) -> Any:
-            out = execute(*args, **kwargs)
+        def reporting_execute(model_input: Any, post_sample: Any) -> Any:
+            out = execute(model_input, post_sample)
             seconds = getattr(out, "device_seconds", 0.0)
             if seconds:
                 self.totals["reported"] += seconds
                 self.calls["reported"] += 1
+            done_at = getattr(out, "device_done_at", 0.0)
+            if done_at and post_sample.called:
+                # The part of post_sample that ran before the device's results were ready.
+                self.totals["hidden"] += max(
+                    0.0, min(post_sample.ended_at, done_at) - post_sample.started_at)
+                self.calls["hidden"] += 1
             return out
 
         engine.backend.execute = reporting_execute
@@ -93,10 +99,15 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
     else:
         device, source = max(0.0, execute - post), "estimated"
     finalize = timer.totals["finalize"] if timer.calls["finalize"] else post + phases["drain"]
-    # Inside execute the forward and post_sample either ran one after the other
-    # (execute ~ device + post) or side by side (execute ~ max(device, post)): what execute
-    # saved against running them in a row is the finalize time that was hidden.
-    hidden = min(post, max(0.0, device + post - execute))
+    if timer.calls["hidden"]:
+        # The backend said when each step's results were ready: exact, and blind to the
+        # transfer overheads that the estimate below charges to the overlap.
+        hidden, hidden_source = min(post, timer.totals["hidden"]), "timestamps"
+    else:
+        # Inside execute the forward and post_sample either ran one after the other
+        # (execute ~ device + post) or side by side (execute ~ max(device, post)): what
+        # execute saved against running them in a row is the finalize time that was hidden.
+        hidden, hidden_source = min(post, max(0.0, device + post - execute)), "estimated"
     steps = max(num_steps, 1)
     host = phases["schedule"] + phases["prepare"] + phases["commit"] + phases["drain"]
     return {
@@ -110,6 +121,7 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
         "finalize_s": finalize,
         "finalize_in_execute_s": post,
         "hidden_finalize_s": hidden,
+        "hidden_source": hidden_source,
         "exposed_finalize_s": max(0.0, finalize - hidden),
         "hidden_fraction": hidden / finalize if finalize > 0 else 0.0,
         "host_critical_s": host,
