@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bodies larger than this get HTTP 413")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="largest logprobs / top_logprobs a request may ask for")
+    _add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
@@ -78,6 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
     if add_bench_subcommands is not None:
         add_bench_subcommands(bench)
     return parser
+
+
+def _add_limit_args(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("limits (docs/server.md, 'Limits')")
+    g.add_argument("--api-key", default=None,
+                   help="bearer token every route but /health requires (HTTP 401 without "
+                        "it); default: $CADENCE_API_KEY, else no key")
+    g.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="max_tokens for a request that leaves it out (chat) or sends null: "
+                        "the rest of the context, at most this many; 0: the rest of the "
+                        "context (default: %(default)s)")
+    g.add_argument("--max-n", type=int, default=16,
+                   help="largest n (and best_of) a request may ask for; above it HTTP 400 "
+                        "(default: %(default)s)")
+    g.add_argument("--allow-any-temperature", action="store_true",
+                   help="accept temperatures above OpenAI's 2 (otherwise HTTP 400)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its whole body once its headers are "
+                        "in; then HTTP 408 (default: %(default)s; 0: no limit)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request still generating is aborted: HTTP "
+                        "504, or an error event on a stream (unset or 0: no limit)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's "
+                        "option; default: %(default)s)")
 
 
 def cmd_backends() -> int:
@@ -150,17 +176,31 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          f"'cadence[server]' ({e})") from None
     from cadence.async_engine import AsyncLLM
     from cadence.engine_args import EngineArgs
+    from cadence.server.limits import ServerLimits, check_api_key
 
+    # Checked before the model loads: a typo should not cost a minute of start-up.
+    limits = ServerLimits(
+        default_max_tokens=ns.default_max_tokens or None, max_n=ns.max_n,
+        allow_any_temperature=ns.allow_any_temperature,
+        request_body_timeout=ns.request_body_timeout or None,
+        request_timeout=ns.request_timeout or None)
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("CADENCE_API_KEY")
+    if api_key is not None:
+        check_api_key(api_key)
+    if ns.timeout_keep_alive < 0:
+        raise ValueError(f"--timeout-keep-alive must be >= 0, got {ns.timeout_keep_alive}")
     args, extra = EngineArgs.from_cli_args(ns)
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
     name = ns.served_model_name or os.path.basename(
         os.path.normpath(engine.engine.config.model_config.model))
-    app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs)
+    app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits)
     print(f"cadence: serving {name!r} on http://{ns.host}:{ns.port}/v1 "
-          f"(backend {args.backend})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+          f"(backend {args.backend}{', API key required' if api_key else ''})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                timeout_keep_alive=ns.timeout_keep_alive)
     return 0
 
 

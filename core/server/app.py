@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP server (FastAPI): routes, error mapping, the body-size limit.
+"""The OpenAI-compatible HTTP server (FastAPI): routes and error mapping.
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
-400 bad input (the message names the field and the valid values), 404 unknown model,
-413 body larger than ``max_request_bytes``, 429 more than ``max_pending_requests`` in
-flight (with ``Retry-After``), 503 engine not running. A rejected request queues nothing.
+400 bad input (the message names the field and the valid values), 401 no or a wrong API
+key, 404 unknown model, 408 body not received in time, 413 body larger than
+``max_request_bytes``, 429 more than ``max_pending_requests`` in flight (with
+``Retry-After``), 503 engine not running, 504 past the per-request deadline. A rejected
+request queues nothing; the limits themselves live in core/server/limits.py.
 """
 
 from __future__ import annotations
@@ -22,25 +24,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import cadence
 from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from cadence.output_state import OutputKind
+from cadence.server.errors import error_body, error_response
+from cadence.server.limits import (
+    ApiKeyAuth,
+    BodyLimit,
+    Deadline,
+    DeadlineExceeded,
+    ServerLimits,
+    check_api_key,
+)
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "service_unavailable"}
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
-              max_logprobs: int = 20) -> FastAPI:
-    """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server."""
-    serving = OpenAIServing(engine, model_name, max_logprobs)
+              max_logprobs: int = 20, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server.
+
+    With ``api_key``, every route but /health needs ``Authorization: Bearer <api_key>``;
+    ``limits`` defaults to ``ServerLimits()`` (docs/server.md, "Limits").
+    """
+    limits = limits or ServerLimits()
+    if api_key is not None:
+        check_api_key(api_key)  # here, not at the first request, where it would be too late
+    serving = OpenAIServing(engine, model_name, max_logprobs, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,7 +58,10 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         await engine.shutdown()
 
     app = FastAPI(title="cadence", version=cadence.__version__, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
+                       timeout=limits.request_body_timeout)
+    if api_key is not None:  # added last, so it runs first: no body is read without the key
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -74,21 +87,24 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
+        deadline = Deadline.start(limits.request_timeout)
         inputs = serving.completion_inputs(req)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req.priority, kind)
         if req.stream:
-            return _event_stream(serving.completion_events(streams, req))
-        return await _unless_disconnected(raw, serving.completion_body(streams, req))
+            return _event_stream(deadline.stream(serving.completion_events(streams, req)))
+        return await _unless_disconnected(
+            raw, deadline.run(serving.completion_body(streams, req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
+        deadline = Deadline.start(limits.request_timeout)
         inputs = [serving.chat_input(req)]
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req.priority, kind)
         if req.stream:
-            return _event_stream(serving.chat_events(streams, req))
-        return await _unless_disconnected(raw, serving.chat_body(streams, req))
+            return _event_stream(deadline.stream(serving.chat_events(streams, req)))
+        return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
 
     return app
 
@@ -126,9 +142,10 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except RuntimeError as e:  # EngineDeadError, or a failure while streaming
-            body = {"error": {"message": str(e), "type": "server_error", "param": None,
-                              "code": None}}
+        except RuntimeError as e:  # EngineDeadError, DeadlineExceeded, a failure while streaming
+            timed_out = isinstance(e, DeadlineExceeded)
+            body = error_body(504 if timed_out else 500, str(e),
+                              code="request_timeout" if timed_out else None)
             yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -195,54 +212,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
-
-class BodyLimit:
-    """ASGI middleware: answer 413 for request bodies over ``max_bytes``, declared or not.
-
-    The body is read here, up to the limit, and replayed to the app: a chunked upload
-    without Content-Length cannot slip past, and FastAPI never buffers an oversized body.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send, int(declared))
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send, size)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # later reads wait for the disconnect, as usual
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: dict, receive: Any, send: Any, size: int) -> None:
-        response = error_response(
-            413, f"the request body has {size}+ bytes; this server accepts at most "
-                 f"{self.max_bytes} (--max-request-bytes)")
-        await response(scope, receive, send)
+    @app.exception_handler(DeadlineExceeded)
+    async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
+        return error_response(504, str(exc), code="request_timeout")
 
 
 def _is_branch_tag(segment: str) -> bool:

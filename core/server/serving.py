@@ -14,16 +14,19 @@ from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import SamplingParams, is_valid_unicode
 from cadence.server import formats
+from cadence.server.limits import ServerLimits
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 
 class OpenAIServing:
     """Serves /v1/completions and /v1/chat/completions from one ``AsyncLLM``."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_logprobs = max_logprobs
+        self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
 
@@ -46,10 +49,11 @@ class OpenAIServing:
                 f"{num_prompt} in the prompt + max_tokens={requested} is "
                 f"{num_prompt + requested}; lower max_tokens to {room} or less",
                 "max_tokens", code="context_length_exceeded")
-        return make(requested if requested is not None else room)
+        return make(requested if requested is not None else self.limits.max_tokens_for(room))
 
     def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
         self.check_model(req.model)
+        self.limits.check(req)
         req.check(self.max_logprobs)
         inputs = []
         for p in req.prompts():
@@ -67,6 +71,7 @@ class OpenAIServing:
 
     def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
         self.check_model(req.model)
+        self.limits.check(req)
         req.check(self.max_logprobs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template; use /v1/completions",

@@ -1,0 +1,338 @@
+"""The server's limits (docs/server.md, "Limits"): the API key, the default max_tokens, the
+caps on n and temperature, the body-read deadline and the per-request deadline. Each
+rejection has its status and the OpenAI error shape, queues nothing or frees what it held,
+and the next request is served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+import types
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
+uvicorn = pytest.importorskip("uvicorn", reason="the server tests need the server extra")
+
+from test_async_engine import all_blocks_free, make_async, wait_until, with_engine
+from test_server import events
+from test_server_live import free_port, wait_for
+
+from cadence.cli import main as cli
+from cadence.server.app import build_app
+from cadence.server.limits import ServerLimits
+
+KEY = "sk-test-0123456789"
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+def serve(model: str, body, api_key: str | None = None, slow: bool = False, **limits):
+    """Run ``body(client, engine)`` against a fresh app with ``ServerLimits(**limits)``;
+    ``slow`` makes each step take >= 10 ms, so a deadline can fall mid-generation."""
+    async def run(engine):
+        if slow:
+            _slow_down(engine)
+        app = build_app(engine, "tiny", api_key=api_key, limits=ServerLimits(**limits))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as client:
+            return await body(client, engine)
+
+    return with_engine(model, run)
+
+
+def _slow_down(engine) -> None:
+    execute = engine.engine.backend.execute
+
+    def slow_execute(mi, post_sample):
+        time.sleep(0.01)
+        return execute(mi, post_sample)
+
+    engine.engine.backend.execute = slow_execute
+
+
+def error_of(r, status: int, param: str | None = None) -> dict:
+    """The OpenAI error object of ``r``, checked for status, shape and ``param``."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["param"] == param, err
+    return err
+
+
+async def served(client) -> None:
+    """A normal request still gets its answer."""
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+# ---- the API key -------------------------------------------------------------------------
+ROUTES = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
+          ("GET", "/openapi.json", None),
+          ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+          ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})]
+
+
+def test_api_key_is_required_everywhere_but_health(model):
+    async def body(client, engine):
+        bad = {"none": {}, "wrong": {"Authorization": f"Bearer {KEY}x"},
+               "short": {"Authorization": "Bearer sk"}, "basic": {"Authorization": f"Basic {KEY}"},
+               "bare": {"Authorization": KEY}}
+        for method, path, req in ROUTES:
+            for what, headers in bad.items():
+                r = await client.request(method, path, json=req, headers=headers)
+                err = error_of(r, 401)
+                assert err["type"] == "authentication_error", (path, what, err)
+                assert err["code"] == "invalid_api_key"
+                assert "Authorization: Bearer" in err["message"]
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert engine.stats().num_requests_added == 0 and engine.num_pending_requests == 0
+        # No key is needed to learn the key is missing: an oversized body gets 401, not 413.
+        r = await client.post("/v1/completions", content=b" " * (5 << 20))
+        error_of(r, 401)
+        assert (await client.get("/health")).status_code == 200
+        for method, path, req in ROUTES:
+            for scheme in ("Bearer", "bearer"):
+                r = await client.request(method, path, json=req,
+                                         headers={"Authorization": f"{scheme} {KEY}"})
+                assert r.status_code == 200, (path, r.text)
+        r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"prompt": "x", "max_tokens": 2, "stream": True})
+        assert r.status_code == 200 and len(events(r.text)) >= 1
+
+    serve(model, body, api_key=KEY)
+
+
+@pytest.mark.parametrize("key", ["", "has space", "naïve", "tab\there"])
+def test_api_key_that_cannot_travel_in_a_header_is_refused_at_build(key):
+    engine = types.SimpleNamespace(tokenizer=None, max_model_len=256)
+    with pytest.raises(ValueError, match="api_key"):
+        build_app(engine, "tiny", api_key=key)
+
+
+# ---- default max_tokens, n, temperature ------------------------------------------------------
+def test_default_max_tokens_caps_requests_that_leave_it_out(model):
+    async def body(client, engine):
+        async def tokens(path: str, req: dict) -> int:
+            r = await client.post(path, json={**req, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"]
+
+        assert await tokens("/v1/chat/completions", {"messages": CHAT}) == 5
+        assert await tokens("/v1/chat/completions", {"messages": CHAT, "max_tokens": None}) == 5
+        assert await tokens("/v1/chat/completions", {"messages": CHAT, "max_tokens": 7}) == 7
+        # Completions keep OpenAI's 16 when max_tokens is left out; null means the default.
+        assert await tokens("/v1/completions", {"prompt": "x"}) == 16
+        assert await tokens("/v1/completions", {"prompt": "x", "max_tokens": None}) == 5
+        # The rest of the context when that is less (max_model_len is 256).
+        assert await tokens("/v1/completions", {"prompt": [5] * 253, "max_tokens": None}) == 3
+        r = await client.post("/v1/completions", json={"prompt": [5] * 250, "max_tokens": 7})
+        assert error_of(r, 400, "max_tokens")["code"] == "context_length_exceeded"
+
+    serve(model, body, default_max_tokens=5)
+
+
+def test_default_max_tokens_off_means_the_rest_of_the_context(model):
+    async def body(client, engine):
+        r = await client.post("/v1/completions", json={
+            "prompt": [5] * 250, "max_tokens": None, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+
+    serve(model, body, default_max_tokens=None)
+
+
+def test_n_and_best_of_above_the_cap_are_400(model):
+    async def body(client, engine):
+        for path, req, param in (
+                ("/v1/completions", {"prompt": "x", "n": 5}, "n"),
+                ("/v1/completions", {"prompt": "x", "n": 10**9}, "n"),
+                ("/v1/completions", {"prompt": "x", "n": 5, "best_of": 5}, "n"),
+                ("/v1/completions", {"prompt": "x", "best_of": 5}, "best_of"),
+                ("/v1/chat/completions", {"messages": CHAT, "n": 5}, "n")):
+            err = error_of(await client.post(path, json={**req, "max_tokens": 2}), 400, param)
+            assert f"{param} must be <= 4" in err["message"] and "--max-n" in err["message"]
+        assert engine.stats().num_requests_added == 0
+        r = await client.post("/v1/completions", json={"prompt": "x", "n": 4, "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        await served(client)
+
+    serve(model, body, max_n=4)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_temperature_above_two_needs_the_opt_out(model, allow):
+    async def body(client, engine):
+        for path, req in (("/v1/completions", {"prompt": "x"}),
+                          ("/v1/chat/completions", {"messages": CHAT})):
+            r = await client.post(path, json={**req, "temperature": 2.5, "max_tokens": 2})
+            if allow:
+                assert r.status_code == 200, r.text
+            else:
+                err = error_of(r, 400, "temperature")
+                assert "[0, 2]" in err["message"] and "2.5" in err["message"]
+                assert "--allow-any-temperature" in err["message"]
+            r = await client.post(path, json={**req, "temperature": 2, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert engine.num_pending_requests == 0
+        await served(client)
+
+    serve(model, body, allow_any_temperature=allow)
+
+
+# ---- the body-read deadline ----------------------------------------------------------------
+def test_stalled_or_trickled_body_is_408_and_queues_nothing(model):
+    async def stalled():
+        yield b'{"prompt": "x",'
+        await asyncio.sleep(5)  # cancelled by the deadline long before
+        yield b' "max_tokens": 2}'
+
+    async def trickled():
+        for part in (b'{"prompt"', b': "x", ', b'"max_tokens"', b': 2', b'}') * 3:
+            await asyncio.sleep(0.1)
+            yield part
+
+    async def prompt_enough():
+        yield b'{"prompt": "x", '
+        await asyncio.sleep(0.05)
+        yield b'"max_tokens": 2}'
+
+    async def body(client, engine):
+        headers = {"content-type": "application/json"}
+        for content in (stalled, trickled):
+            start = time.monotonic()
+            r = await client.post("/v1/completions", content=content(), headers=headers)
+            assert time.monotonic() - start < 1.5
+            err = error_of(r, 408)
+            assert err["type"] == "timeout_error" and err["code"] == "request_body_timeout"
+            assert "0.3 s" in err["message"] and "--request-body-timeout" in err["message"]
+            assert r.headers["connection"] == "close"
+        assert engine.num_pending_requests == 0 and engine.stats().num_requests_added == 0
+        r = await client.post("/v1/completions", content=prompt_enough(), headers=headers)
+        assert r.status_code == 200, r.text
+        await served(client)
+
+    serve(model, body, request_body_timeout=0.3)
+
+
+@contextlib.contextmanager
+def live_server(engine, **limits):
+    """``build_app`` with ``ServerLimits(**limits)`` under uvicorn on a free port."""
+    port = free_port()
+    app = build_app(engine, "tiny", limits=ServerLimits(**limits))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def test_stalled_body_over_a_socket_gets_408_and_the_connection_closes(model):
+    engine = make_async(model)
+    with live_server(engine, request_body_timeout=0.3) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+                      b'{"prompt": "x",')
+            start = time.monotonic()
+            reply = b""
+            while chunk := s.recv(4096):  # until the server closes the connection
+                reply += chunk
+            assert time.monotonic() - start < 5
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"--request-body-timeout" in reply
+        assert engine.num_pending_requests == 0 and engine.stats().num_requests_added == 0
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    assert not engine.is_running
+
+
+# ---- the per-request deadline --------------------------------------------------------------
+LONG = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+
+
+async def freed(client, engine) -> None:
+    """The timed-out request is gone from the engine and holds no KV blocks."""
+    await wait_until(lambda: engine.num_pending_requests == 0 and all_blocks_free(engine))
+    await served(client)
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0
+    assert stats.finish_reasons.get("abort", 0) >= 1
+
+
+def test_request_timeout_is_504_and_frees_the_request(model):
+    async def body(client, engine):
+        for path, req in (("/v1/completions", LONG),
+                          ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 200,
+                                                    "ignore_eos": True})):
+            start = time.monotonic()
+            r = await client.post(path, json=req)
+            assert time.monotonic() - start < 1.5
+            err = error_of(r, 504)
+            assert err["type"] == "timeout_error" and err["code"] == "request_timeout"
+            assert "0.4 s" in err["message"] and "--request-timeout" in err["message"]
+            await freed(client, engine)
+
+    serve(model, body, slow=True, request_timeout=0.4)
+
+
+def test_request_timeout_ends_a_stream_with_an_error_event(model):
+    async def body(client, engine):
+        for path, req in (("/v1/completions", LONG),
+                          ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 200,
+                                                    "ignore_eos": True})):
+            r = await client.post(path, json={**req, "stream": True, "n": 2})
+            assert r.status_code == 200
+            chunks = events(r.text)  # ends with [DONE]
+            err = chunks[-1]["error"]
+            assert err["type"] == "timeout_error" and err["code"] == "request_timeout"
+            assert "--request-timeout" in err["message"]
+            assert all("error" not in c for c in chunks[:-1]) and len(chunks) > 1
+            await freed(client, engine)
+
+    serve(model, body, slow=True, request_timeout=0.4)
+
+
+# ---- the command line ---------------------------------------------------------------------
+def test_serve_flags_reach_the_app_and_uvicorn(monkeypatch):
+    from cadence.async_engine import AsyncLLM
+
+    started = []
+    fake = types.SimpleNamespace(tokenizer=None, max_model_len=256)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args",
+                        classmethod(lambda cls, *a, **kw: started.append(1) or fake))
+    runs: list[tuple] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    monkeypatch.setenv("CADENCE_API_KEY", "from-env")
+    base = ["serve", "--served-model-name", "tiny", "--log-level", "warning"]
+    assert cli.main(base + ["--timeout-keep-alive", "7"]) == 0
+    assert cli.main(base + ["--api-key", "from-flag"]) == 0
+    assert runs[0][1]["timeout_keep_alive"] == 7 and runs[1][1]["timeout_keep_alive"] == 5
+
+    async def status(app, key: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as client:
+            r = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            return r.status_code
+
+    assert asyncio.run(status(runs[0][0], "from-env")) == 200
+    assert asyncio.run(status(runs[1][0], "from-flag")) == 200
+    assert asyncio.run(status(runs[1][0], "from-env")) == 401
+    # Bad limits are refused before the model loads.
+    for bad in (["--max-n", "0"], ["--request-body-timeout", "-1"], ["--api-key", "a b"],
+                ["--default-max-tokens", "-3"], ["--timeout-keep-alive", "-1"]):
+        assert cli.main(base + bad) == 2, bad
+    assert len(started) == 2
