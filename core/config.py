@@ -50,10 +50,15 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # The largest n of one request: each sample is a sequence of its own, and n=10**9 would
+    # build that many before anything is checked. High enough for pass@k evaluations.
+    max_num_samples: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_samples < 1:
+            raise ValueError(f"max_num_samples must be >= 1, got {self.max_num_samples}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

@@ -22,6 +22,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
+    max_num_samples: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
@@ -68,7 +69,8 @@ class EngineArgs:
                                      args["enable_prefix_caching"]),
             scheduler_config=SchedulerConfig(args["max_num_seqs"], batched, max_len,
                                              args["enable_chunked_prefill"],
-                                             args["scheduling_policy"]),
+                                             args["scheduling_policy"],
+                                             max_num_samples=args["max_num_samples"]),
             backend=args["backend"],
             disable_async_output_proc=args["disable_async_output_proc"],
             backend_options=tuple(sorted(args["backend_options"].items())),
@@ -88,6 +90,9 @@ class EngineArgs:
         p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false")
         p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-samples", type=int, default=256,
+                       help="largest n (samples of one request) the engine accepts; larger "
+                            "is refused (default: %(default)s)")
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cadence.engine import LLMEngine
@@ -46,8 +47,11 @@ class LLM:
         ``sampling_params``: one for all prompts, or one per prompt.
         Invalid input raises ValueError before anything is queued.
         """
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
+            raise ValueError("prompts must be a prompt (a string, a list of token ids or a "
+                             "dict) or a list of prompts, got " + type(prompts).__name__)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -55,12 +59,19 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            bad = sampling_params if not isinstance(sampling_params, (list, tuple)) else next(
+                (p for p in sampling_params if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise ValueError("sampling_params must be SamplingParams, a list of them (one "
+                                 f"per prompt) or None, got {type(bad).__name__}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts; pass one, or one per prompt")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError("priority must have one entry per prompt")
+        if priority is not None and (not isinstance(priority, (list, tuple))
+                                     or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be None or a list of integers with one entry "
+                             f"per prompt ({len(prompts)}), got {priority!r:.60}")
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:

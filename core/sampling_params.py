@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Seeds are 64-bit signed, as in vLLM's server: a backend may hold them in an int64 tensor.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -48,8 +50,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Only lists and tuples: list() of an int fails with a TypeError, and of a dict or a
+        # string of digits it would quietly make stop values out of keys or characters.
+        for name, allowed in (("stop", "a string or a list of non-empty strings"),
+                              ("stop_token_ids", "a list of non-negative token ids")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be {allowed} or None, got "
+                                 f"{type(value).__name__} {value!r:.40}")
+            setattr(self, name, list(value or []))
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
@@ -94,7 +103,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
         integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
-        integer("seed", "None or an integer", lambda v: True, optional=True)
+        integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
+                lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "detokenize"):
             flag(name)
@@ -132,10 +142,11 @@ class SamplingParams:
         )
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The params of the ``index``-th of ``n`` samples: n=1, and seed + index."""
+        """The params of the ``index``-th of ``n`` samples: n=1, and seed + index (wrapped
+        into the 64-bit range, so seed=2**63-1 with n=2 stays a valid seed)."""
         from dataclasses import replace
 
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else _wrap_seed(self.seed + index)
         return replace(self, n=1, seed=seed)
 
 
@@ -146,3 +157,7 @@ def is_valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _wrap_seed(seed: int) -> int:
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN

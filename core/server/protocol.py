@@ -24,14 +24,17 @@ class RequestError(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: the types mean what SamplingParams's mean (docs/validation.md). Lax parsing
+    # would take true as 1 (n, max_tokens, token ids), "3" and 3.0 as 3, and "yes" as true;
+    # a JSON integer still fills a float field.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -71,7 +74,8 @@ class _Common(BaseModel):
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty or 1.0, max_tokens=max_tokens,
+                repetition_penalty=1.0 if self.repetition_penalty is None
+                else self.repetition_penalty, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -101,6 +105,8 @@ class CompletionRequest(_Common):
             raise RequestError("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
             return [list(p)]
+        if any(not x for x in p):
+            raise RequestError("prompt must not be empty (one of its prompts is)", "prompt")
         return list(p)
 
     def check(self, max_logprobs: int) -> None:
@@ -154,6 +160,9 @@ class ChatCompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise RequestError("max_completion_tokens must be an integer >= 1 or null, got "
+                               f"{self.max_completion_tokens}", "max_completion_tokens")
         if self.tools or self.tool_choice not in (None, "none"):
             raise RequestError("tools and tool_choice are not supported by cadence", "tools")
         if self.response_format and self.response_format.get("type") != "text":
