@@ -41,6 +41,16 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; no request can be served (HTTP 503)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine could not serve this request (a step failed on it, or its worker was
+    lost); the others are unaffected. ``output`` is its final output (finish_reason
+    ``"error"``), with the tokens it had produced."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        super().__init__(output.error or "the request failed")
+        self.output = output
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -73,6 +83,10 @@ class AsyncLLM:
     ``EngineOverloadedError``).
     """
 
+    #: Seconds the idle loop sleeps between health checks of the backend: a worker that dies
+    #: while nothing runs is restarted within this long.
+    health_check_interval_s = 1.0
+
     def __init__(self, engine: LLMEngine, max_pending_requests: int | None = None) -> None:
         if max_pending_requests is not None and max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be None or >= 1, "
@@ -100,6 +114,23 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return not self._closed and self._thread.is_alive()
+
+    def check_health(self) -> str | None:
+        """None when the engine can serve; otherwise why not (for ``/health``).
+
+        Asks the backend directly, so a worker that died is reported at once, even while
+        the engine thread is idle or busy restarting it.
+        """
+        if not self.is_running:
+            return f"the engine is not running ({self._error!r})" if self._error \
+                else "the engine is not running"
+        if self.engine.guard.restart_pending:
+            return "the engine is restarting its worker"
+        try:
+            self.engine.backend.check_health()
+        except Exception as e:
+            return str(e)
+        return None
 
     @property
     def num_pending_requests(self) -> int:
@@ -176,10 +207,23 @@ class AsyncLLM:
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        stalled = False
         try:
             while True:
-                # Block only when idle; otherwise take what arrived during the last step.
-                cmds = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                # Block when idle, and when the last step could run nothing (requests that
+                # wait for blocks only a command can free): only a command changes that.
+                # Otherwise take what arrived during the last step.
+                cmds = []
+                # A worker lost in the last step: its requests' errors went out with that
+                # step's outputs; restart it before anything else.
+                engine.repair()
+                if stalled or not engine.has_unfinished_requests():
+                    try:
+                        cmds.append(self._commands.get(timeout=self.health_check_interval_s))
+                    except queue.Empty:
+                        self._dispatch(engine.check_health())
+                        stalled = False
+                        continue
                 while True:
                     try:
                         cmds.append(self._commands.get_nowait())
@@ -195,7 +239,9 @@ class AsyncLLM:
                 for cmd in cmds:
                     self._apply(cmd)
                 if engine.has_unfinished_requests():
+                    steps = engine.stats.num_steps
                     outputs = engine.step()
+                    stalled = engine.stats.num_steps == steps and not outputs
                     # Snapshot first: a caller woken by its final output sees stats with it.
                     self._stats = engine.stats.snapshot()
                     self._dispatch(outputs)
@@ -276,6 +322,8 @@ class RequestStream:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished and item.error is not None:
+                    raise RequestFailedError(item)
                 yield item
                 if finished:
                     break

@@ -123,7 +123,7 @@ class PostSample:
     is always safe. A second call raises: that is a backend bug.
     """
 
-    __slots__ = ("_fn", "called", "caller_thread", "started_at", "ended_at")
+    __slots__ = ("_fn", "called", "caller_thread", "ended_at", "started_at")
 
     def __init__(self, fn: Callable[[], None] | None) -> None:
         self._fn = fn
@@ -148,6 +148,38 @@ class PostSample:
             self.ended_at = time.monotonic()
 
 
+class WorkerLostError(RuntimeError):
+    """The device state is gone: the worker process died or froze, or a device error left
+    the context unusable. Raised by ``Backend.execute`` or ``Backend.check_health``.
+
+    The engine then ends every request with an error, forgets the KV cache's contents, and
+    calls ``Backend.restart`` if ``restartable`` and its restart budget allow; otherwise it
+    stops serving. Any *other* exception from ``execute`` means only that step failed, with
+    the device state intact: the engine re-runs the step's requests in smaller groups to
+    find the one that fails and ends that one alone (docs/reliability.md).
+    """
+
+    def __init__(self, message: str, restartable: bool = True) -> None:
+        super().__init__(message)
+        self.restartable = restartable
+
+
+def raise_if_device_lost(error: BaseException, sticky_markers: tuple[str, ...],
+                         what: str) -> None:
+    """Raise a non-restartable ``WorkerLostError`` from ``error`` if its message shows one of
+    ``sticky_markers``: device errors after which every later call fails too (an illegal
+    memory access poisons a CUDA context), so no request can be served by this process.
+    Otherwise return, and the caller re-raises ``error`` as a failure of this step only.
+    """
+    text = f"{type(error).__name__}: {error}"
+    marker = next((m for m in sticky_markers if m in text), None)
+    if marker is not None:
+        first = str(error).strip().splitlines()
+        raise WorkerLostError(f"{what} is unusable after a device error "
+                              f"({first[0] if first else marker})",
+                              restartable=False) from error
+
+
 class Backend(ABC):
     """Base class of every device backend (the plugin author's contract).
 
@@ -162,6 +194,12 @@ class Backend(ABC):
     What it must never do: call ``post_sample`` more than once per step, call it from inside
     the forward (it must run on the host while the device works), import its device library
     at module import time or in ``probe``, or acquire the device in ``probe``.
+
+    Failures: ``execute`` raises ``WorkerLostError`` when the device state is lost (a worker
+    that died, or gave no reply within ``config.fault_config.step_timeout_s``, or a device
+    error that poisons the context) and any other exception when only the step failed. A
+    step that failed may be run again, whole or in parts, with the same inputs: writing the
+    same K/V to the same slots again must be harmless.
     """
 
     #: The name users pass as ``--backend``; must match the entry-point name.
@@ -214,6 +252,27 @@ class Backend(ABC):
         out = self.to_host(sampled)
         post_sample()
         return out
+
+    def check_health(self) -> None:
+        """Raise ``WorkerLostError`` if the device or its worker is known to be gone.
+
+        Cheap, and safe to call from any thread while a step runs (a server's ``/health``
+        calls it); the default knows of no failure outside ``execute``.
+        """
+
+    def restart(self) -> int:
+        """Rebuild after a ``WorkerLostError``; return the KV cache's block count.
+
+        The default tears everything down and goes through the start-up lifecycle again,
+        which suits a backend whose worker can simply be started anew. A backend that
+        cannot recover in this process raises ``WorkerLostError(..., restartable=False)``
+        from ``execute`` instead.
+        """
+        self.shutdown()
+        self.load_model()
+        num_blocks = self.allocate_kv_cache()
+        self.warmup()
+        return num_blocks
 
     def shutdown(self) -> None:
         """Release the device, any worker threads or processes, and the weights and KV cache

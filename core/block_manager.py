@@ -60,22 +60,31 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Prefix-cache metrics, in tokens (vLLM's hit rate is hits / queries); they count
+        # over the engine's life, across resets.
+        self.num_cached_hits = 0
+        self.num_cached_queries = 0
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int) -> None:
+        """Start over with ``num_blocks`` empty blocks: no tables, nothing cached.
+
+        For a KV cache whose contents are gone (a restarted worker); the caller has freed
+        every request first, since a table that survived would name blocks that hold nothing.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, _Chain] = {}
         self._next_gen = _ROOT_GEN + 1
-        # Prefix-cache metrics, in tokens (vLLM's hit rate is hits / queries).
-        self.num_cached_hits = 0
-        self.num_cached_queries = 0
 
     @property
     def num_free_blocks(self) -> int:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
+DEFAULT_STEP_TIMEOUT_S = 600.0
+DEFAULT_MAX_WORKER_RESTARTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FaultConfig:
+    """How the engine treats a backend that fails (docs/reliability.md)."""
+
+    # A step with no reply after this long means a frozen worker. Generous: a first prefill
+    # of a large model on a slow CPU may take minutes, and a false alarm costs every request.
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    # Restarts of a lost worker over the engine's life; past it, the engine stops serving.
+    max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+
+    def __post_init__(self) -> None:
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.max_worker_restarts < 0:
+            raise ValueError(
+                f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -82,6 +102,7 @@ class EngineConfig:
     # Backend-specific options (e.g. {"overlap": "thread"} or {"enforce_eager": True}),
     # passed through untouched so plugins can add knobs without core changes.
     backend_options: tuple[tuple[str, object], ...] = ()
+    fault_config: FaultConfig = FaultConfig()
 
     def backend_option(self, name: str, default: object = None) -> object:
         return dict(self.backend_options).get(name, default)

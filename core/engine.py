@@ -16,9 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.backend import Backend, PostSample
+from cadence.backend import Backend, ModelInput, PostSample
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
+from cadence.faults import StepGuard
 from cadence.input_builder import build_model_input
 from cadence.metrics import EngineStats
 from cadence.output_processor import OutputProcessor
@@ -27,6 +28,7 @@ from cadence.outputs import RequestOutput
 from cadence.plugins import get_registry
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams, is_valid_unicode
+from cadence.scheduler import RequestTooLargeError, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class LLMEngine:
             tokenizer, self.scheduler.free_request, self.stats,
             (lambda outs: hook(outputs=outs)) if hook else None, sc.max_model_len)
         self.async_output = not config.disable_async_output_proc
+        self.guard = StepGuard(
+            self.backend, config.fault_config.max_worker_restarts, self._build_input,
+            self.output_processor.fail, self._fail_all, self._reset_kv)
         self._pending: list[Request] = []
         self._arrival = itertools.count()
         self._registry = registry
@@ -77,13 +82,15 @@ class LLMEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         """Validate and queue a request; raises ValueError for bad input, queues nothing."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ValueError(f"params must be SamplingParams or None, got "
+                             f"{type(params).__name__}")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        priority = int(priority)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -104,26 +111,53 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            # A misspelt key ("prompt_token_id") must not leave the other one used silently.
+            unknown = sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids"))
+            if unknown:
+                raise ValueError(f"a prompt dict takes the keys 'prompt' and "
+                                 f"'prompt_token_ids', got {unknown}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
+                return text, _token_list(prompt["prompt_token_ids"])
+            if text is None:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
+            prompt = text
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if not is_valid_unicode(prompt):
                 raise ValueError("prompt must be valid Unicode text (it has a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("prompt must be a string, a list of token ids or a dict with "
+                             f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
         return None, _token_list(prompt)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.scheduler_config.max_model_len
+        sc = self.config.scheduler_config
+        max_len = sc.max_model_len
+        if params.n > sc.max_num_samples:
+            raise ValueError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
+                             f"{params.n}")
         if not ids:
             raise ValueError("prompt must not be empty (it has no tokens)")
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
                              f"max_model_len={max_len} to leave room for output")
+        # The server's words for the same mistake (serving.py), so clients that look for
+        # "maximum context length" find it either way. None means the rest of the context.
+        room = max_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is max_model_len={max_len} tokens; "
+                f"{len(ids)} in the prompt + max_tokens={params.max_tokens} is "
+                f"{len(ids) + params.max_tokens}; lower max_tokens to {room} or less, or "
+                "pass None for the rest of the context")
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
+                             f"the prompt's {len(ids)} tokens), got {params.min_tokens}")
         vocab = self.vocab_size
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
@@ -152,17 +186,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that became ready during it."""
+        self.guard.repair()
         times = self.stats.times
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except RequestTooLargeError as e:
+            # Only that request can never run; the next step schedules the others.
+            self.output_processor.fail(e.request.parent_id, str(e))
+            return self._finish_step()
         t1 = time.perf_counter()
         times.add("schedule", t1 - t0)
         if plan.is_empty:
             self._drain()
             times.add("drain", time.perf_counter() - t1)
             return self._finish_step()
-        mi = build_model_input(plan, self.block_manager.get_block_table,
-                               self.config.cache_config.block_size)
+        mi = self._build_input(plan)
         t2 = time.perf_counter()
         times.add("prepare", t2 - t1)
         pending, self._pending = self._pending, []
@@ -175,19 +214,15 @@ class LLMEngine:
             post_time[0] = time.perf_counter() - ts
 
         post_sample = PostSample(finalize_previous if self.async_output else None)
-        try:
-            out = self.backend.execute(mi, post_sample)
-        except BaseException:
-            if not post_sample.called:
-                post_sample()
-            raise
-        if not post_sample.called:
-            post_sample()  # a backend that never calls it stays correct, without overlap
+        ran = self.guard.run(plan, mi, post_sample)
         t3 = time.perf_counter()
         times.add("execute", t3 - t2)
         times.add("post_sample", post_time[0])
-        touched = self.output_processor.commit(plan.scheduled, mi.sample_seq_indices, out)
-        self.scheduler.update_after_step(plan)
+        touched = []
+        for r in ran:
+            touched += self.output_processor.commit(r.plan.scheduled,
+                                                    r.model_input.sample_seq_indices, r.output)
+            self.scheduler.update_after_step(r.plan)
         now = time.monotonic()
         for req in touched:
             if req.first_token_time is None:
@@ -200,6 +235,34 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += plan.num_batched_tokens
         return self._finish_step()
+
+    def _build_input(self, plan: StepPlan) -> ModelInput:
+        return build_model_input(plan, self.block_manager.get_block_table,
+                                 self.config.cache_config.block_size)
+
+    def _fail_all(self, message: str) -> None:
+        self._drain()
+        self.output_processor.fail_all(message)
+
+    def _reset_kv(self, num_blocks: int) -> None:
+        # The restarted backend's cache holds nothing: every block, cached prefixes included,
+        # starts free. Every request was failed first, so none still holds one.
+        cc = self.config.cache_config
+        self.block_manager.reset(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache reset: %d blocks of %d tokens", num_blocks, cc.block_size)
+
+    def check_health(self) -> list[RequestOutput]:
+        """Between steps: ask the backend whether its worker lives. If it was lost, every
+        request ends with an error (their final outputs are returned) and a restart is
+        planned for ``repair()`` or the next ``step()``; raises ``EngineFailedError`` when
+        it may not be restarted."""
+        self.guard.check_health()
+        return self.output_processor.take_ready()
+
+    def repair(self) -> None:
+        """Restart a lost backend now, if one is waiting for it (``step`` does it too)."""
+        self.guard.repair()
 
     def _finish_step(self) -> list[RequestOutput]:
         self.stats.times.num_steps += 1

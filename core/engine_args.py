@@ -8,7 +8,17 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from cadence.config import DTYPES, POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cadence.config import (
+    DEFAULT_MAX_WORKER_RESTARTS,
+    DEFAULT_STEP_TIMEOUT_S,
+    DTYPES,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    FaultConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 
 
 @dataclass(slots=True)
@@ -28,6 +38,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     disable_async_output_proc: bool = False
     tokenizer: str | None = None
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
     backend_options: dict = field(default_factory=dict)
 
     def resolve_model(self) -> str:
@@ -74,6 +86,8 @@ class EngineArgs:
             backend=args["backend"],
             disable_async_output_proc=args["disable_async_output_proc"],
             backend_options=tuple(sorted(args["backend_options"].items())),
+            fault_config=FaultConfig(float(args["step_timeout"]),
+                                     int(args["max_worker_restarts"])),
         )
 
     @staticmethod
@@ -99,6 +113,13 @@ class EngineArgs:
         p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
         p.add_argument("--disable-async-output-proc", action="store_true")
         p.add_argument("--tokenizer", default=None)
+        p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                       help="seconds a step may take before its worker counts as frozen and "
+                            "is restarted (default: %(default)s)")
+        p.add_argument("--max-worker-restarts", type=int,
+                       default=DEFAULT_MAX_WORKER_RESTARTS,
+                       help="restarts of a lost or frozen worker before the engine stops "
+                            "serving (default: %(default)s)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

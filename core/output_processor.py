@@ -16,6 +16,7 @@ pending token is applied to a reset request and nothing is freed or emitted twic
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
 from cadence.outputs import Logprob, RequestOutput
 from cadence.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -83,7 +86,14 @@ class OutputProcessor:
         """Catch the host side of ``requests`` up with their committed tokens and emit."""
         parents: dict[str, ParentRequest] = {}
         for req in requests:
-            if self.catch_up(req):
+            try:
+                changed = self.catch_up(req)
+            except Exception as e:
+                # A detokenizer or stop-string failure belongs to this request alone.
+                logger.exception("finalizing request %r failed", req.request_id)
+                self.fail(req.parent_id, f"the engine failed on this request: {e!r}")
+                continue
+            if changed:
                 p = self.parents.get(req.parent_id)
                 if p is not None:
                     parents[p.request_id] = p
@@ -176,19 +186,39 @@ class OutputProcessor:
                 self.ready.append(o)
 
     def abort(self, parent_id: str, abort_child: Callable[[Request], None]) -> None:
+        self._end(parent_id, RequestStatus.FINISHED_ABORTED, abort_child)
+
+    def fail(self, parent_id: str, message: str) -> None:
+        """End every sample of a request with finish_reason ``"error"`` and free it; the
+        final output carries ``message``."""
+        p = self.parents.get(parent_id)
+        if p is not None and p.error is None:
+            p.error = message
+        self._end(parent_id, RequestStatus.FINISHED_ERROR, self.free_request)
+
+    def _end(self, parent_id: str, status: RequestStatus,
+             release: Callable[[Request], None]) -> None:
         p = self.parents.get(parent_id)
         if p is None:
             return
         for child in p.children:
-            self.catch_up(child)
+            try:
+                self.catch_up(child)
+            except Exception:  # failing already: the tokens it has are all it gets
+                logger.exception("finalizing request %r failed", child.request_id)
             if not child.detok_state.is_final:
-                abort_child(child)
-                child.status = RequestStatus.FINISHED_ABORTED
+                release(child)
+                child.status = status
                 child.detok_state.is_final = True
                 self.free_request(child)
                 self.stats.on_request_finished(child)
         if (o := self._emit(p)) is not None:
             self.ready.append(o)
+
+    def fail_all(self, message: str) -> None:
+        """``fail`` every live request (the device state they depended on is gone)."""
+        for parent_id in list(self.parents):
+            self.fail(parent_id, message)
 
     def take_ready(self) -> list[RequestOutput]:
         out, self.ready = self.ready, []

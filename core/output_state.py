@@ -41,6 +41,7 @@ class ParentRequest:
     output_kind: OutputKind
     arrival_time: float = field(default_factory=time.monotonic)
     final_emitted: bool = False
+    error: str | None = None
 
     def make_output(self, finished: bool) -> RequestOutput:
         outs = [self._completion(c) for c in self.children]
@@ -53,7 +54,8 @@ class ParentRequest:
             num_cached_tokens=self.children[0].num_cached_tokens,
         )
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished, metrics, self.children[0].num_cached_tokens)
+                             finished, metrics, self.children[0].num_cached_tokens,
+                             error=self.error)
 
     def _completion(self, c: Request) -> CompletionOutput:
         st: SeqOutputState = c.detok_state

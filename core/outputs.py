@@ -31,7 +31,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (see RequestOutput.error) or None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     @property
@@ -61,3 +62,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: None = field(default=None, repr=False)
+    #: Why the request failed (its samples finish with ``"error"``); None otherwise.
+    error: str | None = None

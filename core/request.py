@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13  # the engine could not serve it (a step failed on it, a lost worker)
 
     @property
     def is_finished(self) -> bool:
@@ -28,6 +29,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

@@ -24,6 +24,14 @@ from cadence.request import Request, RequestStatus
 from cadence.sched_policy import SchedulingPolicy, WaitingQueue, make_policy
 
 
+class RequestTooLargeError(RuntimeError):
+    """A request needs more KV blocks than the whole cache has: it can never run."""
+
+    def __init__(self, request: Request, message: str) -> None:
+        super().__init__(message)
+        self.request = request
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` from ``num_computed_tokens`` on.
@@ -170,7 +178,8 @@ class Scheduler:
         bm = self.block_manager
         needed = bm.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         if needed > bm.num_blocks:
-            raise RuntimeError(
+            raise RequestTooLargeError(
+                request,
                 f"request {request.request_id!r} needs {needed} KV blocks of "
                 f"{bm.block_size} tokens but the whole cache has {bm.num_blocks}; "
                 "give the KV cache more memory or lower max_model_len / max_tokens"

@@ -11,6 +11,7 @@ from engine_helpers import generate, make_llm
 
 from cadence import SamplingParams
 from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from cadence.backend import WorkerLostError
 from cadence.engine_args import EngineArgs
 from cadence.output_state import OutputKind
 
@@ -188,7 +189,9 @@ def test_engine_failure_ends_every_stream(model):
         def failing(mi, post_sample):
             calls[0] += 1
             if calls[0] == 3:
-                raise RuntimeError("simulated device failure")
+                # A failure that only one step sees would be retried in smaller groups
+                # (tests/test_faults.py); a device that is gone for good ends the engine.
+                raise WorkerLostError("simulated device loss", restartable=False)
             return original(mi, post_sample)
 
         backend.execute = failing
@@ -196,7 +199,8 @@ def test_engine_failure_ends_every_stream(model):
         results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS[:2]),
                                        return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert "simulated device failure" in str(results[0])
+        assert "simulated device loss" in str(results[0])
+        assert "cannot restart" in str(results[0])
         assert not engine.is_running
         with pytest.raises(EngineDeadError):
             await engine.add_request(PROMPTS[0], params)

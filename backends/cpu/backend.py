@@ -118,6 +118,17 @@ class CpuBackend(Backend):
             out = future.result()
         return out
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The forward worker's process id (``process`` strategy), for operators and tests."""
+        worker = self._worker
+        return worker.pid if worker is not None else None
+
+    def check_health(self) -> None:
+        worker = self._worker  # read once: the engine thread may be restarting it
+        if worker is not None:
+            worker.check_alive()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()

@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from cadence.backend import ModelInput, SamplerOutput
+from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
-
-
-@dataclass(slots=True)
-class WorkerError:
-    message: str
 
 
 def _send(f: BinaryIO, obj: Any) -> None:
@@ -64,7 +60,9 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             result.device_seconds = time.perf_counter() - t0
             result.device_done_at = time.monotonic()
         except BaseException:
-            result = WorkerError(traceback.format_exc())
+            # A plain tuple: this module runs as ``__main__`` here, so a class defined in it
+            # would pickle under a name the engine process cannot import.
+            result = ("error", traceback.format_exc())
         _send(out, result)
 
 
@@ -85,6 +83,8 @@ class ForwardWorker:
 
     def __init__(self, config: EngineConfig, kv_cache_bytes: int,
                  num_threads: int | None = None) -> None:
+        self.step_timeout_s = config.fault_config.step_timeout_s
+        self._closing = False
         self._proc = subprocess.Popen([sys.executable, "-m", "cadence.backends.cpu.worker"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._in = self._proc.stdout
@@ -93,8 +93,12 @@ class ForwardWorker:
         # An engine dropped without shutdown() must not leave its worker (and its KV cache)
         # behind for the rest of the process.
         self._finalizer = weakref.finalize(self, _kill, self._proc)
-        _send(self._out, (config, kv_cache_bytes, num_threads))
-        reply = self._recv()
+        try:
+            _send(self._out, (config, kv_cache_bytes, num_threads))
+            reply = self._recv()
+        except WorkerLostError as e:
+            self.close()
+            raise RuntimeError(f"the CPU forward worker failed to start: {e}") from None
         if reply[0] == "error":
             _, is_user_error, message, tb = reply
             self.close()
@@ -103,33 +107,71 @@ class ForwardWorker:
             raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
         _, self.num_blocks, self.runtime_info = reply
 
-    def _recv(self) -> Any:
+    def _recv(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            # Strict request-reply: nothing is buffered between replies, so the pipe's fd
+            # says whether the next one has started to arrive.
+            ready, _, _ = select.select([self._in], [], [], timeout)
+            if not ready:
+                self.kill()
+                raise WorkerLostError(
+                    f"the CPU forward worker gave no reply within {timeout:g} s "
+                    "(step_timeout); it was killed")
         try:
             return pickle.load(self._in)
-        except EOFError:
-            raise RuntimeError(f"the CPU forward worker exited (code {self._proc.poll()})"
-                               ) from None
+        except (EOFError, OSError, pickle.UnpicklingError):
+            raise WorkerLostError(self._exit_message()) from None
+
+    def _exit_message(self) -> str:
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "the CPU forward worker closed its pipe and was killed"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the CPU forward worker died (killed by {name})"
+        return f"the CPU forward worker exited (code {code})"
+
+    def check_alive(self) -> None:
+        """Raise ``WorkerLostError`` if the process has exited; safe from any thread."""
+        if not self._closing and self._proc.poll() is not None:
+            raise WorkerLostError(self._exit_message())
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def kill(self) -> None:
+        _kill(self._proc)
 
     def submit(self, model_input: ModelInput) -> None:
         assert not self._in_flight, "one step in flight at a time"
-        _send(self._out, model_input)
+        try:
+            _send(self._out, model_input)
+        except OSError:  # a broken pipe: the worker is gone
+            raise WorkerLostError(self._exit_message()) from None
         self._in_flight = True
 
     def result(self) -> SamplerOutput:
         assert self._in_flight, "result() without submit()"
         self._in_flight = False
-        out = self._recv()
-        if isinstance(out, WorkerError):
-            raise RuntimeError(f"the CPU forward worker failed:\n{out.message}")
+        out = self._recv(self.step_timeout_s)
+        if isinstance(out, tuple):  # ("error", the worker's traceback)
+            raise RuntimeError(f"the CPU forward worker failed:\n{out[1]}")
         return out
 
     def close(self) -> None:
+        self._closing = True
         if self._proc.poll() is None:
             try:
                 if self._in_flight:
                     self.result()
                 _send(self._out, None)
-            except (OSError, RuntimeError):
+            except (OSError, RuntimeError):  # WorkerLostError included
                 pass
             try:
                 self._proc.wait(timeout=10)

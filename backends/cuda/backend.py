@@ -29,6 +29,7 @@ from cadence.backend import (
     ProbeResult,
     SamplerOutput,
     SamplingMetadata,
+    raise_if_device_lost,
 )
 from cadence.backends.cuda import CudaOptions
 from cadence.config import EngineConfig
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
 
 #: The order ``execute`` runs things in; tests compare the recorded event log with it.
 OVERLAP_ORDER = ("launch", "post_sample", "sample", "copy", "sync")
+
+#: Errors after which the CUDA context refuses every later call ("sticky" in CUDA's terms;
+#: torch raises them as AcceleratorError). Out of memory is not one: it fails a step only.
+CUDA_STICKY_ERRORS = ("AcceleratorError", "illegal memory access", "device-side assert",
+                      "unspecified launch failure", "misaligned address",
+                      "illegal instruction", "uncorrectable ECC", "CUDA driver shutting down")
 
 
 class DeviceOps(Protocol):
@@ -249,7 +256,13 @@ class CudaBackend(Backend):
         return self.finish_copy(self.start_copy(sampled))
 
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
-        return execute_overlapped(self, model_input, post_sample, self.event_log)
+        try:
+            return execute_overlapped(self, model_input, post_sample, self.event_log)
+        except Exception as e:
+            # Out of memory fails this step only (the engine retries it in smaller groups);
+            # a sticky CUDA error poisons the context for every later step.
+            raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
+            raise
 
     def shutdown(self) -> None:
         self._rt.shutdown(self)

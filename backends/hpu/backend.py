@@ -31,6 +31,7 @@ from cadence.backend import (
     ProbeResult,
     SamplerOutput,
     SamplingMetadata,
+    raise_if_device_lost,
 )
 from cadence.backends.hpu import buckets as bk
 
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV = "CADENCE_HPU_EMULATE"
+#: Errors of the Habana runtime after which the device serves nothing more in this process.
+HPU_STICKY_ERRORS = ("Device reset", "device is not acquired", "synDeviceFailure",
+                     "synStatus 26", "HPU device lost")
 
 
 def emulation_requested() -> bool:
@@ -241,6 +245,15 @@ class HpuBackend(Backend):
         return self._host_parts(sampled, num_sampled)
 
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
+        try:
+            return self._execute(model_input, post_sample)
+        except Exception as e:
+            # A device reset or a lost device fails every later step; anything else (a
+            # graph that did not compile, out of memory) fails this step only.
+            raise_if_device_lost(e, HPU_STICKY_ERRORS, "the HPU device")
+            raise
+
+    def _execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         parts = self.forward(model_input)
         if self.lazy:
             self._mark_step()  # the device starts the forward only now

@@ -22,7 +22,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cadence
-from cadence.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from cadence.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from cadence.output_state import OutputKind
 from cadence.server.errors import error_body, error_response
 from cadence.server.limits import (
@@ -66,8 +71,9 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     @app.get("/health")
     async def health() -> Any:
-        if not engine.is_running:
-            return error_response(503, "the engine is not running")
+        problem = engine.check_health()
+        if problem is not None:
+            return error_response(503, problem)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -211,6 +217,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        # The engine's fault, not the client's: 500, and the others were served.
+        return error_response(500, str(exc))
 
     @app.exception_handler(DeadlineExceeded)
     async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
