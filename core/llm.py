@@ -45,7 +45,9 @@ class LLM:
 
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
         ``sampling_params``: one for all prompts, or one per prompt.
-        Invalid input raises ValueError before anything is queued.
+        Invalid input raises ValueError before anything is queued. A request the engine
+        failed on (docs/reliability.md) comes back with ``finish_reason="error"`` and the
+        reason in ``RequestOutput.error``; the others are unaffected.
         """
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
             raise ValueError("prompts must be a prompt (a string, a list of token ids or a "
