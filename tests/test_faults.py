@@ -340,3 +340,68 @@ def test_step_timeout_and_restarts_are_validated():
         EngineArgs(step_timeout=0).create_engine_config()
     with pytest.raises(ValueError, match="max_worker_restarts"):
         EngineArgs(max_worker_restarts=-1).create_engine_config()
+
+
+class _FailingDevice:
+    """The CUDA backend's four device steps, failing at launch with ``message``."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def launch(self, mi):
+        raise RuntimeError(self.message)
+
+    def sample(self, logits, sampling):
+        raise AssertionError("not reached")
+
+    start_copy = finish_copy = sample
+
+
+@pytest.mark.parametrize("message,lost", [
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("CUDA out of memory. Tried to allocate 20.00 GiB", False)])
+def test_cuda_execute_reports_a_poisoned_context_as_lost(message, lost):
+    from cadence.backend import ModelInput, PostSample, SamplingMetadata
+    from cadence.backends.cuda.backend import CudaBackend
+
+    backend = object.__new__(CudaBackend)  # no GPU: skip __init__, drive the device steps
+    fake = _FailingDevice(message)
+    backend.launch, backend.sample = fake.launch, fake.sample
+    backend.start_copy, backend.finish_copy = fake.start_copy, fake.finish_copy
+    backend.event_log = None
+    mi = ModelInput([1], [0], [0], [1], [1], [[0]], 1, [0],
+                    SamplingMetadata([0.0], [0], [1.0], [0.0], [None], [0], True))
+    with pytest.raises(WorkerLostError if lost else RuntimeError) as info:
+        backend.execute(mi, PostSample(None))
+    assert isinstance(info.value, WorkerLostError) == lost
+    if lost:
+        assert not info.value.restartable and "illegal memory access" in str(info.value)
+
+
+def test_hpu_device_reset_ends_the_engine_plainly_and_other_errors_fail_a_step(
+        model, clean, monkeypatch):
+    from cadence.faults import EngineFailedError
+
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+    llm = make_llm(model, backend="hpu", max_num_seqs=4)
+    backend = llm.engine.backend
+    real, calls = backend._execute, [0]
+
+    def flaky(mi, post_sample):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("graph compilation failed for this shape")  # a step only
+        if calls[0] == 40:
+            raise RuntimeError("synStatus 26 [Device reset]")  # the device is gone
+        return real(mi, post_sample)
+
+    backend._execute = flaky
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [clean[p] for p in PROMPTS]
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with pytest.raises(EngineFailedError, match="cannot restart") as info:
+        llm.generate(PROMPTS, long, use_tqdm=False)
+    assert "Device reset" in str(info.value)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    llm.shutdown()
