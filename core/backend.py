@@ -253,11 +253,14 @@ class Backend(ABC):
         post_sample()
         return out
 
-    def check_health(self) -> None:
+    def check_health(self, deep: bool = False) -> None:
         """Raise ``WorkerLostError`` if the device or its worker is known to be gone.
 
-        Cheap, and safe to call from any thread while a step runs (a server's ``/health``
-        calls it); the default knows of no failure outside ``execute``.
+        ``deep=False`` must be cheap and safe to call from any thread while a step runs (a
+        server's ``/health`` calls it). ``deep=True`` comes only from the engine's own
+        thread while it is idle, between steps: a backend may then talk to its worker (a
+        ping within the step deadline finds one that froze while nothing ran). The default
+        knows of no failure outside ``execute``.
         """
 
     def restart(self) -> int:

@@ -98,7 +98,7 @@ class StepGuard:
         if self.restart_pending:
             return
         try:
-            self.backend.check_health()
+            self.backend.check_health(deep=True)
         except WorkerLostError as e:
             self.recover(e)
 

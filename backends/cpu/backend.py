@@ -124,10 +124,12 @@ class CpuBackend(Backend):
         worker = self._worker
         return worker.pid if worker is not None else None
 
-    def check_health(self) -> None:
+    def check_health(self, deep: bool = False) -> None:
         worker = self._worker  # read once: the engine thread may be restarting it
         if worker is not None:
             worker.check_alive()
+            if deep:
+                worker.ping()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -53,6 +53,9 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             return
         if msg is None:
             return
+        if msg == "ping":
+            _send(out, "pong")
+            continue
         try:
             mi: ModelInput = msg
             t0 = time.perf_counter()
@@ -147,6 +150,19 @@ class ForwardWorker:
 
     def kill(self) -> None:
         _kill(self._proc)
+
+    def ping(self) -> None:
+        """Between steps: a worker that does not answer within the step deadline is frozen
+        (it is killed, and ``WorkerLostError`` raised)."""
+        assert not self._in_flight, "ping() while a step is in flight"
+        try:
+            _send(self._out, "ping")
+        except OSError:
+            raise WorkerLostError(self._exit_message()) from None
+        if self._recv(self.step_timeout_s) != "pong":
+            self.kill()
+            raise WorkerLostError("the CPU forward worker answered a ping with something "
+                                  "else; it was killed")
 
     def submit(self, model_input: ModelInput) -> None:
         assert not self._in_flight, "one step in flight at a time"
