@@ -24,6 +24,10 @@ from cadence.request import Request, RequestStatus
 from cadence.sched_policy import SchedulingPolicy, WaitingQueue, make_policy
 
 
+# What commit sets on the sampled token itself; anything else finished elsewhere.
+_FINISHED_AT_COMMIT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
 class RequestTooLargeError(RuntimeError):
     """A request needs more KV blocks than the whole cache has: it can never run."""
 
@@ -145,14 +149,27 @@ class Scheduler:
         )
 
     def update_after_step(self, plan: StepPlan) -> None:
-        """Advance computed tokens and register newly full blocks in the prefix cache."""
+        """Advance computed tokens and register newly full blocks in the prefix cache.
+
+        A request the step's commit just finished (EOS, a stop id, a length limit) still
+        holds the blocks this step computed: they are registered first, so a shared prompt
+        is reused even by requests that end after one token (scoring, classification), and
+        then freed at once, since no later step can read them. Its output is finalized
+        later as usual; freeing again then is a no-op.
+        """
         for entry in plan.scheduled:
             request = entry.request
-            # Finished, aborted or preempted since scheduling: nothing to advance.
-            if request.status != RequestStatus.RUNNING:
+            status = request.status
+            finished_now = status in _FINISHED_AT_COMMIT and \
+                bool(self.block_manager.get_block_table(request.request_id))
+            # Aborted, preempted or finished by a stop string since scheduling: its blocks
+            # are gone or were given back; nothing to advance.
+            if status != RequestStatus.RUNNING and not finished_now:
                 continue
             request.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(request)
+            if finished_now:
+                self.free_request(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute this step; 0 when a prefill must wait for a later step.
