@@ -61,6 +61,8 @@ class PluginRegistry:
         self.errors: list[PluginError] = []
         # Names claimed by two distributions: selecting them fails with this message.
         self.duplicates: dict[str, str] = {}
+        # Entry points left unloaded by the environment, and which setting did it.
+        self.skipped: dict[str, str] = {}
         self._loaded = False
 
     def load(self) -> PluginRegistry:
@@ -70,7 +72,14 @@ class PluginRegistry:
         allow = _env_names("CADENCE_PLUGINS")
         deny = _env_names("CADENCE_DISABLE_PLUGINS") or set()
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if (allow is not None and ep.name not in allow) or ep.name in deny:
+            if ep.name in deny:
+                self.skipped[ep.name] = (f"disabled by CADENCE_DISABLE_PLUGINS="
+                                         f"{os.environ.get('CADENCE_DISABLE_PLUGINS', '')}")
+                continue
+            if allow is not None and ep.name not in allow:
+                self.skipped[ep.name] = (f"not loaded: CADENCE_PLUGINS="
+                                         f"{os.environ.get('CADENCE_PLUGINS', '')} does not "
+                                         "name it")
                 continue
             dist = ep.dist.name if ep.dist is not None else "unknown"
             version = ep.dist.version if ep.dist is not None else "unknown"
@@ -140,6 +149,11 @@ class PluginRegistry:
         if name in self.duplicates:
             raise ValueError(f"{self.duplicates[name]}\n{self._explain()}")
         info = self.backends.get(name)
+        if info is None and name in self.skipped:
+            # A backend's name is its entry point's name (docs/writing_a_backend.md).
+            raise ValueError(f"backend {name!r} is installed but {self.skipped[name]}; "
+                             "unset that variable or pick another backend\n"
+                             f"{self._explain()}")
         if info is None:
             raise ValueError(
                 f"unknown backend {name!r}; valid choices: "

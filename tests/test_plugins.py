@@ -153,6 +153,20 @@ def test_allow_and_block_lists(install, monkeypatch, allow: str, deny: str,
     assert [e.name for e in eps if e.loads] == loaded
 
 
+@pytest.mark.parametrize(("var", "value", "words"), [
+    ("CADENCE_DISABLE_PLUGINS", "b,c", "disabled by CADENCE_DISABLE_PLUGINS=b,c"),
+    ("CADENCE_PLUGINS", "a", "CADENCE_PLUGINS=a does not name it")])
+def test_selecting_a_plugin_the_environment_left_out_says_so(install, monkeypatch, var,
+                                                             value, words) -> None:
+    install(ep("a"), ep("b"), ep("c"))
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match="backend 'b' is installed but") as info:
+        plugins.get_registry().select("b")
+    assert words in str(info.value)
+    with pytest.raises(ValueError, match="unknown backend 'zzz'"):  # not installed at all
+        plugins.get_registry().select("zzz")
+
+
 def test_env_lists_are_read_when_the_registry_loads(install, monkeypatch) -> None:
     install(ep("a"), ep("b"))
     assert sorted(plugins.get_registry().backends) == ["a", "b"]
