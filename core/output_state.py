@@ -67,6 +67,10 @@ class ParentRequest:
                                              st.num_sent_chars)
         n_tok = c.num_finalized_tokens
         has_lp = c.sampling_params.logprobs is not None
+        # A sibling's transition (a preemption's settle) can emit this output between the
+        # commit that finished this sample and its finalize: its status says finished, but
+        # its last tokens are not out yet. It is finished once they are.
+        reason, stop = (c.status.finish_reason, c.stop_reason) if done else (None, None)
         if self.output_kind is OutputKind.DELTA:
             t0, k0 = st.num_sent_chars, st.num_sent_tokens
             st.num_sent_chars, st.num_sent_tokens = visible, n_tok
@@ -74,9 +78,9 @@ class ParentRequest:
                 c.index, text[t0:visible], c.output_token_ids[k0:n_tok],
                 st.cumulative_logprob if has_lp else None,
                 st.logprobs[k0:n_tok] if has_lp else None,
-                c.status.finish_reason, c.stop_reason)
+                reason, stop)
         return CompletionOutput(
             c.index, text[:visible], c.output_token_ids[:n_tok],
             st.cumulative_logprob if has_lp else None,
             list(st.logprobs) if has_lp else None,
-            c.status.finish_reason, c.stop_reason)
+            reason, stop)
