@@ -25,6 +25,7 @@ from typing import Any
 
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
+from cadence.generation_defaults import default_sampling_params
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
@@ -94,6 +95,7 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler_config.max_model_len
+        self.generation_defaults = engine.config.model_config.generation_defaults
         self.max_pending_requests = max_pending_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -150,7 +152,9 @@ class AsyncLLM:
         anything is queued, so a server can answer 400/429/503 before it starts streaming.
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        queue_ = await self._add(rid, prompt, params or SamplingParams(), priority, output_kind)
+        if params is None:
+            params = default_sampling_params(self.engine.config.model_config)
+        queue_ = await self._add(rid, prompt, params, priority, output_kind)
         return RequestStream(self, rid, queue_)
 
     async def generate(self, prompt: str | Sequence[int] | dict,

@@ -12,6 +12,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 DEFAULT_STEP_TIMEOUT_S = 600.0
 DEFAULT_MAX_WORKER_RESTARTS = 3
+# The sampling fields a model's generation_config.json may default (vLLM's list, under
+# SamplingParams' names; docs/semantics.md).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +24,19 @@ class ModelConfig:
     max_model_len: int = 2048
     seed: int = 0
     tokenizer: str | None = None
+    # (field, value) pairs from generation_config.json, resolved by EngineArgs; they fill
+    # the sampling fields a request leaves out (core/generation_defaults.py).
+    generation_defaults: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        unknown = [k for k, _ in self.generation_defaults if k not in GENERATION_DEFAULT_FIELDS]
+        if unknown:
+            raise ValueError(f"generation_defaults may only set {GENERATION_DEFAULT_FIELDS}, "
+                             f"got {unknown}")
 
 
 @dataclass(frozen=True, slots=True)

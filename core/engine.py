@@ -20,6 +20,7 @@ from cadence.backend import Backend, ModelInput, PostSample
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.faults import StepGuard
+from cadence.generation_defaults import default_sampling_params
 from cadence.input_builder import build_model_input
 from cadence.metrics import EngineStats
 from cadence.output_processor import OutputProcessor
@@ -81,8 +82,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
                     params: SamplingParams | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        """Validate and queue a request; raises ValueError for bad input, queues nothing."""
-        params = SamplingParams() if params is None else params
+        """Validate and queue a request; raises ValueError for bad input, queues nothing.
+        ``params=None`` means the model's generation defaults (docs/semantics.md)."""
+        if params is None:
+            params = default_sampling_params(self.config.model_config)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):

@@ -19,6 +19,7 @@ from cadence.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from cadence.generation_defaults import load_generation_defaults
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class EngineArgs:
     tokenizer: str | None = None
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+    generation_config: str = "auto"
     backend_options: dict = field(default_factory=dict)
 
     def resolve_model(self) -> str:
@@ -73,10 +75,12 @@ class EngineArgs:
             dtype = "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
+        defaults = load_generation_defaults(model, args["generation_config"])
         batched = args["max_num_batched_tokens"] or max(8192, max_len if not
                                                          args["enable_chunked_prefill"] else 0)
         return EngineConfig(
-            model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"]),
+            model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
+                                     generation_defaults=defaults),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
                                      args["enable_prefix_caching"]),
             scheduler_config=SchedulerConfig(args["max_num_seqs"], batched, max_len,
@@ -113,6 +117,12 @@ class EngineArgs:
         p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
         p.add_argument("--disable-async-output-proc", action="store_true")
         p.add_argument("--tokenizer", default=None)
+        p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
+                       help="sampling defaults (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty) for fields a request leaves out: 'auto' reads "
+                            "the model folder's generation_config.json, a folder reads that "
+                            "folder's, 'none' (or vLLM's 'vllm') ignores it "
+                            "(default: %(default)s)")
         p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                        help="seconds a step may take before its worker counts as frozen and "
                             "is restarted (default: %(default)s)")

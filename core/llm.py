@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cadence.chat import render_chat, split_conversations
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
+from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import SamplingParams
 
 PromptType = str | dict | Sequence[int]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -33,9 +37,21 @@ class LLM:
         args = EngineArgs(model=model, backend=backend, **kwargs)
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+        note = describe_generation_defaults(
+            self.engine.config.model_config.generation_defaults, "generation_config='none'")
+        if note:
+            # A warning, as in vLLM: the model, not the caller, changed how it samples.
+            logger.warning("%s", note)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams ``generate`` and ``chat`` use when given none: cadence's
+        defaults overlaid with the model's generation_config.json (vLLM's rule). Explicit
+        SamplingParams are used as they are; to start from the model's defaults, pass
+        ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
+        return default_sampling_params(self.engine.config.model_config)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -44,7 +60,8 @@ class LLM:
         """Generate for every prompt; results come back in prompt order.
 
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
-        ``sampling_params``: one for all prompts, or one per prompt.
+        ``sampling_params``: one for all prompts, or one per prompt; None means
+        ``get_default_sampling_params()`` (the model's generation_config.json defaults).
         Invalid input raises ValueError before anything is queued. A request the engine
         failed on (docs/reliability.md) comes back with ``finish_reason="error"`` and the
         reason in ``RequestOutput.error``; the others are unaffected.
@@ -57,7 +74,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -88,6 +105,26 @@ class LLM:
             self._run_until_done(None)
             raise
         return self._run_until_done(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
+        to a list of conversations; results come back in conversation order (vLLM's
+        ``LLM.chat``).
+
+        Each conversation is rendered with the tokenizer's chat template (or
+        ``chat_template``) and tokenized without adding special tokens again, so the prompt
+        ids equal transformers' ``apply_chat_template(..., tokenize=True)`` (core/chat.py).
+        ``sampling_params`` works as in ``generate``.
+        """
+        tokenizer = self.get_tokenizer()
+        prompts = [render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs).as_engine_prompt()
+                   for conversation in split_conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_until_done(self, ids: list[str] | None, use_tqdm: bool = False
                         ) -> list[RequestOutput]:

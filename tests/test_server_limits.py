@@ -311,7 +311,7 @@ def test_serve_flags_reach_the_app_and_uvicorn(monkeypatch):
     from cadence.async_engine import AsyncLLM
 
     started = []
-    fake = types.SimpleNamespace(tokenizer=None, max_model_len=256)
+    fake = types.SimpleNamespace(tokenizer=None, max_model_len=256, generation_defaults=())
     monkeypatch.setattr(AsyncLLM, "from_engine_args",
                         classmethod(lambda cls, *a, **kw: started.append(1) or fake))
     runs: list[tuple] = []

@@ -11,15 +11,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    model = "the model's generation_config.json, else %s (see --generation-config)"
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: " + model % "0, greedy")
+    g.add_argument("--top-p", type=float, default=None, help="default: " + model % "1")
+    g.add_argument("--top-k", type=int, default=None, help="default: " + model % "0, off")
+    g.add_argument("--min-p", type=float, default=None, help="default: " + model % "0")
     g.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request sampling seed (reproducible samples)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: " + model % "1")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
     g.add_argument("--ignore-eos", action="store_true")
@@ -27,15 +30,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None)
 
 
-def sampling_params_from_args(ns: argparse.Namespace):
+# What `engine generate` samples with where neither a flag nor the model says: greedy, so
+# that a quick try gives the same answer twice.
+_CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                          "repetition_penalty": 1.0}
+
+
+def sampling_params_from_args(ns: argparse.Namespace, model_defaults: dict | None = None):
+    """The SamplingParams of ``engine generate``: the flags given, else ``model_defaults``
+    (generation_config.json), else the CLI's greedy defaults."""
     from cadence.sampling_params import SamplingParams
 
+    chosen = {**_CLI_SAMPLING_DEFAULTS, **(model_defaults or {})}
+    chosen.update({k: getattr(ns, k) for k in _CLI_SAMPLING_DEFAULTS
+                   if getattr(ns, k) is not None})
     return SamplingParams(
-        n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-        seed=ns.sampling_seed, presence_penalty=ns.presence_penalty,
-        frequency_penalty=ns.frequency_penalty, repetition_penalty=ns.repetition_penalty,
-        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop,
-        stop_token_ids=ns.stop_token_ids, ignore_eos=ns.ignore_eos, logprobs=ns.logprobs)
+        n=ns.n, **chosen, seed=ns.sampling_seed, presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty, max_tokens=ns.max_tokens,
+        min_tokens=ns.min_tokens, stop=ns.stop, stop_token_ids=ns.stop_token_ids,
+        ignore_eos=ns.ignore_eos, logprobs=ns.logprobs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,21 +141,23 @@ def cmd_backends() -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from cadence.chat import render_chat
     from cadence.engine import LLMEngine
     from cadence.engine_args import EngineArgs
 
-    params = sampling_params_from_args(ns)
     args, extra = EngineArgs.from_cli_args(ns)
-    engine = LLMEngine.from_engine_args(args, extra)
+    config = args.create_engine_config(extra)
+    params = sampling_params_from_args(ns, dict(config.model_config.generation_defaults))
+    _print_generation_defaults(config.model_config.generation_defaults)
+    engine = LLMEngine(config)
     if args.backend == "auto":
         print(f"[{engine.backend_reason}]", file=sys.stderr)
     from cadence.output_state import OutputKind
 
     for i, prompt in enumerate(ns.prompt):
         if ns.chat:
-            prompt = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False,
-                add_generation_prompt=True)
+            prompt = render_chat(engine.tokenizer,
+                                 [{"role": "user", "content": prompt}]).as_engine_prompt()
         engine.add_request(str(i), prompt, params, output_kind=OutputKind.DELTA)
     multi = len(ns.prompt) > 1 or params.n > 1
     texts: dict[tuple[str, int], str] = {}
@@ -161,6 +176,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                           f"(finish_reason={c.finish_reason}) {texts[key]!r}")
     engine.shutdown()
     return 0
+
+
+def _print_generation_defaults(defaults: tuple) -> None:
+    """Say once, at start-up, which sampling defaults the model's folder brought."""
+    from cadence.generation_defaults import describe_generation_defaults
+
+    note = describe_generation_defaults(defaults)
+    if note:
+        print(f"cadence: {note}", file=sys.stderr, flush=True)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -193,6 +217,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
+    _print_generation_defaults(engine.generation_defaults)
     name = ns.served_model_name or os.path.basename(
         os.path.normpath(engine.engine.config.model_config.model))
     app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cadence.config import GENERATION_DEFAULT_FIELDS
 from cadence.sampling_params import SamplingParams
 
 
@@ -66,16 +67,17 @@ class _Common(BaseModel):
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None,
+                  defaults: dict[str, Any] | None) -> SamplingParams:
+        # A field left out or sent as null takes the model's default (generation_config.json)
+        # and then SamplingParams' own, as in vLLM; a value the body sends always wins.
+        chosen = {**(defaults or {}), **{k: getattr(self, k) for k in GENERATION_DEFAULT_FIELDS
+                                         if getattr(self, k) is not None}}
         try:
             return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+                n=self.n, seed=self.seed, **chosen,
                 presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=1.0 if self.repetition_penalty is None
-                else self.repetition_penalty, max_tokens=max_tokens,
+                frequency_penalty=self.frequency_penalty, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -122,8 +124,10 @@ class CompletionRequest(_Common):
             raise RequestError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}",
                                "logprobs")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling(max_tokens, self.logprobs)
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
+        return self._sampling(max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(BaseModel):
@@ -180,5 +184,8 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs, defaults)

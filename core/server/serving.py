@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, RequestStream
+from cadence.chat import has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import SamplingParams, is_valid_unicode
@@ -29,12 +30,19 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.generation_defaults = dict(engine.generation_defaults)
 
     # ---- request preparation ----------------------------------------------------------
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise RequestError(f"the model {requested!r} does not exist; this server serves "
                                f"{self.model_name!r}", "model", 404, "model_not_found")
+
+    def _make_params(self, req: CompletionRequest | ChatCompletionRequest
+                     ) -> Callable[[int], SamplingParams]:
+        """``max_tokens -> SamplingParams`` for ``req``, with the model's generation defaults
+        for the sampling fields the body leaves out or sends as null (vLLM's rule)."""
+        return lambda max_tokens: req.sampling_params(max_tokens, self.generation_defaults)
 
     def _params(self, num_prompt: int, requested: int | None, make: Any, prompt_field: str
                 ) -> SamplingParams:
@@ -65,7 +73,7 @@ class OpenAIServing:
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
             n = len(prompt["prompt_token_ids"])
-            inputs.append((prompt, self._params(n, req.max_tokens, req.sampling_params,
+            inputs.append((prompt, self._params(n, req.max_tokens, self._make_params(req),
                                                 "prompt")))
         return inputs
 
@@ -73,22 +81,16 @@ class OpenAIServing:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if not has_chat_template(self.tokenizer):
             raise RequestError("this model has no chat template; use /v1/completions",
                                "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in req.messages], tokenize=False,
-                add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # jinja raises TemplateError for e.g. roles out of order
-            raise RequestError(f"the chat template rejected the messages: {e}",
-                               "messages") from None
-        _check_unicode(text, "messages")
-        # The template already holds BOS and the like; encode must not add them again.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        prompt = {"prompt": text, "prompt_token_ids": ids}
-        return prompt, self._params(len(ids), req.requested_max_tokens, req.sampling_params,
-                                    "messages")
+            chat = render_chat(self.tokenizer, [m.as_template_dict() for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        return chat.as_engine_prompt(), self._params(
+            len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages")
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]], priority: int,
                      kind: OutputKind) -> list[RequestStream]:
