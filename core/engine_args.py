@@ -20,6 +20,7 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
+from cadence.model_limits import check_sliding_window
 
 
 @dataclass(slots=True)
@@ -68,6 +69,9 @@ class EngineArgs:
         if hf_max_len and max_len > hf_max_len:
             raise ValueError(f"max_model_len={max_len} is larger than the model's "
                              f"max_position_embeddings ({hf_max_len})")
+        if max_len:
+            max_len = check_sliding_window(model, max_len,
+                                           explicit=bool(args["max_model_len"]))
         dtype = args["dtype"]
         if dtype == "auto":
             # fp32 on CPUs without native bf16 (AVX-512 BF16/AMX) is far faster; see

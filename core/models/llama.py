@@ -5,9 +5,9 @@ batch dimension). Attention goes through the forward context, so the model knows
 about KV caches or sequence boundaries. q/k/v and gate/up are fused into one linear each
 (weights concatenated at load time): fewer, larger GEMMs are faster on the CPU.
 
-NOTE: Mistral/Qwen sliding windows are ignored; attention is full causal. That is exact
-whenever sequences stay within the window (Mistral's default window 4096 is above the usual
-``max_model_len`` here).
+NOTE: Mistral/Qwen sliding windows are not implemented; attention is full causal. That is
+exact while no sequence is longer than the window, which core/model_limits.py enforces by
+capping ``max_model_len`` at the window (and refusing a longer explicit one).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(CausalLM):
-    """Mistral: Llama without biases; the sliding window is ignored (module NOTE)."""
+    """Mistral: Llama without biases; runs within its sliding window only (module NOTE)."""
 
     qkv_bias = False
     o_bias = False
