@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cadence.engine import LLMEngine
@@ -70,6 +70,17 @@ class _Abort:
 _STOP = object()
 
 
+@dataclass(slots=True)
+class _Channel:
+    """Where one submission's outputs go: its caller's loop and queue, under the id the
+    caller chose and the engine-side id (the caller's plus a submission number)."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    user_id: str
+    engine_id: str
+
+
 class AsyncLLM:
     """Serve many concurrent streams from one engine.
 
@@ -98,9 +109,13 @@ class AsyncLLM:
         self.generation_defaults = engine.config.model_config.generation_defaults
         self.max_pending_requests = max_pending_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Keyed by the engine-side id, unique per submission: an abort or a late output of a
+        # request that was replaced by a new one under the same user id never reaches it.
+        self._streams: dict[str, _Channel] = {}
+        self._by_user_id: dict[str, str] = {}
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
         self._ids = itertools.count()
+        self._submissions = itertools.count()
         self._error: BaseException | None = None
         self._closed = False  # set under _lock once the loop stops taking commands
         self._stats = engine.stats.snapshot()
@@ -168,7 +183,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a final output (finish_reason 'abort')."""
-        self._commands.put(_Abort(request_id))
+        with self._lock:
+            engine_id = self._by_user_id.get(request_id)
+        if engine_id is not None:
+            self._commands.put(_Abort(engine_id))
 
     async def shutdown(self) -> None:
         """Stop the loop (pending requests end with ``EngineDeadError``) and the backend."""
@@ -178,35 +196,44 @@ class AsyncLLM:
 
     # ---- submission -------------------------------------------------------------------
     async def _add(self, rid: str, prompt: Any, params: SamplingParams, priority: int,
-                   output_kind: OutputKind) -> asyncio.Queue:
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+                   output_kind: OutputKind) -> _Channel:
+        if not isinstance(rid, str):
+            raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
         done: concurrent.futures.Future = concurrent.futures.Future()
+        channel = _Channel(asyncio.get_running_loop(), asyncio.Queue(), rid,
+                           f"{rid}@{next(self._submissions)}")
         with self._lock:
             if self._closed:
                 raise EngineDeadError(f"the engine is not running ({self._error!r})")
-            if rid in self._streams:
+            if rid in self._by_user_id:
                 raise ValueError(f"request_id {rid!r} is already in use")
             limit = self.max_pending_requests
             if limit is not None and len(self._streams) >= limit:
                 raise EngineOverloadedError(
                     f"{len(self._streams)} requests are in flight (max_pending_requests="
                     f"{limit}); retry later")
-            self._streams[rid] = (loop, stream)
-            self._commands.put(_Add(rid, prompt, params, priority, output_kind, done))
+            self._streams[channel.engine_id] = channel
+            self._by_user_id[rid] = channel.engine_id
+            self._commands.put(_Add(channel.engine_id, prompt, params, priority, output_kind,
+                                    done))
         try:
             # Validation happens in the engine thread, between steps: the engine is not
             # thread-safe, and this way a ValueError reaches the caller, not the loop.
             await asyncio.wrap_future(done)
         except BaseException as e:
-            with self._lock:
-                self._streams.pop(rid, None)
+            self._forget(channel)
             if not isinstance(e, Exception):
                 # Cancelled while the engine thread may already have queued it: abort it
                 # (commands are applied in order, so the abort follows the add).
-                self._commands.put(_Abort(rid))
+                self._commands.put(_Abort(channel.engine_id))
             raise
-        return stream
+        return channel
+
+    def _forget(self, channel: _Channel) -> None:
+        with self._lock:
+            self._streams.pop(channel.engine_id, None)
+            if self._by_user_id.get(channel.user_id) == channel.engine_id:
+                del self._by_user_id[channel.user_id]
 
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -279,15 +306,16 @@ class AsyncLLM:
             for out in outputs:
                 target = self._streams.get(out.request_id)
                 if target is not None:  # None: the caller left; its abort is queued
-                    by_loop.setdefault(target[0], []).append((target[1], out))
+                    # A copy: the post-sample hook may hold the engine's output.
+                    by_loop.setdefault(target.loop, []).append(
+                        (target.outputs, replace(out, request_id=target.user_id)))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)
 
-    def _release(self, rid: str, finished: bool) -> None:
-        with self._lock:
-            self._streams.pop(rid, None)
+    def _release(self, channel: _Channel, finished: bool) -> None:
+        self._forget(channel)
         if not finished and self.is_running:
-            self._commands.put(_Abort(rid))
+            self._commands.put(_Abort(channel.engine_id))
 
     def _fail_all(self, error: BaseException) -> None:
         """End every stream and every queued submission with ``error``; take no more."""
@@ -301,8 +329,8 @@ class AsyncLLM:
                     break
                 if isinstance(cmd, _Add) and not cmd.done.done():
                     cmd.done.set_exception(error)
-        for loop, stream in targets:
-            _call_soon(loop, stream.put_nowait, error)
+        for channel in targets:
+            _call_soon(channel.loop, channel.outputs.put_nowait, error)
 
 
 class RequestStream:
@@ -312,10 +340,11 @@ class RequestStream:
     request in the engine, so its KV blocks are freed; after the final output it is a no-op.
     """
 
-    def __init__(self, engine: AsyncLLM, request_id: str, outputs: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, channel: _Channel) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._outputs = outputs
+        self._channel = channel
+        self._outputs = channel.outputs
         self._done = False
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -341,7 +370,7 @@ class RequestStream:
     def _close(self, finished: bool) -> None:
         if not self._done:
             self._done = True
-            self._engine._release(self.request_id, finished)
+            self._engine._release(self._channel, finished)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
