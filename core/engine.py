@@ -55,8 +55,9 @@ class LLMEngine:
 
             tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.tokenizer = tokenizer
-        self.eos_token_id = _eos_token_id(tokenizer, config.model_config.model)
         self.vocab_size = vocab_size_from_config(config.model_config.model)
+        self.eos_token_ids = _eos_token_ids(tokenizer, config.model_config.model,
+                                            self.vocab_size)
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
@@ -103,14 +104,26 @@ class LLMEngine:
             sp = params.for_sample(i) if params.n > 1 else params
             children.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt_token_ids=ids, sampling_params=sp, eos_token_id=self.eos_token_id,
+                prompt_token_ids=ids, sampling_params=sp, eos_token_ids=self.eos_token_ids,
                 prompt=text, parent_id=request_id, index=i, priority=priority,
                 arrival_seq=next(self._arrival)))
+        clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
+        if clash:
+            # Checked before anything is added: a half-added request would never finish.
+            raise ValueError(f"request_id {request_id!r}: the id {clash[0]!r} of one of its "
+                             "samples is in use by another request (the samples of n > 1 "
+                             "are named '<index>_<request_id>')")
         self.output_processor.add(ParentRequest(request_id, text, ids, children, output_kind))
         for child in children:
             self.scheduler.add_request(child)
         self.stats.num_requests_added += 1
         self.stats.num_prompt_tokens += len(ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id, for callers that want a single one; every id in
+        ``eos_token_ids`` stops generation."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def _tokenize(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -290,20 +303,25 @@ def vocab_size_from_config(model_dir: str) -> int | None:
     return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
 
 
-def _eos_token_id(tokenizer: Any, model_dir: str) -> int | None:
-    """EOS from generation_config.json (what generate() stops on), else the tokenizer's."""
+def _eos_token_ids(tokenizer: Any, model_dir: str, vocab_size: int | None
+                   ) -> tuple[int, ...]:
+    """Every EOS id generation_config.json lists (what generate() stops on; Llama 3 Instruct
+    lists three), else the tokenizer's. Ids outside the vocabulary are dropped: the model
+    can never sample them, and the sampler could not ban them below min_tokens."""
     import json
     import os
 
+    ids: list = []
     path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(path):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return getattr(tokenizer, "eos_token_id", None)
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not ids:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if eos is None else [eos]
+    return tuple(t for t in dict.fromkeys(int(t) for t in ids)
+                 if vocab_size is None or 0 <= t < vocab_size)
 
 
 def _token_list(ids: object) -> list[int]:

@@ -51,11 +51,12 @@ def cadence_configure(config: dict[str, Any]) -> None:
 
 @hookspec
 def cadence_post_sample(outputs: list[RequestOutput]) -> None:
-    """Observe the outputs produced by one finalize pass (host data only).
+    """Observe every output the engine emits (host data only), a batch at a time.
 
-    Called inside finalize, i.e. inside the backend's post-sample callback while the device
-    runs the next step, so keep it short. Not called at all when no plugin implements it.
-    Never mutate the outputs.
+    Mostly called inside finalize, i.e. inside the backend's post-sample callback while the
+    device runs the next step, so keep it short; also for the single output a transition
+    emits (a stop found when a request is preempted, an abort, a failure). Not called at
+    all when no plugin implements it. Never mutate the outputs.
     """
 
 

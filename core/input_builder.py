@@ -76,6 +76,6 @@ def _banned(req: Request) -> list[int]:
     if len(req.output_token_ids) >= sp.min_tokens:
         return []
     ids = list(sp.stop_token_ids)
-    if req.eos_token_id is not None and not sp.ignore_eos:
-        ids.append(req.eos_token_id)
+    if not sp.ignore_eos:
+        ids.extend(req.eos_token_ids)
     return ids

@@ -70,7 +70,7 @@ class OutputProcessor:
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
         if n_out >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
+            if token in req.eos_token_ids and not sp.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return
             if token in sp.stop_token_ids:
@@ -97,11 +97,15 @@ class OutputProcessor:
                 p = self.parents.get(req.parent_id)
                 if p is not None:
                     parents[p.request_id] = p
-        emitted = [o for p in parents.values() if (o := self._emit(p)) is not None]
-        if emitted:
-            self.ready.extend(emitted)
+        self._publish([o for p in parents.values() if (o := self._emit(p)) is not None])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Every output leaves through here, so the post-sample hook sees all of them: those
+        of finalize, and those a stop found at preemption time or an abort emits."""
+        if outputs:
+            self.ready.extend(outputs)
             if self.post_sample_hook is not None:
-                self.post_sample_hook(emitted)
+                self.post_sample_hook(outputs)
 
     def catch_up(self, req: Request) -> bool:
         """Detokenize and stop-check the committed tokens not yet finalized.
@@ -138,7 +142,7 @@ class OutputProcessor:
         if lp is not None:
             st.cumulative_logprob += lp[0]
             st.logprobs.append(self._format_logprobs(token, lp))
-        if not sp.detokenize:
+        if not sp.detokenize or _is_hidden_stop_token(req, i):
             return
         if st.detokenizer is None:
             st.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
@@ -183,7 +187,7 @@ class OutputProcessor:
         if self.catch_up(req):
             p = self.parents.get(req.parent_id)
             if p is not None and (o := self._emit(p)) is not None:
-                self.ready.append(o)
+                self._publish([o])
 
     def abort(self, parent_id: str, abort_child: Callable[[Request], None]) -> None:
         self._end(parent_id, RequestStatus.FINISHED_ABORTED, abort_child)
@@ -213,7 +217,7 @@ class OutputProcessor:
                 self.free_request(child)
                 self.stats.on_request_finished(child)
         if (o := self._emit(p)) is not None:
-            self.ready.append(o)
+            self._publish([o])
 
     def fail_all(self, message: str) -> None:
         """``fail`` every live request (the device state they depended on is gone)."""
@@ -223,3 +227,14 @@ class OutputProcessor:
     def take_ready(self) -> list[RequestOutput]:
         out, self.ready = self.ready, []
         return out
+
+
+def _is_hidden_stop_token(req: Request, i: int) -> bool:
+    """Whether output token ``i`` is the EOS or stop token id that ended ``req`` and its text
+    stays out of ``output_text`` (vLLM's rule, so a reply never ends in "</s>" even with
+    skip_special_tokens=False; include_stop_str_in_output brings it back). Commit finished
+    the request on its last token; a stop string (a str stop_reason) is only found later,
+    in finalize, so it never counts here."""
+    return (i == len(req.output_token_ids) - 1 and req.status is RequestStatus.FINISHED_STOPPED
+            and not isinstance(req.stop_reason, str)
+            and not req.sampling_params.include_stop_str_in_output)

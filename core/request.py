@@ -50,7 +50,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    # Every id that ends generation as EOS (generation_config.json may list several).
+    eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     parent_id: str | None = None
     index: int = 0

@@ -127,7 +127,7 @@ def test_eos_stop_ids_and_max_tokens_cost_no_extra_step(tiny_model_dir, async_on
     assert len(out.token_ids) == first + 1
     assert spy.times_scheduled("0") == first + 1
 
-    llm.engine.eos_token_id = target
+    llm.engine.eos_token_ids = (target,)
     out = generate(llm, [prompt], SamplingParams(max_tokens=20, temperature=0.0)
                    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None

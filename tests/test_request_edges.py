@@ -1,0 +1,189 @@
+"""The edges of a request's life: ids reused at once, leaving a stream early, sample ids
+that collide, and the post-sample hook seeing every output."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from engine_helpers import make_llm
+from test_async_engine import all_blocks_free, wait_until, with_engine
+
+from cadence import SamplingParams
+from cadence.hookspecs import hookimpl
+from cadence.plugins import get_registry
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+def test_an_id_reused_right_after_an_abort_gets_its_own_outputs(model):
+    async def body(engine):
+        old = await engine.add_request("hello", LONG, request_id="x")
+        await wait_until(lambda: engine.stats().num_generation_tokens > 0)
+        old.abort()
+        new = await engine.add_request("hello", SHORT, request_id="x")  # same moment
+        outs = [o async for o in new]
+        assert outs[-1].finished and outs[-1].request_id == "x"
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 5
+        await wait_until(lambda: engine.num_pending_requests == 0)
+        await wait_until(lambda: engine.stats().num_running == 0)
+        assert engine.stats().finish_reasons == {"abort": 1, "length": 1}
+
+    with_engine(model, body)
+
+
+def test_leaving_an_async_for_early_aborts_at_once(model):
+    async def body(engine):
+        gen = engine.generate("hello", LONG)
+        async for _ in gen:
+            break
+        # ``gen`` is still referenced, so nothing was collected: closing is explicit.
+        await gen.aclose()
+        await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 1, timeout=5)
+        # Without a reference left, leaving the loop is enough.
+        async for _ in engine.generate("hello", LONG):
+            break
+        gc.disable()  # no collection may help: the abort must come from the loop's exit
+        try:
+            await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 2,
+                             timeout=5)
+        finally:
+            gc.enable()
+        await wait_until(lambda: all_blocks_free(engine))
+
+    with_engine(model, body)
+
+
+def test_sample_ids_that_collide_leave_nothing_behind(model):
+    llm = make_llm(model)
+    engine = llm.engine
+    engine.add_request("0_x", "hello", SHORT)
+    with pytest.raises(ValueError, match="'0_x' of one of its samples is in use"):
+        engine.add_request("x", "hello", SamplingParams(n=2, max_tokens=3))
+    assert set(engine.output_processor.parents) == {"0_x"}
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert steps < 50, "the engine never ran out of work"
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    llm.shutdown()
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.finals: dict[str, str] = {}
+
+    @hookimpl
+    def cadence_post_sample(self, outputs):
+        for o in outputs:
+            if o.finished:
+                self.finals[o.request_id] = o.outputs[0].finish_reason
+
+
+@pytest.fixture
+def seen():
+    hook = _Seen()
+    registry = get_registry()
+    registry.pm.register(hook, name="seen")
+    yield hook
+    registry.pm.unregister(hook)
+
+
+def test_the_post_sample_hook_sees_aborts_and_preemption_churn(model, seen):
+    llm = make_llm(model, num_kv_blocks=16, max_model_len=64, block_size=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=["the"], ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", f"prompt {i} " * 3, params)
+    engine.add_request("gone", "hello", SamplingParams(max_tokens=30, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o.outputs[0].finish_reason
+        if "gone" in engine.output_processor.parents and engine.stats.num_steps == 3:
+            engine.abort_request("gone")
+    assert finals["gone"] == "abort" and engine.stats.num_preemptions > 0
+    assert seen.finals == finals, "the hook missed outputs the caller saw"
+    llm.shutdown()
+
+
+def test_the_post_sample_hook_sees_a_stop_found_when_settling(model, seen):
+    """A stop string in output not yet finalized, found when the request is settled before
+    a preemption: that final output goes through the hook too."""
+    llm = make_llm(model)  # async output on: committed tokens wait one step for finalize
+    text = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=8,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    full = text.outputs[0].text
+    stop = next(full[-k:] for k in range(2, len(full) + 1) if full.find(full[-k:]) ==
+                len(full) - k)
+    engine = llm.engine
+    engine.add_request("s", "hello", SamplingParams(temperature=0.0, max_tokens=8,
+                                                    stop=[stop], ignore_eos=True))
+    req = engine.output_processor.parents["s"].children[0]
+    while len(req.output_token_ids) < 8:
+        engine.step()
+    assert req.num_finalized_tokens < 8 and "s" not in seen.finals
+    engine.output_processor.settle(req)  # what the scheduler does before preempting it
+    assert seen.finals.get("s") == "stop"
+    assert [o.request_id for o in engine.output_processor.take_ready()] == ["s"]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streamed_sample_is_reported_finished_once(model, endpoint):
+    """n > 1 streams: each choice's finish_reason arrives in exactly one chunk, after which
+    the choice sends nothing more, and the chunks still add up to the whole answer."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import json
+
+    from cadence.server.app import build_app
+
+    # A common stop letter: the samples finish at different steps.
+    body = {"model": "tiny", "n": 3, "max_tokens": 24, "temperature": 1.0, "seed": 5,
+            "stop": ["e"], "stream": True}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+
+    async def run(engine):
+        app = build_app(engine, "tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as client:
+            r = await client.post(endpoint, json=body)
+            whole = await client.post(endpoint, json={**body, "stream": False})
+        return r, whole
+
+    r, whole = with_engine(model, run)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    finishes: dict[int, int] = {}
+    after_finish = []
+    text: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            i = choice["index"]
+            if i in finishes:
+                after_finish.append(choice)
+            piece = choice.get("text") if "text" in choice else \
+                choice.get("delta", {}).get("content")
+            text[i] = text.get(i, "") + (piece or "")
+            if choice.get("finish_reason") is not None:
+                finishes[i] = finishes.get(i, 0) + 1
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    assert after_finish == []
+    want = {c["index"]: c["text"] if "text" in c else c["message"]["content"]
+            for c in whole.json()["choices"]}
+    assert text == want
