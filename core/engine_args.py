@@ -20,7 +20,7 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
-from cadence.model_limits import check_sliding_window
+from cadence.model_limits import check_sliding_window, longest_context
 
 
 @dataclass(slots=True)
@@ -66,9 +66,9 @@ class EngineArgs:
             raise ValueError(f"model path {model!r} does not exist or is not a directory")
         hf_max_len = _max_position_embeddings(model)
         max_len = args["max_model_len"] or hf_max_len
-        if hf_max_len and max_len > hf_max_len:
-            raise ValueError(f"max_model_len={max_len} is larger than the model's "
-                             f"max_position_embeddings ({hf_max_len})")
+        longest, why = longest_context(model)
+        if longest and max_len > longest:
+            raise ValueError(f"max_model_len={max_len} is larger than the model allows: {why}")
         if max_len:
             max_len = check_sliding_window(model, max_len,
                                            explicit=bool(args["max_model_len"]))

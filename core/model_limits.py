@@ -7,13 +7,39 @@ import json
 import os
 
 
+def _config(model: str) -> dict:
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)
+
+
+def longest_context(model: str) -> tuple[int | None, str]:
+    """The longest max_model_len the model's positions allow, and why.
+
+    ``max_position_embeddings``, unless RoPE scaling stretches it, as vLLM reads it: YaRN
+    covers ``original_max_position_embeddings * factor``, dynamic NTK
+    ``max_position_embeddings * factor`` (the rotary cache computes those positions the way
+    transformers does, core/layers/rotary.py).
+    """
+    cfg = _config(model)
+    max_pos = cfg.get("max_position_embeddings")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type")
+    factor = rope.get("factor")
+    if not max_pos or kind not in ("yarn", "dynamic") or not isinstance(factor, (int, float)):
+        return max_pos, f"max_position_embeddings ({max_pos})"
+    base = (rope.get("original_max_position_embeddings") or max_pos) if kind == "yarn" \
+        else max_pos
+    longest = max(max_pos, int(base * factor))
+    return longest, (f"{base} positions x the {kind} RoPE factor {factor:g} = {longest}"
+                     if longest > max_pos else f"max_position_embeddings ({max_pos})")
+
+
 def sliding_window(model: str) -> int | None:
     """The attention window in tokens if some layer of the model attends to a window only
     (Mistral's ``sliding_window``, Qwen2's with ``use_sliding_window``, per-layer
     ``layer_types`` such as Gemma's); None for full attention everywhere."""
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    cfg = cfg.get("text_config", cfg)
+    cfg = _config(model)
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None

@@ -1,0 +1,43 @@
+"""How long a context a model allows: max_position_embeddings, stretched by YaRN or dynamic
+NTK RoPE scaling as vLLM reads it; past the trained positions output still equals
+transformers' cached generate."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.engine_args import EngineArgs
+
+
+@pytest.mark.parametrize(("kind", "longest"), [
+    ("llama", 512),               # no scaling
+    ("llama-rope-linear", 512),   # linear scaling is not a longer context
+    ("llama-rope-dynamic", 1024),  # 512 x factor 2
+    ("llama-rope-yarn", 512),     # original 128 x factor 4
+])
+def test_the_longest_context_follows_rope_scaling(tiny_model_dir, kind, longest):
+    model = tiny_model_dir(kind)
+    cfg = EngineArgs(model=model, max_model_len=longest).create_engine_config()
+    assert cfg.model_config.max_model_len == longest
+    with pytest.raises(ValueError, match=f"larger than the model allows.*{longest}"):
+        EngineArgs(model=model, max_model_len=longest + 1).create_engine_config()
+
+
+def test_dynamic_ntk_past_the_trained_positions_equals_transformers(tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    from engine_helpers import make_llm
+    from transformers import AutoModelForCausalLM
+
+    from cadence import SamplingParams
+
+    model = tiny_model_dir("llama-rope-dynamic")
+    prompt = [(13 * i) % 400 + 5 for i in range(500)]  # fits in the 512 trained positions
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40,
+                       do_sample=False)[0, len(prompt):].tolist()
+    llm = make_llm(model, max_model_len=600)
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    assert got == want
