@@ -90,10 +90,16 @@ def assert_same_tokens(actual: list[Any], expected: list[Any], atol: float, what
             assert len(ta) == len(te), f"{what}: prompt {i} has {len(ta)} tokens, not {len(te)}"
             continue
         top = e.outputs[0].logprobs[n] if e.outputs[0].logprobs else {}
-        gap = abs(top[te[n]].logprob - top[ta[n]].logprob) if ta[n] in top else None
-        assert gap is not None and gap <= atol, (
-            f"{what}: prompt {i} differs at output token {n}: got {ta[n]}, expected {te[n]} "
-            f"(logprob gap {gap}; a near-tie needs <= {atol})\n got {list(ta)}\n exp {list(te)}")
+        head = (f"{what}: prompt {i} differs at output token {n}: the backend chose token "
+                f"{ta[n]}, the reference {te[n]}")
+        tail = f"\n backend   {list(ta)}\n reference {list(te)}"
+        assert ta[n] in top, (
+            f"{head}, and the backend's token is not among the reference's top logprobs "
+            f"there, so the two are not a near-tie: a real difference{tail}")
+        gap = abs(top[te[n]].logprob - top[ta[n]].logprob)
+        assert gap <= atol, (
+            f"{head}; the reference rates them {gap:.4g} apart in logprob, more than the "
+            f"{atol:g} a near-tie may differ by (--cadence-logprob-atol){tail}")
 
 
 _PROBE_SCRIPT = """
