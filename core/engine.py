@@ -47,14 +47,16 @@ class LLMEngine:
         logger.info("%s", self.backend_reason)
         self.backend: Backend = backend_cls(config)
         self.backend.load_model()
-        num_blocks = self.backend.allocate_kv_cache()
-        self.backend.warmup()
-        self.num_blocks = num_blocks
+        # Between load_model and allocate_kv_cache: a backend that loads in a worker process
+        # returns from load_model at once, and the tokenizer loads while the worker does.
         if tokenizer is None:
             from cadence.model_loader import load_tokenizer
 
             tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.tokenizer = tokenizer
+        num_blocks = self.backend.allocate_kv_cache()
+        self.backend.warmup()
+        self.num_blocks = num_blocks
         self.vocab_size = vocab_size_from_config(config.model_config.model)
         self.eos_token_ids = _eos_token_ids(tokenizer, config.model_config.model,
                                             self.vocab_size)

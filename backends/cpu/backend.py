@@ -63,9 +63,9 @@ class CpuBackend(Backend):
         if self.overlap == "process":
             from cadence.backends.cpu.worker import ForwardWorker
 
+            # Started, not waited for: allocate_kv_cache waits, so the engine's own start-up
+            # work runs meanwhile.
             self._worker = ForwardWorker(self.config, self._kv_cache_bytes())
-            self.num_blocks = self._worker.num_blocks
-            self.runtime_info = self._worker.runtime_info
             return
         from cadence.backends.cpu.runtime import build_runtime
 
@@ -73,6 +73,10 @@ class CpuBackend(Backend):
         self.runner, self.num_blocks, self.runtime_info = rt.runner, rt.num_blocks, rt.describe()
 
     def allocate_kv_cache(self) -> int:
+        if self._worker is not None:
+            self._worker.wait_ready()
+            self.num_blocks = self._worker.num_blocks
+            self.runtime_info = self._worker.runtime_info
         return self.num_blocks
 
     def forward(self, model_input: ModelInput) -> Any:

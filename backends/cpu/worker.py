@@ -96,8 +96,16 @@ class ForwardWorker:
         # An engine dropped without shutdown() must not leave its worker (and its KV cache)
         # behind for the rest of the process.
         self._finalizer = weakref.finalize(self, _kill, self._proc)
+        self._ready = False
+        _send(self._out, (config, kv_cache_bytes, num_threads))
+
+    def wait_ready(self) -> None:
+        """Wait until the worker has built the model and its KV cache (``num_blocks`` and
+        ``runtime_info`` are set then). Separate from ``__init__`` so the caller can do its
+        own start-up work, such as loading the tokenizer, while the worker loads."""
+        if self._ready:
+            return
         try:
-            _send(self._out, (config, kv_cache_bytes, num_threads))
             reply = self._recv()
         except WorkerLostError as e:
             self.close()
@@ -109,6 +117,7 @@ class ForwardWorker:
                 raise ValueError(message)
             raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
         _, self.num_blocks, self.runtime_info = reply
+        self._ready = True
 
     def _recv(self, timeout: float | None = None) -> Any:
         if timeout is not None:
