@@ -20,7 +20,7 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
-from cadence.model_limits import check_sliding_window, longest_context
+from cadence.model_limits import check_architecture, check_sliding_window, longest_context
 
 
 @dataclass(slots=True)
@@ -64,6 +64,8 @@ class EngineArgs:
         model = args["model"]
         if not os.path.isdir(model):
             raise ValueError(f"model path {model!r} does not exist or is not a directory")
+        # First: checks written for the supported families would fail obscurely on another.
+        check_architecture(model)
         hf_max_len = _max_position_embeddings(model)
         max_len = args["max_model_len"] or hf_max_len
         longest, why = longest_context(model)
@@ -103,24 +105,43 @@ class EngineArgs:
         p = parser
         p.add_argument("--model", default=None,
                        help="HF model folder (default: the built-in SmolLM2-135M-Instruct)")
-        p.add_argument("--backend", default="cpu", help="backend name, or 'auto'")
-        p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--num-kv-blocks", type=int, default=None)
+        # None, not "cpu": the command line says whether the backend was asked for.
+        p.add_argument("--backend", default=None,
+                       help="backend name (see engine backends), or 'auto' for the best "
+                            "available one (default: cpu)")
+        p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
+                       help="weights and activations dtype; auto: the backend's choice "
+                            "(docs/backends/)")
+        p.add_argument("--seed", type=int, default=0,
+                       help="the engine's random seed")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's "
+                            "max_position_embeddings)")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+        p.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV-cache blocks (default: sized by the backend from free memory)")
         p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false")
-        p.add_argument("--max-num-seqs", type=int, default=256)
+                       action="store_false",
+                       help="turn off prefix caching (on by default)")
+        p.add_argument("--max-num-seqs", type=int, default=256,
+                       help="most sequences scheduled in one step")
         p.add_argument("--max-num-samples", type=int, default=256,
                        help="largest n (samples of one request) the engine accepts; larger "
                             "is refused (default: %(default)s)")
-        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: max(8192, max_model_len "
+                            "without chunked prefill))")
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false")
-        p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
-        p.add_argument("--disable-async-output-proc", action="store_true")
-        p.add_argument("--tokenizer", default=None)
+                       action="store_false",
+                       help="prefill each prompt in one step (chunked prefill is on by "
+                            "default)")
+        p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+                       help="order in which waiting requests are admitted")
+        p.add_argument("--disable-async-output-proc", action="store_true",
+                       help="run the output work right after sampling instead of overlapping "
+                            "it with the next step (outputs are identical; default: off)")
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer folder (default: the model folder)")
         p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
                        help="sampling defaults (temperature, top_p, top_k, min_p, "
                             "repetition_penalty) for fields a request leaves out: 'auto' reads "
@@ -143,6 +164,8 @@ class EngineArgs:
         """The EngineArgs plus the plugin flags (everything else in the namespace)."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in vars(ns).items() if k in names}
+        if kwargs.get("backend") is None:
+            kwargs.pop("backend", None)
         extra = {k: v for k, v in vars(ns).items() if k not in names and not callable(v)}
         extra = {k: v for k, v in extra.items() if _jsonable(v)}
         return cls(**kwargs), extra

@@ -13,6 +13,27 @@ def _config(model: str) -> dict:
     return cfg.get("text_config", cfg)
 
 
+def check_architecture(model: str) -> None:
+    """Refuse a model whose config.json names only architectures cadence cannot load, with
+    the supported list. A missing or unreadable config.json, or one without
+    ``architectures``, is left to the checks that report those."""
+    from cadence.models import supported_architectures  # the registry imports no torch
+
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return
+    architectures = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if not isinstance(architectures, list) or not architectures:
+        return
+    supported = supported_architectures()
+    if not any(arch in supported for arch in architectures):
+        names = ", ".join(map(str, architectures))
+        raise ValueError(f"model {model!r}: unsupported architecture {names}; cadence "
+                         f"supports {', '.join(supported)}")
+
+
 def longest_context(model: str) -> tuple[int | None, str]:
     """The longest max_model_len the model's positions allow, and why.
 

@@ -162,7 +162,7 @@ class PluginRegistry:
         probe = self.probe_all()[name]
         if not probe.available:
             raise ValueError(f"backend {name!r} is not available: {probe.reason}\n{self._explain()}")
-        return info.cls, f"backend {name!r} requested"
+        return info.cls, f"backend {name!r} selected"
 
     @property
     def hook(self) -> pluggy.HookRelay:

@@ -315,9 +315,9 @@ def test_serve_flags_reach_the_app_and_uvicorn(monkeypatch):
     monkeypatch.setattr(AsyncLLM, "from_engine_args",
                         classmethod(lambda cls, *a, **kw: started.append(1) or fake))
     runs: list[tuple] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    monkeypatch.setattr(cli, "serve_app", lambda app, sock, msg, **kw: runs.append((app, kw)))
     monkeypatch.setenv("CADENCE_API_KEY", "from-env")
-    base = ["serve", "--served-model-name", "tiny", "--log-level", "warning"]
+    base = ["serve", "--served-model-name", "tiny", "--log-level", "warning", "--port", "0"]
     assert cli.main(base + ["--timeout-keep-alive", "7"]) == 0
     assert cli.main(base + ["--api-key", "from-flag"]) == 0
     assert runs[0][1]["timeout_keep_alive"] == 7 and runs[1][1]["timeout_keep_alive"] == 5

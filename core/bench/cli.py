@@ -36,7 +36,7 @@ def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False)
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     g.add_argument("--output-len", type=int, default=128, help="output length in tokens")
-    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     g.add_argument("--output-len-range", default=None, metavar="A:B",
                    help="draw each output length uniformly from [A, B] (seeded) instead")
     g.add_argument("--temperature", type=float, default=1.0,
@@ -45,11 +45,13 @@ def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False)
                    help="light: no stop strings, no logprobs; heavy: ten stop strings that "
                         "never match + logprobs=5" +
                         ("; a comma list sweeps both" if host_work_list else ""))
-    g.add_argument("--disable-detokenize", action="store_true")
+    g.add_argument("--disable-detokenize", action="store_true",
+                   help="skip detokenization (token ids only)")
     g.add_argument("--breakdown", action="store_true",
                    help="per-step breakdown: phases, device time, hidden/exposed finalize")
-    g.add_argument("--output-json", default=None, metavar="FILE")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--output-json", default=None, metavar="FILE",
+                   help="also write the results to FILE as JSON")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _throughput(ns: argparse.Namespace) -> int:
@@ -136,13 +138,14 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
                    help="measure this running server instead of starting engine serve")
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the offline engine on the same workload, after the server")
-    g.add_argument("--server-start-timeout", type=float, default=600.0)
+    g.add_argument("--server-start-timeout", type=float, default=600.0,
+                   help="seconds to wait for the started server to answer /health")
     sv.set_defaults(bench_func=_with_machine_header(_serve))
 
     sm = sub.add_parser("make-small-model",
                         help="write a small random-weight model with the default tokenizer")
     sm.add_argument("--model", default=None, help="source of config and tokenizer")
     sm.add_argument("--output", required=True, help="folder to write")
-    sm.add_argument("--num-layers", type=int, default=4)
-    sm.add_argument("--hidden-size", type=int, default=128)
+    sm.add_argument("--num-layers", type=int, default=4, help="decoder layers")
+    sm.add_argument("--hidden-size", type=int, default=128, help="hidden size")
     sm.set_defaults(bench_func=_make_small_model)

@@ -4,13 +4,16 @@ so a backend plugin can still set its environment before torch loads."""
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per sample")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="tokens generated before EOS or a stop may end a sample")
     model = "the model's generation_config.json, else %s (see --generation-config)"
     g.add_argument("--temperature", type=float, default=None,
                    help="default: " + model % "0, greedy")
@@ -19,15 +22,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=None, help="default: " + model % "0")
     g.add_argument("--sampling-seed", type=int, default=None,
                    help="per-request sampling seed (reproducible samples)")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once per earlier occurrence of a token, in [-2, 2]")
     g.add_argument("--repetition-penalty", type=float, default=None,
                    help="default: " + model % "1")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None, metavar="ID",
+                   help="token ids that end a sample (default: only the model's EOS)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past EOS until --max-tokens (default: off)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each generated token's log-probability and the N most likely "
+                        "tokens (default: none)")
 
 
 # What `engine generate` samples with where neither a flag nor the model says: greedy, so
@@ -52,25 +61,34 @@ def sampling_params_from_args(ns: argparse.Namespace, model_defaults: dict | Non
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cadence.cli.chat_session import add_chat_args
+    from cadence.cli.generate import add_generate_args
     from cadence.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser(
         prog="engine", description="cadence: LLM inference with asynchronous output processing")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of cadence, torch, Python and each backend "
+                             "plugin, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends and whether each can run here")
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     EngineArgs.add_cli_args(gen)
-    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap each prompt in the model's chat template as a user message")
+    add_generate_args(gen)
     _add_sampling_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template "
+                                       "(reads user lines from standard input)")
+    EngineArgs.add_cli_args(chat)
+    add_chat_args(chat)
+    _add_sampling_args(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
     EngineArgs.add_cli_args(serve)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model folder's name)")
     g.add_argument("--max-pending-requests", type=int, default=None,
@@ -82,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest logprobs / top_logprobs a request may ask for")
     _add_limit_args(serve)
     g.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="server and engine log level")
 
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     try:
@@ -91,7 +110,66 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_subcommands = None
     if add_bench_subcommands is not None:
         add_bench_subcommands(bench)
+    for p in _all_parsers(parser):
+        p.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless it already speaks of its default;
+    None and off switches have no value worth printing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (text and action.option_strings and action.nargs != 0
+                and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _all_parsers(sub)
+    return found
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_report())
+        parser.exit()
+
+
+def version_report() -> str:
+    """cadence's, torch's and Python's versions and each backend plugin's, read from
+    package metadata so that torch is not imported."""
+    import platform
+    from importlib import metadata
+
+    from cadence.plugins import get_registry
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    reg = get_registry()
+    lines = [f"cadence {version('cadence')}", f"torch {version('torch')}",
+             f"Python {platform.python_version()} ({sys.executable})", "backends:"]
+    lines += [f"  {name}: {info.distribution} {info.version}"
+              for name, info in sorted(reg.backends.items())]
+    lines += [f"  {err.entry_point}: {err.distribution} (failed to load: {err.error})"
+              for err in reg.errors]
+    if not reg.backends and not reg.errors:
+        lines.append("  (no backend plugins are installed)")
+    return "\n".join(lines)
 
 
 def _add_limit_args(serve: argparse.ArgumentParser) -> None:
@@ -141,44 +219,33 @@ def cmd_backends() -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from cadence.chat import render_chat
-    from cadence.engine import LLMEngine
+    from cadence.cli.generate import run_generate
+
+    return run_generate(ns)
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from cadence.cli.chat_session import run_chat
+
+    return run_chat(ns)
+
+
+def announce_backend(ns: argparse.Namespace, reason: str) -> None:
+    """Say which backend runs and why: asked for, picked by auto, or the default."""
+    print(f"cadence: {describe_backend(ns.backend, reason)}", file=sys.stderr, flush=True)
+
+
+def describe_backend(requested: str | None, reason: str) -> str:
     from cadence.engine_args import EngineArgs
 
-    args, extra = EngineArgs.from_cli_args(ns)
-    config = args.create_engine_config(extra)
-    params = sampling_params_from_args(ns, dict(config.model_config.generation_defaults))
-    _print_generation_defaults(config.model_config.generation_defaults)
-    engine = LLMEngine(config)
-    if args.backend == "auto":
-        print(f"[{engine.backend_reason}]", file=sys.stderr)
-    from cadence.output_state import OutputKind
-
-    for i, prompt in enumerate(ns.prompt):
-        if ns.chat:
-            prompt = render_chat(engine.tokenizer,
-                                 [{"role": "user", "content": prompt}]).as_engine_prompt()
-        engine.add_request(str(i), prompt, params, output_kind=OutputKind.DELTA)
-    multi = len(ns.prompt) > 1 or params.n > 1
-    texts: dict[tuple[str, int], str] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for c in out.outputs:
-                if not multi:
-                    print(c.text, end="", flush=True)
-                    if out.finished:
-                        print(f"\n[finish_reason={c.finish_reason}]")
-                    continue
-                key = (out.request_id, c.index)
-                texts[key] = texts.get(key, "") + c.text
-                if out.finished:
-                    print(f"[prompt {out.request_id}, sample {c.index}] "
-                          f"(finish_reason={c.finish_reason}) {texts[key]!r}")
-    engine.shutdown()
-    return 0
+    if requested is None:
+        return f"backend {EngineArgs().backend!r} (the default; --backend picks another)"
+    if requested == "auto":
+        return reason
+    return f"backend {requested!r} (requested with --backend)"
 
 
-def _print_generation_defaults(defaults: tuple) -> None:
+def print_generation_defaults(defaults: tuple) -> None:
     """Say once, at start-up, which sampling defaults the model's folder brought."""
     from cadence.generation_defaults import describe_generation_defaults
 
@@ -192,7 +259,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (checked here, used by serve_app)
 
         from cadence.server.app import build_app
     except ImportError as e:
@@ -215,18 +282,62 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {ns.timeout_keep_alive}")
     args, extra = EngineArgs.from_cli_args(ns)
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
-    _print_generation_defaults(engine.generation_defaults)
-    name = ns.served_model_name or os.path.basename(
-        os.path.normpath(engine.engine.config.model_config.model))
-    app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits)
-    print(f"cadence: serving {name!r} on http://{ns.host}:{ns.port}/v1 "
-          f"(backend {args.backend}{', API key required' if api_key else ''})",
-          file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                timeout_keep_alive=ns.timeout_keep_alive)
+    # Bound before the model loads, so that a taken port is reported at once.
+    sock = bind_socket(ns.host, ns.port)
+    try:
+        logging.basicConfig(level=ns.log_level.upper(),
+                            format="%(levelname)s %(name)s: %(message)s")
+        engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
+        print_generation_defaults(engine.generation_defaults)
+        name = ns.served_model_name or os.path.basename(
+            os.path.normpath(engine.engine.config.model_config.model))
+        app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits)
+        backend = describe_backend(
+            ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
+        host, port = sock.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        serve_app(app, sock, f"cadence: serving {name!r} on http://{url_host}:{port}/v1 with "
+                             f"{backend}{', API key required' if api_key else ''}",
+                  log_level=ns.log_level, timeout_keep_alive=ns.timeout_keep_alive)
+    finally:
+        sock.close()
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``; ValueError naming the port if it is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a restart must not wait for the last run's TIME_WAIT connections.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another server "
+                             "listens there); pass another --port, or --port 0 for any "
+                             "free one") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def serve_app(app: object, sock: socket.socket, message: str, **uvicorn_options: object) -> None:
+    """Run ``app`` on the bound ``sock``, printing ``message`` once uvicorn accepts
+    connections (not before: a client that reads it may connect right away)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(message, file=sys.stderr, flush=True)
+
+    _Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_backends()
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "chat":
+            return cmd_chat(ns)
         if ns.command == "serve":
             return cmd_serve(ns)
         if ns.command == "bench":

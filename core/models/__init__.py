@@ -1,4 +1,7 @@
-"""Model registry: HF architecture name -> model class, imported lazily."""
+"""Model registry: HF architecture name -> model class, imported lazily.
+
+Imports no torch: the engine's configuration checks a model's architecture against this
+list before any backend starts."""
 
 from __future__ import annotations
 

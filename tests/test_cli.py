@@ -1,0 +1,223 @@
+"""The command line explains itself: versions, help with defaults, one output format for
+``engine generate``, ``engine chat`` from a pipe, honest start-up messages and clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cadence.cli import main as cli
+from cadence.cli.main import build_parser, main
+
+# Greedy, short and single-process: fast on two busy cores.
+FAST = ["--max-model-len", "256", "--cpu-overlap", "sync", "--max-tokens", "3",
+        "--ignore-eos"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        else:
+            yield parser, path, action
+
+
+# ---- --version and --help -----------------------------------------------------------------
+def test_version_names_cadence_torch_python_and_each_backend_without_importing_torch():
+    code = ("import sys; from cadence.cli.main import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code, 'TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd="/").stdout
+    from importlib import metadata
+
+    assert f"cadence {metadata.version('cadence')}" in out
+    assert f"torch {metadata.version('torch')}" in out
+    assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in out
+    assert "  cpu: cadence " in out
+    assert "EXIT 0 TORCH False" in out
+
+
+def test_every_option_of_every_subcommand_has_help_that_states_its_default():
+    missing, silent = [], []
+    for parser, path, action in _walk(build_parser()):
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        name = " ".join(("engine", *path, action.option_strings[0]))
+        if not action.help:
+            missing.append(name)
+            continue
+        text = parser._get_formatter()._expand_help(action)
+        has_default = not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if has_default and "default" not in text:
+            silent.append(f"{name} (default {action.default!r}): {text}")
+    assert missing == [], "options without help"
+    assert silent == [], "help that does not state the default"
+
+
+# ---- engine generate ----------------------------------------------------------------------
+def test_generate_text_format_is_one_shape_and_prints_logprobs(model, capsys):
+    assert main(["generate", "--model", model, "--prompt", "the quick brown fox", *FAST,
+                 "--logprobs", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[prompt 0, sample 0] finish_reason=length"
+    assert sum(line.startswith("  logprob ") for line in out) == 3
+    assert "top: " in out[2]
+
+    assert main(["generate", "--model", model, "--prompt", "a", "--prompt", "b", "--n", "2",
+                 *FAST]) == 0
+    headers = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[prompt")]
+    assert headers == [f"[prompt {p}, sample {s}] finish_reason=length"
+                       for p in (0, 1) for s in (0, 1)]
+
+
+def test_generate_json_from_a_jsonl_file_with_per_line_sampling_fields(model, tmp_path,
+                                                                      capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "hello there", "n": 2, "max_tokens": 2}) + "\n\n"
+                    + json.dumps({"prompt": "the quick", "logprobs": 1, "temperature": 0.7,
+                                  "seed": 3, "stop": ["zzz"]}) + "\n")
+    assert main(["generate", "--model", model, "--prompts-file", str(path), *FAST,
+                 "--output-format", "json"]) == 0
+    first, second = (json.loads(ln) for ln in capsys.readouterr().out.splitlines())
+    assert (first["request_id"], first["prompt"]) == ("0", "hello there")
+    assert [len(o["token_ids"]) for o in first["outputs"]] == [2, 2]
+    assert all("logprobs" not in o for o in first["outputs"])
+    (sample,) = second["outputs"]
+    assert len(sample["token_ids"]) == 3 and sample["finish_reason"] == "length"
+    assert [p["token_id"] for p in sample["logprobs"]] == sample["token_ids"]
+    assert all(1 <= len(p["top_logprobs"]) <= 2 for p in sample["logprobs"])
+
+
+def test_generate_reads_plain_prompts_from_stdin(model, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first prompt\n\nsecond prompt\n"))
+    assert main(["generate", "--model", model, "--prompts-file", "-", *FAST,
+                 "--output-format", "json"]) == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["first prompt", "second prompt"]
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ('{"prompt": "x", "temprature": 0.5}', ["line 2", "'temprature'", "temperature"]),
+    ('{"prompt": "x", "top_p": 7}', ["line 2", "top_p must be"]),
+    ('{"prompt": "x", "max_tokens": "many"}', ["line 2", "max_tokens"]),
+    ('{"temperature": 0}', ["line 2", "'prompt'"]),
+    ("not json", ["line 2", "JSON"]),
+])
+def test_a_bad_prompts_file_line_is_an_error_naming_line_and_field(model, tmp_path, capsys,
+                                                                   monkeypatch, line, words):
+    from cadence.engine import LLMEngine
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    # Every line is checked before the model loads.
+    monkeypatch.setattr(LLMEngine, "__init__", lambda *a, **kw: pytest.fail("engine started"))
+    assert main(["generate", "--model", model, "--prompts-file", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: ")
+    for word in words:
+        assert word in err
+
+
+def test_prompt_and_prompts_file_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--prompts-file", "-"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+# ---- engine chat --------------------------------------------------------------------------
+def test_chat_keeps_the_history_and_stops_at_exit(model, monkeypatch, capsys):
+    from cadence.engine import LLMEngine
+
+    prompts: list[str] = []
+    original = LLMEngine.add_request
+
+    def add_request(self, request_id, prompt, *args, **kw):
+        prompts.append(prompt["prompt"])
+        return original(self, request_id, prompt, *args, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n\nand then?\n/exit\nnever\n"))
+    assert main(["chat", "--model", model, *FAST, "--system", "be brief"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    assert len(prompts) == 2 and len(replies) == 2
+    assert "be brief" in prompts[0] and "hello there" in prompts[0]
+    assert prompts[1].startswith(prompts[0]) or "hello there" in prompts[1]
+    assert replies[0] in prompts[1] and "and then?" in prompts[1]
+    assert not any("never" in p for p in prompts)
+
+
+# ---- start-up messages and errors ---------------------------------------------------------
+def test_backend_line_says_whether_it_was_requested(model, capsys):
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST]) == 0
+    assert "backend 'cpu' (the default" in capsys.readouterr().err
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST, "--backend", "cpu"]) == 0
+    assert "backend 'cpu' (requested with --backend)" in capsys.readouterr().err
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path, capsys):
+    from cadence.engine_args import EngineArgs
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": 1024}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        EngineArgs(model=str(tmp_path)).create_engine_config()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture GPT2LMHeadModel" in err and "Qwen3ForCausalLM" in err
+    assert "Traceback" not in err
+
+
+def test_serve_on_a_taken_port_says_so_and_fails(model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "cadence.cli.main", "serve", "--model", model,
+             "--port", str(port)], check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_announces_its_address_only_once_listening(monkeypatch, capsys):
+    import uvicorn
+
+    async def app(scope, receive, send):  # an ASGI app with no lifespan support
+        raise RuntimeError("not called")
+
+    seen: dict[str, object] = {}
+    original_startup = uvicorn.Server.startup
+
+    async def startup(self, sockets=None):
+        seen["before"] = capsys.readouterr().err
+        await original_startup(self, sockets=sockets)
+
+    async def main_loop(self):  # instead of serving: check the port, then stop
+        seen["after"] = capsys.readouterr().err
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            seen["connected"] = True
+
+    monkeypatch.setattr(uvicorn.Server, "startup", startup)
+    monkeypatch.setattr(uvicorn.Server, "main_loop", main_loop)
+    sock = cli.bind_socket("127.0.0.1", 0)
+    try:
+        cli.serve_app(app, sock, "cadence: serving on PORT", log_level="warning",
+                      lifespan="off")
+    finally:
+        sock.close()
+    assert "serving" not in seen["before"]
+    assert "cadence: serving on PORT" in seen["after"] and seen["connected"]
