@@ -242,9 +242,16 @@ class LLMEngine:
                                                     r.model_input.sample_seq_indices, r.output)
             self.scheduler.update_after_step(r.plan)
         now = time.monotonic()
+        itl = self.stats.inter_token_latency
         for req in touched:
+            # Inter-token latency at commit, when each token's time is known: finalize runs
+            # a step later and in batches, so its clock would not see the gaps. Kept to a
+            # subtraction and a bisect per token, the hot path's budget.
             if req.first_token_time is None:
                 req.first_token_time = now
+            else:
+                itl.observe(now - req.last_token_time)
+            req.last_token_time = now
         self._pending = touched
         if not self.async_output:
             self._drain()

@@ -72,6 +72,10 @@ class Request:
     output_text: str = ""
     is_final_emitted: bool = False
     first_token_time: float | None = None
+    # For the queue-time and inter-token-latency metrics: set by the scheduler when the
+    # request first leaves the waiting queue, and by the engine at each commit.
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
     # Opaque per-request state owned by the output processor (the detokenizer).
     detok_state: object = field(default=None, repr=False)
 

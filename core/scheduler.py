@@ -15,6 +15,7 @@ NOTE the engine's side of the contract:
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -270,6 +271,8 @@ class Scheduler:
             if request.num_preemptions == 0:
                 # Prompt-cache hits as first seen, for usage reporting.
                 request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()  # the queue-time metric
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self.policy.key)
             scheduled.append(ScheduledRequest(request, num_new))

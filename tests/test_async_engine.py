@@ -260,10 +260,14 @@ def test_stats_snapshot_is_independent_of_the_live_stats():
     live = EngineStats(finish_reasons={"length": 3})
     live.time_to_first_token.observe(0.2)
     snap = live.snapshot()
-    text = snap.render_prometheus("m")
     live.finish_reasons["stop"] = 1
-    live.time_to_first_token.observe(5.0)
+    for hist in (live.time_to_first_token, live.e2e_request_latency, live.request_queue_time,
+                 live.time_per_output_token, live.inter_token_latency):
+        hist.observe(5.0)
     live.times.add("schedule", 1.0)
     assert snap.finish_reasons == {"length": 3} and snap.time_to_first_token.count == 1
+    assert snap.time_to_first_token.counts == [0] * 8 + [1] + [0] * 11
+    for hist in (snap.e2e_request_latency, snap.request_queue_time,
+                 snap.time_per_output_token, snap.inter_token_latency):
+        assert hist.count == 0 and sum(hist.counts) == 0
     assert snap.times.phases["schedule"] == 0.0
-    assert snap.render_prometheus("m") == text

@@ -18,7 +18,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cadence
@@ -38,6 +39,7 @@ from cadence.server.limits import (
     ServerLimits,
     check_api_key,
 )
+from cadence.server.metrics import make_registry
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
 
@@ -86,10 +88,12 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             "id": model_name, "object": "model", "created": 0, "owned_by": "cadence",
             "max_model_len": engine.max_model_len}]}
 
+    registry = make_registry(lambda: engine.stats(), model_name,
+                             lambda: _backend_name(engine))
+
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        text = engine.stats().render_prometheus(model_name)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
@@ -226,6 +230,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DeadlineExceeded)
     async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
         return error_response(504, str(exc), code="request_timeout")
+
+
+def _backend_name(engine: AsyncLLM) -> str:
+    backend = type(engine.engine.backend)
+    return backend.name or backend.__name__
 
 
 def _is_branch_tag(segment: str) -> bool:

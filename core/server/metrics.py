@@ -1,0 +1,109 @@
+"""``/metrics``: the engine's stats as Prometheus metrics, through prometheus_client.
+
+The collector reads ``AsyncLLM.stats()`` (the snapshot taken after each step) at scrape
+time, so the engine thread never calls into prometheus_client. Each app gets its own
+``CollectorRegistry``: several engines in one process (tests, embedding) never collide.
+
+NOTE one process serves: the engine, its stats and the HTTP server share a process (the CPU
+backend's worker process computes, it serves nothing), and ``engine serve`` runs one
+uvicorn worker, so the one collector sees everything and no PROMETHEUS_MULTIPROC_DIR is
+needed. Serving one engine from several processes would need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from cadence.metrics import EngineStats, Histogram
+
+LABELS = ["model_name", "backend"]
+
+# (name, help, the EngineStats field); names are vLLM's with the cadence: prefix.
+_COUNTERS = (
+    ("prompt_tokens", "Prefill tokens.", "num_prompt_tokens"),
+    ("generation_tokens", "Generated tokens.", "num_generation_tokens"),
+    ("num_preemptions", "Preemptions, counted when the preempted request finishes.",
+     "num_preemptions"),
+)
+_GAUGES = (
+    ("num_requests_running", "Requests running.", "num_running"),
+    ("num_requests_waiting", "Requests waiting.", "num_waiting"),
+    ("kv_cache_usage_perc", "KV cache usage (0-1).", "kv_cache_usage"),
+)
+_HISTOGRAMS = (
+    ("time_to_first_token_seconds", "Time from arrival to the first generated token.",
+     "time_to_first_token"),
+    ("e2e_request_latency_seconds", "Time from arrival to the end of the request.",
+     "e2e_request_latency"),
+    ("request_queue_time_seconds", "Time from arrival to the first time it is scheduled.",
+     "request_queue_time"),
+    ("time_per_output_token_seconds",
+     "Per finished request: mean time between its output tokens.", "time_per_output_token"),
+    ("inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
+     "inter_token_latency"),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the latest ``EngineStats`` snapshot into metric families at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 backend: Callable[[], str]) -> None:
+        self.stats = stats
+        self.model_name = model_name
+        # Read at scrape time: an app may be built before its engine's backend is known.
+        self.backend = backend
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        labels = [self.model_name, self.backend()]
+        for name, help_, attr in _COUNTERS:
+            c = CounterMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            c.add_metric(labels, getattr(s, attr))
+            yield c
+        for name, help_, attr in _GAUGES:
+            g = GaugeMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            g.add_metric(labels, getattr(s, attr))
+            yield g
+        c = CounterMetricFamily("cadence:request_success", "Finished requests by reason.",
+                                labels=[*LABELS, "finished_reason"])
+        for reason, n in sorted(s.finish_reasons.items()):
+            c.add_metric([*labels, reason], n)
+        yield c
+        for name, help_, attr in _HISTOGRAMS:
+            h = HistogramMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            hist: Histogram = getattr(s, attr)
+            h.add_metric(labels, _cumulative(hist), hist.total)
+            yield h
+        for phase, secs in s.times.phases.items():
+            c = CounterMetricFamily(f"cadence:step_{phase}_seconds",
+                                    f"Time spent in the {phase} phase of engine steps.",
+                                    labels=LABELS)
+            c.add_metric(labels, secs)
+            yield c
+
+
+def _cumulative(hist: Histogram) -> list[tuple[str, float]]:
+    buckets, running = [], 0
+    for edge, n in zip((*hist.edges, float("inf")), hist.counts):
+        running += n
+        buckets.append((floatToGoString(edge), running))
+    return buckets
+
+
+def make_registry(stats: Callable[[], EngineStats], model_name: str,
+                  backend: Callable[[], str]) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's global one) holding the collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineStatsCollector(stats, model_name, backend))
+    return registry
