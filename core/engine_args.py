@@ -44,13 +44,13 @@ class EngineArgs:
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
     generation_config: str = "auto"
     backend_options: dict = field(default_factory=dict)
+    revision: str | None = None
 
     def resolve_model(self) -> str:
-        if self.model is not None:
-            return self.model
-        from cadence.default_model import default_model_path
+        """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
+        from cadence.model_source import resolve_model_source
 
-        return default_model_path()
+        return resolve_model_source(self.model, self.revision)
 
     def create_engine_config(self, extra: dict | None = None) -> EngineConfig:
         """Resolve auto values, let plugins adjust (``cadence_configure``), then freeze."""
@@ -64,6 +64,11 @@ class EngineArgs:
         model = args["model"]
         if not os.path.isdir(model):
             raise ValueError(f"model path {model!r} does not exist or is not a directory")
+        from cadence.model_source import check_tokenizer_folder, resolve_model_source
+
+        if args["tokenizer"] is not None:
+            args["tokenizer"] = resolve_model_source(args["tokenizer"])
+        check_tokenizer_folder(args["tokenizer"] or model)
         # First: checks written for the supported families would fail obscurely on another.
         check_architecture(model)
         hf_max_len = _max_position_embeddings(model)
@@ -104,7 +109,10 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         p = parser
         p.add_argument("--model", default=None,
-                       help="HF model folder (default: the built-in SmolLM2-135M-Instruct)")
+                       help="model folder, GGUF file, or Hugging Face Hub id org/name "
+                            "(default: the built-in SmolLM2-135M-Instruct)")
+        p.add_argument("--revision", default=None,
+                       help="branch, tag or commit of a Hub model id (default: main)")
         # None, not "cpu": the command line says whether the backend was asked for.
         p.add_argument("--backend", default=None,
                        help="backend name (see engine backends), or 'auto' for the best "

@@ -1,0 +1,116 @@
+"""llama.cpp's GGUF format, converted once into a model folder cadence loads.
+
+transformers can read (and dequantize) a GGUF file but refuses to ``save_pretrained`` a
+GGUF-loaded model, so we copy the dequantized weights into a plain model of the same class and
+save that as safetensors, next to the tokenizer rebuilt from the GGUF metadata. The converted
+folder is cached under the cadence cache, keyed by the file's path, size and mtime, so a GGUF
+that changes on disk is converted again and an unchanged one never is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$CADENCE_CACHE_DIR`` or ~/.cache/cadence/models."""
+    root = os.environ.get("CADENCE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "cadence" / "models"
+
+
+def find_gguf(path: str) -> Path | None:
+    """The GGUF file ``path`` names: the file itself, or the only ``*.gguf`` of a folder that
+    has no config.json. None when ``path`` is not a GGUF model; ValueError when a folder holds
+    several, since picking one (often a quantization level) is the user's choice."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == GGUF_SUFFIX else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    files = sorted(f for f in p.iterdir() if f.suffix.lower() == GGUF_SUFFIX and f.is_file())
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"model folder {path!r} holds {len(files)} GGUF files ({names}); "
+                         "pass the one to load as --model FOLDER/FILE.gguf")
+    return files[0] if files else None
+
+
+def gguf_model_path(gguf_file: Path) -> str:
+    """The converted folder of ``gguf_file``, converting it on first use."""
+    st = gguf_file.stat()
+    key = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{gguf_file.stem}-{digest}"
+    if not (target / "config.json").is_file():
+        # A warning so that it shows without any logging set up: the first run of a large GGUF
+        # takes minutes and fills disk, and the user should see why and where.
+        logger.warning("converting %s from GGUF into %s (once; later runs reuse it)",
+                       gguf_file, target)
+    return convert_once(target, lambda out: convert_gguf(gguf_file, out))
+
+
+def convert_once(target: Path, convert: Callable[[Path], None]) -> str:
+    """Run ``convert(tmp_folder)`` and move the result to ``target`` unless it exists already."""
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        convert(tmp)
+        try:
+            # Atomic on one filesystem: a concurrent converter either wins or finds it done.
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> None:
+    """Write the model and tokenizer of ``gguf_file`` to ``out`` as an fp32 HF folder.
+
+    ``eos_token`` overrides the GGUF's end-of-sequence token when the vocabulary has it (chat
+    models whose turns end with another token than the metadata names).
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"reading {gguf_file} needs the gguf package: pip install gguf "
+                         "(or cadence's default-model extra)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                      dtype=torch.float32)
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    if eos_token is not None:
+        eos_id = tokenizer.convert_tokens_to_ids(eos_token)
+        if isinstance(eos_id, int) and eos_id != tokenizer.unk_token_id:
+            tokenizer.eos_token = eos_token
+            config.eos_token_id = eos_id
+    config.dtype = torch.float32
+    config.architectures = [type(gguf_model).__name__]
+    model = type(gguf_model)(config)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,195 @@
+"""Models as users name them: Hub ids through the Hugging Face cache, GGUF files converted
+once, and folders without a tokenizer refused at start. Nothing here touches the network: the
+Hub cache is laid out in a temporary folder the way huggingface_hub writes it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from engine_helpers import generate, make_llm
+
+from cadence import EngineArgs, SamplingParams
+from cadence.model_source import TOKENIZER_FILES, resolve_model_source
+
+COMMIT_A = "a" * 40
+COMMIT_B = "b" * 40
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in tmp_path, online mode, an unreachable endpoint."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # Port 9 (discard) refuses at once: a download attempt fails fast and offline-safe.
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    return cache
+
+
+def _add_snapshot(cache: Path, repo_id: str, commit: str, source: str,
+                  ref: str | None = "main") -> Path:
+    """Copy ``source`` into the cache as ``repo_id`` at ``commit`` (with ``ref`` pointing at it)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def test_hub_id_resolves_from_cache_and_runs(hub_cache, tiny_model_dir):
+    snapshot = _add_snapshot(hub_cache, "org/tiny-llama", COMMIT_A, tiny_model_dir("llama"))
+    assert EngineArgs(model="org/tiny-llama").resolve_model() == str(snapshot)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (got,) = generate(make_llm("org/tiny-llama"), ["the cat"], params)
+    (expected,) = generate(make_llm(tiny_model_dir("llama")), ["the cat"], params)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_revision_picks_branch_or_commit(hub_cache, tiny_model_dir):
+    main = _add_snapshot(hub_cache, "org/m", COMMIT_A, tiny_model_dir("llama"))
+    other = _add_snapshot(hub_cache, "org/m", COMMIT_B, tiny_model_dir("llama"), ref="v2")
+    assert resolve_model_source("org/m") == str(main)
+    assert resolve_model_source("org/m", revision="v2") == str(other)
+    assert resolve_model_source("org/m", revision=COMMIT_B) == str(other)
+
+
+def test_hub_id_not_cached_offline_says_so(hub_cache, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="not in the Hugging Face cache") as e:
+        resolve_model_source("org/absent")
+    assert "HF_HUB_OFFLINE=1 forbids a download" in str(e.value)
+    assert str(hub_cache) in str(e.value)
+
+
+def test_hub_id_not_cached_download_failure_gives_the_reason(hub_cache):
+    with pytest.raises(ValueError, match="the download failed: ") as e:
+        resolve_model_source("org/absent", revision="v1")
+    msg = str(e.value)
+    assert "'org/absent' (revision 'v1')" in msg and "not in the Hugging Face cache" in msg
+    assert "ConnectError" in msg  # the network's reason, not only "not found locally"
+
+
+def test_existing_path_shaped_like_hub_id_stays_local(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_model_dir("llama"), tmp_path / "models" / "tiny")
+    assert resolve_model_source("models/tiny") == "models/tiny"
+    with pytest.raises(ValueError, match="revision='v1' applies to Hub ids"):
+        resolve_model_source("models/tiny", revision="v1")
+
+
+def test_folder_without_tokenizer_names_the_files(tmp_path, tiny_model_dir):
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir("llama"), folder,
+                    ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    with pytest.raises(ValueError, match="no tokenizer in") as e:
+        EngineArgs(model=str(folder)).create_engine_config()
+    assert all(name in str(e.value) for name in TOKENIZER_FILES)
+    # A separate tokenizer folder is what the message suggests, and it works.
+    config = EngineArgs(model=str(folder), tokenizer=tiny_model_dir("llama")).create_engine_config()
+    assert config.model_config.tokenizer == tiny_model_dir("llama")
+
+
+def _permute_rotary(w, num_heads: int):
+    # llama.cpp's converter reorders q/k rows from HF's rotate-half layout to interleaved
+    # pairs; transformers undoes it when reading a llama GGUF.
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_llama_gguf(model_dir: str, out_file: Path) -> None:
+    """Write a llama safetensors folder (fp32) as llama.cpp would: its tensor names, rotary
+    layout and metadata keys, with the byte-level BPE tokenizer as ``gpt2`` vocab + merges."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out_file), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab = {**tok["model"]["vocab"], **added}
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    assert len(tokens) == cfg["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in added else 1 for t in tokens])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        tensor = tensor.astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            tensor = _permute_rotary(tensor, heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _permute_rotary(tensor, kv_heads)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def gguf_file(tmp_path, monkeypatch, tiny_model_dir) -> Path:
+    pytest.importorskip("gguf")
+    from cadence import gguf_model
+
+    # Not CADENCE_CACHE_DIR: the CPU kernels are cached under it too, and would be rebuilt.
+    monkeypatch.setattr(gguf_model, "cache_root", lambda: tmp_path / "cadence-cache")
+    out = tmp_path / "ggufs" / "tiny-llama.gguf"
+    out.parent.mkdir()
+    write_llama_gguf(tiny_model_dir("llama"), out)
+    return out
+
+
+def test_gguf_greedy_equals_safetensors(gguf_file, tiny_model_dir, caplog):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["the cat runs over the", "café 中文 😀 and"]
+    with caplog.at_level(logging.WARNING, logger="cadence.gguf_model"):
+        converted = resolve_model_source(str(gguf_file))
+    assert converted.startswith(str(gguf_file.parent.parent / "cadence-cache" / "gguf"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"converting {gguf_file} from GGUF into {converted} (once; later runs reuse it)"]
+    expected = generate(make_llm(tiny_model_dir("llama")), prompts, params)
+    got = generate(make_llm(str(gguf_file)), prompts, params)
+    assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+
+
+def test_gguf_folder_reuses_the_cached_conversion(gguf_file, caplog):
+    first = resolve_model_source(str(gguf_file))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cadence.gguf_model"):
+        assert resolve_model_source(str(gguf_file.parent)) == first
+    assert caplog.records == []
+    shutil.copy(gguf_file, gguf_file.with_name("other.gguf"))
+    with pytest.raises(ValueError, match="holds 2 GGUF files"):
+        resolve_model_source(str(gguf_file.parent))
