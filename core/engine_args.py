@@ -64,13 +64,13 @@ class EngineArgs:
         model = args["model"]
         if not os.path.isdir(model):
             raise ValueError(f"model path {model!r} does not exist or is not a directory")
+        # First: checks written for the supported families would fail obscurely on another.
+        check_architecture(model)
         from cadence.model_source import check_tokenizer_folder, resolve_model_source
 
         if args["tokenizer"] is not None:
             args["tokenizer"] = resolve_model_source(args["tokenizer"])
         check_tokenizer_folder(args["tokenizer"] or model)
-        # First: checks written for the supported families would fail obscurely on another.
-        check_architecture(model)
         hf_max_len = _max_position_embeddings(model)
         max_len = args["max_model_len"] or hf_max_len
         longest, why = longest_context(model)
