@@ -337,7 +337,12 @@ def serve_app(app: object, sock: socket.socket, message: str, **uvicorn_options:
             if self.started:
                 print(message, file=sys.stderr, flush=True)
 
-    _Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
+    try:
+        _Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on Ctrl-C, then raises the signal again for its
+        # caller; uvicorn.run swallows it the same way, and so does a clean exit here.
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
