@@ -99,12 +99,12 @@ def _value(families, name: str, suffix: str = "", **labels) -> float:
 def test_every_family_has_its_type_and_the_model_and_backend_labels(scraped):
     _, _, families = scraped
     types = {
-        "cadence:prompt_tokens": "counter", "cadence:generation_tokens": "counter",
-        "cadence:num_preemptions": "counter", "cadence:request_success": "counter",
-        "cadence:num_requests_running": "gauge", "cadence:num_requests_waiting": "gauge",
-        "cadence:kv_cache_usage_perc": "gauge",
-        **{f"cadence:step_{p}_seconds": "counter" for p in STEP_PHASES},
-        **{f"cadence:{h}": "histogram" for h in HISTOGRAMS},
+        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:num_preemptions": "counter", "vllm:request_success": "counter",
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        **{f"vllm:step_{p}_seconds": "counter" for p in STEP_PHASES},
+        **{f"vllm:{h}": "histogram" for h in HISTOGRAMS},
     }
     assert {name: f.type for name, f in families.items()} == types
     for f in families.values():
@@ -115,16 +115,16 @@ def test_every_family_has_its_type_and_the_model_and_backend_labels(scraped):
 
 def test_counts_match_what_was_served(scraped):
     lengths, prompt_tokens, families = scraped
-    assert _value(families, "cadence:generation_tokens", "_total") == sum(lengths)
-    assert _value(families, "cadence:prompt_tokens", "_total") == prompt_tokens > 0
+    assert _value(families, "vllm:generation_tokens", "_total") == sum(lengths)
+    assert _value(families, "vllm:prompt_tokens", "_total") == prompt_tokens > 0
     reasons = {s.labels["finished_reason"]: s.value
-               for s in families["cadence:request_success"].samples}
+               for s in families["vllm:request_success"].samples}
     assert reasons == {"length": 4, "stop": 1, "abort": 1}
-    assert _value(families, "cadence:num_preemptions", "_total") == 0
-    assert _value(families, "cadence:num_requests_running") == 0
-    assert _value(families, "cadence:num_requests_waiting") == 0
-    assert 0 <= _value(families, "cadence:kv_cache_usage_perc") <= 1
-    assert _value(families, "cadence:step_execute_seconds", "_total") > 0
+    assert _value(families, "vllm:num_preemptions", "_total") == 0
+    assert _value(families, "vllm:num_requests_running") == 0
+    assert _value(families, "vllm:num_requests_waiting") == 0
+    assert 0 <= _value(families, "vllm:kv_cache_usage_perc") <= 1
+    assert _value(families, "vllm:step_execute_seconds", "_total") > 0
 
 
 def test_histograms_are_consistent_and_count_each_observation(scraped):
@@ -137,7 +137,7 @@ def test_histograms_are_consistent_and_count_each_observation(scraped):
         "inter_token_latency_seconds": sum(n - 1 for n in lengths),
     }
     for short, count in want_counts.items():
-        name = f"cadence:{short}"
+        name = f"vllm:{short}"
         assert _value(families, name, "_count") == count, name
         buckets = [(s.labels["le"], s.value) for s in families[name].samples
                    if s.name == name + "_bucket"]
@@ -156,3 +156,15 @@ def test_import_cadence_does_not_import_prometheus_client():
                                 "print('prometheus_client' in sys.modules)")],
         check=True, capture_output=True, text=True, cwd="/").stdout
     assert out.strip() == "False"
+
+
+def test_the_prefix_can_be_cadences_own():
+    from cadence.metrics import EngineStats
+    from cadence.server.metrics import make_registry
+
+    registry = make_registry(EngineStats, "m", lambda: "cpu", "cadence")
+    names = {m.name for m in registry.collect()}
+    assert "cadence:num_requests_running" in names
+    assert not any(n.startswith("vllm:") for n in names)
+    with pytest.raises(ValueError, match="metrics prefix must be one of"):
+        make_registry(EngineStats, "m", lambda: "cpu", "tgi")

@@ -252,7 +252,7 @@ def test_models_health_and_metrics(model):
         text = (await client.get("/metrics")).text
 
         def value(name: str, labels: str = 'backend="cpu",model_name="tiny"') -> float:
-            m = re.search(rf"^cadence:{name}{{{re.escape(labels)}}} (\S+)$", text, re.M)
+            m = re.search(rf"^vllm:{name}{{{re.escape(labels)}}} (\S+)$", text, re.M)
             assert m, name
             return float(m.group(1))
 
@@ -263,6 +263,6 @@ def test_models_health_and_metrics(model):
         assert value("e2e_request_latency_seconds_bucket",
                      'backend="cpu",le="+Inf",model_name="tiny"') == 6
         assert value("num_requests_running") == 0
-        assert "# TYPE cadence:time_to_first_token_seconds histogram" in text
+        assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
 
     serve(model, body)

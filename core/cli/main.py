@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bodies larger than this get HTTP 413")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="largest logprobs / top_logprobs a request may ask for")
+    g.add_argument("--metrics-prefix", choices=("vllm", "cadence"), default="vllm",
+                   help="name /metrics as vllm:* (vLLM's names, so its dashboards work) or "
+                        "cadence:*")
     _add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
@@ -291,7 +294,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print_generation_defaults(engine.generation_defaults)
         name = ns.served_model_name or os.path.basename(
             os.path.normpath(engine.engine.config.model_config.model))
-        app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits)
+        app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits,
+                        ns.metrics_prefix)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
         host, port = sock.getsockname()[:2]

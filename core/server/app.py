@@ -48,8 +48,11 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
 
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
               max_logprobs: int = 20, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, metrics_prefix: str = "vllm") -> FastAPI:
     """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server.
+
+    ``/metrics`` names its metrics ``vllm:*`` (vLLM's names, for existing dashboards) or,
+    with ``metrics_prefix="cadence"``, ``cadence:*``.
 
     With ``api_key``, every route but /health needs ``Authorization: Bearer <api_key>``;
     ``limits`` defaults to ``ServerLimits()`` (docs/server.md, "Limits").
@@ -89,7 +92,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             "max_model_len": engine.max_model_len}]}
 
     registry = make_registry(lambda: engine.stats(), model_name,
-                             lambda: _backend_name(engine))
+                             lambda: _backend_name(engine), metrics_prefix)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -28,7 +28,11 @@ from cadence.metrics import EngineStats, Histogram
 
 LABELS = ["model_name", "backend"]
 
-# (name, help, the EngineStats field); names are vLLM's with the cadence: prefix.
+#: Metric name prefixes: vLLM's own, so dashboards built for vLLM work unchanged, or
+#: cadence's, for a deployment that scrapes both engines side by side.
+METRIC_PREFIXES = ("vllm", "cadence")
+
+# (name, help, the EngineStats field); names are vLLM's, after the prefix.
 _COUNTERS = (
     ("prompt_tokens", "Prefill tokens.", "num_prompt_tokens"),
     ("generation_tokens", "Generated tokens.", "num_generation_tokens"),
@@ -58,7 +62,10 @@ class EngineStatsCollector(Collector):
     """Turns the latest ``EngineStats`` snapshot into metric families at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str,
-                 backend: Callable[[], str]) -> None:
+                 backend: Callable[[], str], prefix: str = "vllm") -> None:
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRIC_PREFIXES}, got {prefix!r}")
+        self.prefix = prefix
         self.stats = stats
         self.model_name = model_name
         # Read at scrape time: an app may be built before its engine's backend is known.
@@ -68,25 +75,25 @@ class EngineStatsCollector(Collector):
         s = self.stats()
         labels = [self.model_name, self.backend()]
         for name, help_, attr in _COUNTERS:
-            c = CounterMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            c = CounterMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
             c.add_metric(labels, getattr(s, attr))
             yield c
         for name, help_, attr in _GAUGES:
-            g = GaugeMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            g = GaugeMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
             g.add_metric(labels, getattr(s, attr))
             yield g
-        c = CounterMetricFamily("cadence:request_success", "Finished requests by reason.",
+        c = CounterMetricFamily(f"{self.prefix}:request_success", "Finished requests by reason.",
                                 labels=[*LABELS, "finished_reason"])
         for reason, n in sorted(s.finish_reasons.items()):
             c.add_metric([*labels, reason], n)
         yield c
         for name, help_, attr in _HISTOGRAMS:
-            h = HistogramMetricFamily(f"cadence:{name}", help_, labels=LABELS)
+            h = HistogramMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
             hist: Histogram = getattr(s, attr)
             h.add_metric(labels, _cumulative(hist), hist.total)
             yield h
         for phase, secs in s.times.phases.items():
-            c = CounterMetricFamily(f"cadence:step_{phase}_seconds",
+            c = CounterMetricFamily(f"{self.prefix}:step_{phase}_seconds",
                                     f"Time spent in the {phase} phase of engine steps.",
                                     labels=LABELS)
             c.add_metric(labels, secs)
@@ -102,8 +109,8 @@ def _cumulative(hist: Histogram) -> list[tuple[str, float]]:
 
 
 def make_registry(stats: Callable[[], EngineStats], model_name: str,
-                  backend: Callable[[], str]) -> CollectorRegistry:
+                  backend: Callable[[], str], prefix: str = "vllm") -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one) holding the collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineStatsCollector(stats, model_name, backend))
+    registry.register(EngineStatsCollector(stats, model_name, backend, prefix))
     return registry
