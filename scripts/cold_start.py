@@ -7,12 +7,19 @@ to answer a first 8-token request, in a fresh interpreter.
 Run the two alternately, several times each, and compare (docs/performance.md).
 """
 
-import sys, time
+import sys
+import time
+
+if sys.argv[1:] not in (["overlapped"], ["sequential"]):
+    sys.exit("usage: python scripts/cold_start.py overlapped|sequential")
 t0 = time.perf_counter()
-from cadence import LLM, SamplingParams
+# Imported after the clock starts: importing cadence is part of a cold start.
+from cadence import LLM, SamplingParams  # noqa: E402
+
 if sys.argv[1] == "sequential":
     from cadence.backends.cpu import backend as B
     lm = B.CpuBackend.load_model
+
     def waiting(self):
         lm(self)
         if self._worker is not None:
