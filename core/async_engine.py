@@ -23,6 +23,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cadence.async_stream import (
+    Channel,
+    RequestFailedError,
+    RequestStream,
+    call_soon,
+    deliver,
+)
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params
@@ -33,6 +40,9 @@ from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFailedError",
+           "RequestStream"]
+
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are in flight; the caller should retry later (HTTP 429)."""
@@ -40,16 +50,6 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; no request can be served (HTTP 503)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine could not serve this request (a step failed on it, or its worker was
-    lost); the others are unaffected. ``output`` is its final output (finish_reason
-    ``"error"``), with the tokens it had produced."""
-
-    def __init__(self, output: RequestOutput) -> None:
-        super().__init__(output.error or "the request failed")
-        self.output = output
 
 
 @dataclass(slots=True)
@@ -68,17 +68,6 @@ class _Abort:
 
 
 _STOP = object()
-
-
-@dataclass(slots=True)
-class _Channel:
-    """Where one submission's outputs go: its caller's loop and queue, under the id the
-    caller chose and the engine-side id (the caller's plus a submission number)."""
-
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    user_id: str
-    engine_id: str
 
 
 class AsyncLLM:
@@ -111,7 +100,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Keyed by the engine-side id, unique per submission: an abort or a late output of a
         # request that was replaced by a new one under the same user id never reaches it.
-        self._streams: dict[str, _Channel] = {}
+        self._streams: dict[str, Channel] = {}
         self._by_user_id: dict[str, str] = {}
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
         self._ids = itertools.count()
@@ -196,11 +185,11 @@ class AsyncLLM:
 
     # ---- submission -------------------------------------------------------------------
     async def _add(self, rid: str, prompt: Any, params: SamplingParams, priority: int,
-                   output_kind: OutputKind) -> _Channel:
+                   output_kind: OutputKind) -> Channel:
         if not isinstance(rid, str):
             raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        channel = _Channel(asyncio.get_running_loop(), asyncio.Queue(), rid,
+        channel = Channel(asyncio.get_running_loop(), asyncio.Queue(), rid,
                            f"{rid}@{next(self._submissions)}")
         with self._lock:
             if self._closed:
@@ -229,7 +218,7 @@ class AsyncLLM:
             raise
         return channel
 
-    def _forget(self, channel: _Channel) -> None:
+    def _forget(self, channel: Channel) -> None:
         with self._lock:
             self._streams.pop(channel.engine_id, None)
             if self._by_user_id.get(channel.user_id) == channel.engine_id:
@@ -310,9 +299,9 @@ class AsyncLLM:
                     by_loop.setdefault(target.loop, []).append(
                         (target.outputs, replace(out, request_id=target.user_id)))
         for loop, items in by_loop.items():
-            _call_soon(loop, _deliver, items)
+            call_soon(loop, deliver, items)
 
-    def _release(self, channel: _Channel, finished: bool) -> None:
+    def _release(self, channel: Channel, finished: bool) -> None:
         self._forget(channel)
         if not finished and self.is_running:
             self._commands.put(_Abort(channel.engine_id))
@@ -330,56 +319,4 @@ class AsyncLLM:
                 if isinstance(cmd, _Add) and not cmd.done.done():
                     cmd.done.set_exception(error)
         for channel in targets:
-            _call_soon(channel.loop, channel.outputs.put_nowait, error)
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator (from ``AsyncLLM.add_request``).
-
-    Iterate it once. Stopping early (``break``, cancellation, ``abort()``) aborts the
-    request in the engine, so its KV blocks are freed; after the final output it is a no-op.
-    """
-
-    def __init__(self, engine: AsyncLLM, request_id: str, channel: _Channel) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._channel = channel
-        self._outputs = channel.outputs
-        self._done = False
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not self._done:
-                item = await self._outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if finished and item.error is not None:
-                    raise RequestFailedError(item)
-                yield item
-                if finished:
-                    break
-        finally:
-            self._close(finished)
-
-    def abort(self) -> None:
-        """Abort the request if it is still running, without waiting for its final output."""
-        self._close(False)
-
-    def _close(self, finished: bool) -> None:
-        if not self._done:
-            self._done = True
-            self._engine._release(self._channel, finished)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.put_nowait(out)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that caller's event loop is closed: nobody is listening
-        pass
+            call_soon(channel.loop, channel.outputs.put_nowait, error)

@@ -56,3 +56,21 @@ def make_llm(model: str, **kw) -> LLM:
 
 def generate(llm: LLM, prompts, params: SamplingParams | list[SamplingParams]):
     return llm.generate(prompts, params, use_tqdm=False)
+
+
+def greedy_pair(model: str, prompt: list[int], num_tokens: int, **llm_kw
+                ) -> tuple[list[int], list[int]]:
+    """(cadence's, transformers' cached ``generate``) greedy tokens for one prompt, exactly
+    ``num_tokens`` each (EOS ignored), fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens,
+                       min_new_tokens=num_tokens, do_sample=False)[0, len(prompt):].tolist()
+    llm = make_llm(model, **llm_kw)
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    return list(got), want

@@ -24,20 +24,10 @@ def test_the_longest_context_follows_rope_scaling(tiny_model_dir, kind, longest)
 
 
 def test_dynamic_ntk_past_the_trained_positions_equals_transformers(tiny_model_dir):
-    torch = pytest.importorskip("torch")
-    from engine_helpers import make_llm
-    from transformers import AutoModelForCausalLM
-
-    from cadence import SamplingParams
+    pytest.importorskip("torch")
+    from engine_helpers import greedy_pair
 
     model = tiny_model_dir("llama-rope-dynamic")
     prompt = [(13 * i) % 400 + 5 for i in range(500)]  # fits in the 512 trained positions
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40,
-                       do_sample=False)[0, len(prompt):].tolist()
-    llm = make_llm(model, max_model_len=600)
-    got = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
-    llm.shutdown()
+    got, want = greedy_pair(model, prompt, 40, max_model_len=600)
     assert got == want

@@ -315,7 +315,10 @@ def test_serve_flags_reach_the_app_and_uvicorn(monkeypatch):
     monkeypatch.setattr(AsyncLLM, "from_engine_args",
                         classmethod(lambda cls, *a, **kw: started.append(1) or fake))
     runs: list[tuple] = []
-    monkeypatch.setattr(cli, "serve_app", lambda app, sock, msg, **kw: runs.append((app, kw)))
+    import cadence.cli.serve
+
+    monkeypatch.setattr(cadence.cli.serve, "serve_app",
+                        lambda app, sock, msg, **kw: runs.append((app, kw)))
     monkeypatch.setenv("CADENCE_API_KEY", "from-env")
     base = ["serve", "--served-model-name", "tiny", "--log-level", "warning", "--port", "0"]
     assert cli.main(base + ["--timeout-keep-alive", "7"]) == 0

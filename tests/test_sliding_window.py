@@ -57,20 +57,9 @@ def test_which_configs_attend_to_a_window(mistral, tmp_path, changes, windowed):
 
 def test_greedy_within_the_window_equals_transformers(mistral, tmp_path):
     """Inside the window full attention is the window's attention: same greedy tokens."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-    from engine_helpers import make_llm
-
-    from cadence import SamplingParams
+    pytest.importorskip("torch")
+    from engine_helpers import greedy_pair
 
     model = _variant(mistral, tmp_path / "m", sliding_window=48)
-    prompt = list(range(10, 30))
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=28, do_sample=False,
-                       min_new_tokens=28)[0, len(prompt):].tolist()
-    llm = make_llm(model, max_model_len=48)
-    got = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
-    llm.shutdown()
+    got, want = greedy_pair(model, list(range(10, 30)), 28, max_model_len=48)
     assert got == want

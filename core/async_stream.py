@@ -1,0 +1,88 @@
+"""The caller's side of ``AsyncLLM``: one request's outputs as an async iterator, and how
+the engine thread hands them over (one ``call_soon_threadsafe`` per caller loop per step).
+No torch here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cadence.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from cadence.async_engine import AsyncLLM
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not serve this request (a step failed on it, or its worker was
+    lost); the others are unaffected. ``output`` is its final output (finish_reason
+    ``"error"``), with the tokens it had produced."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        super().__init__(output.error or "the request failed")
+        self.output = output
+
+
+@dataclass(slots=True)
+class Channel:
+    """Where one submission's outputs go: its caller's loop and queue, under the id the
+    caller chose and the engine-side id (the caller's plus a submission number)."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    user_id: str
+    engine_id: str
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (from ``AsyncLLM.add_request``).
+
+    Iterate it once. Stopping early (``break``, cancellation, ``abort()``) aborts the
+    request in the engine, so its KV blocks are freed; after the final output it is a no-op.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, channel: Channel) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._channel = channel
+        self._outputs = channel.outputs
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not self._done:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if finished and item.error is not None:
+                    raise RequestFailedError(item)
+                yield item
+                if finished:
+                    break
+        finally:
+            self._close(finished)
+
+    def abort(self) -> None:
+        """Abort the request if it is still running, without waiting for its final output."""
+        self._close(False)
+
+    def _close(self, finished: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self._channel, finished)
+
+
+def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put_nowait(out)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is listening
+        pass
