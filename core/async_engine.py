@@ -98,10 +98,13 @@ class AsyncLLM:
         self.generation_defaults = engine.config.model_config.generation_defaults
         self.max_pending_requests = max_pending_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        # Keyed by the engine-side id, unique per submission: an abort or a late output of a
-        # request that was replaced by a new one under the same user id never reaches it.
+        # Keyed by the engine-side id: the caller's id, unless the engine may still hold an
+        # earlier request under it (aborted or abandoned, its final output not yet seen);
+        # then the id gets a submission number, so that request's abort or late output
+        # never reaches the new stream.
         self._streams: dict[str, Channel] = {}
         self._by_user_id: dict[str, str] = {}
+        self._in_engine: set[str] = set()
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
         self._ids = itertools.count()
         self._submissions = itertools.count()
@@ -189,8 +192,7 @@ class AsyncLLM:
         if not isinstance(rid, str):
             raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        channel = Channel(asyncio.get_running_loop(), asyncio.Queue(), rid,
-                           f"{rid}@{next(self._submissions)}")
+        channel = Channel(asyncio.get_running_loop(), asyncio.Queue(), rid, rid)
         with self._lock:
             if self._closed:
                 raise EngineDeadError(f"the engine is not running ({self._error!r})")
@@ -201,6 +203,9 @@ class AsyncLLM:
                 raise EngineOverloadedError(
                     f"{len(self._streams)} requests are in flight (max_pending_requests="
                     f"{limit}); retry later")
+            if rid in self._in_engine:
+                channel.engine_id = f"{rid}@{next(self._submissions)}"
+            self._in_engine.add(channel.engine_id)
             self._streams[channel.engine_id] = channel
             self._by_user_id[rid] = channel.engine_id
             self._commands.put(_Add(channel.engine_id, prompt, params, priority, output_kind,
@@ -211,7 +216,10 @@ class AsyncLLM:
             await asyncio.wrap_future(done)
         except BaseException as e:
             self._forget(channel)
-            if not isinstance(e, Exception):
+            if isinstance(e, Exception):  # refused by the engine: it holds nothing under it
+                with self._lock:
+                    self._in_engine.discard(channel.engine_id)
+            else:
                 # Cancelled while the engine thread may already have queued it: abort it
                 # (commands are applied in order, so the abort follows the add).
                 self._commands.put(_Abort(channel.engine_id))
@@ -293,11 +301,15 @@ class AsyncLLM:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outputs:
+                if out.finished:
+                    self._in_engine.discard(out.request_id)
                 target = self._streams.get(out.request_id)
-                if target is not None:  # None: the caller left; its abort is queued
+                if target is None:  # the caller left; its abort is queued
+                    continue
+                if target.engine_id != target.user_id:
                     # A copy: the post-sample hook may hold the engine's output.
-                    by_loop.setdefault(target.loop, []).append(
-                        (target.outputs, replace(out, request_id=target.user_id)))
+                    out = replace(out, request_id=target.user_id)
+                by_loop.setdefault(target.loop, []).append((target.outputs, out))
         for loop, items in by_loop.items():
             call_soon(loop, deliver, items)
 

@@ -28,7 +28,8 @@ class RequestFailedError(RuntimeError):
 @dataclass(slots=True)
 class Channel:
     """Where one submission's outputs go: its caller's loop and queue, under the id the
-    caller chose and the engine-side id (the caller's plus a submission number)."""
+    caller chose and the engine-side id (the caller's, or with a submission number when
+    the engine may still hold an earlier request under it)."""
 
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
