@@ -137,10 +137,9 @@ def test_default_model_bf16_close_to_transformers():
     ours_err = max(abs(lp.logprob - float(exact[t])) for t, lp in first.items())
     hf_err = max(abs(float(hf_bf16[t]) - float(exact[t])) for t in first)
     assert ours_err <= 2 * hf_err + 0.02, (ours_err, hf_err)
-    # The first answer token is fp32's top token, or tied with it: bf16 logits are bf16
-    # values, so two tokens can share the top logprob exactly (on this prompt two do) and
-    # argmax takes the lower id. The text then depends on that tie, so it is not checked.
-    top = int(exact.argmax())
-    assert top in first, (top, first)
-    assert first[top].logprob == first[out.outputs[0].token_ids[0]].logprob
+    # The first answer token is fp32's top token. bf16 logits alone tie here ("The" and "L"
+    # round to the same value) and argmax would take "L"; the tied maxima are recomputed
+    # in fp32 (core/layers/logits.py), so greedy follows fp32 and the answer is right.
+    assert out.outputs[0].token_ids[0] == int(exact.argmax())
+    assert out.outputs[0].text.startswith("The capital of France is Paris"), out.outputs[0].text
     llm.engine.shutdown()

@@ -1,6 +1,7 @@
-"""Swaps the decoder's elementwise modules for the compiled CPU kernels (csrc/ops.cpp) after
-the model is built: RMSNorm, SiLU-and-mul and the rotary embedding. The model code stays the
-reference; this is the same module-replacement idea as ``linear.pack_linears``."""
+"""Swaps the decoder's elementwise modules for the compiled CPU kernels (csrc/ops.cpp,
+logits.cpp) after the model is built: RMSNorm, SiLU-and-mul, the rotary embedding and the
+LM head's top-logit refinement. The model code stays the reference; this is the same
+module-replacement idea as ``linear.pack_linears``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from cadence.layers.activation import SiluAndMul
+from cadence.layers.logits import RefineTopLogits, refine_top_logits
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary
 
@@ -58,6 +60,22 @@ class KernelRotary(nn.Module):
         return q, k
 
 
+class KernelRefineTopLogits(nn.Module):
+    """``RefineTopLogits`` in one pass per row for bf16 (any number of ties refined)."""
+
+    def __init__(self, ops: ModuleType) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if logits.dtype == torch.float32:
+            return logits
+        if logits.dtype == torch.bfloat16:
+            return self.ops.refine_top_logits(logits, hidden, weight, bias)
+        return refine_top_logits(logits, hidden, weight, bias)
+
+
 def install_fused_ops(model: nn.Module, ops: ModuleType) -> int:
     """Replace the modules above in ``model``; returns how many were replaced."""
     count = 0
@@ -70,6 +88,8 @@ def install_fused_ops(model: nn.Module, ops: ModuleType) -> int:
                 new = KernelSiluAndMul(ops)
             elif isinstance(child, ApplyRotary):
                 new = KernelRotary(ops)
+            elif isinstance(child, RefineTopLogits):
+                new = KernelRefineTopLogits(ops)
             if new is not None:
                 setattr(parent, name, new)
                 count += 1

@@ -23,7 +23,8 @@ from cadence.cpuinfo import cpu_info
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "ops.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "ops.cpp",
+            "logits.cpp")
 _HEADERS = ("vec.h", "attention_common.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the loop runs on one thread.
 # The extension then shares torch's own libgomp (same soname, already loaded).
@@ -78,8 +79,9 @@ def _build() -> ModuleType | None:
     first = not any(build_dir.glob("*.so"))
     if first:
         build_dir.mkdir(parents=True, exist_ok=True)
-        print(f"cadence: compiling the CPU kernels (attention, norm, activation, rotary) for "
-              f"this CPU (once, ~30-60 s); cached in {build_dir}", file=sys.stderr, flush=True)
+        print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits) "
+              f"for this CPU (once, ~30-60 s); cached in {build_dir}", file=sys.stderr,
+              flush=True)
     try:
         from torch.utils.cpp_extension import load
 

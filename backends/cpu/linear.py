@@ -41,7 +41,7 @@ def packed_available() -> bool:
 class PackedLinear(nn.Module):
     """A ``Linear`` whose weight lives in oneDNN's packed layout; same maths, same rows."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -49,6 +49,10 @@ class PackedLinear(nn.Module):
         self.weight_dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        if keep_weight:
+            # The plain rows stay readable for whoever recomputes a few outputs exactly (the
+            # LM head's tied maxima, core/layers/logits.py); free when tied to the embeddings.
+            self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_aligned(self._gemm, x)
@@ -57,17 +61,18 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = ()) -> int:
     """Replace every ``cadence.layers.linear.Linear`` in ``model`` by a ``PackedLinear``.
 
     A weight shared with another module (the LM head tied to the embeddings) is packed as a
-    copy; the other module keeps the plain tensor.
+    copy; the other module keeps the plain tensor. Modules named in ``keep_weight_of`` keep
+    their plain weight too (an untied one then costs its size twice).
     """
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_weight=name in keep_weight_of))
                 count += 1
     return count
 

@@ -99,7 +99,9 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
     if linear == "packed":
-        pack_linears(runner.model)
+        # A low-precision head's tied maxima are recomputed from its plain rows.
+        keep = ("lm_head",) if runner.dtype != torch.float32 else ()
+        pack_linears(runner.model, keep_weight_of=keep)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
     k, v = runner.allocate_kv_cache(num_blocks)
     spec = runner.kv_cache_spec()

@@ -22,6 +22,7 @@ from torch import nn
 from cadence.forward_context import get_forward_context
 from cadence.layers.activation import SiluAndMul
 from cadence.layers.linear import Linear
+from cadence.layers.logits import RefineTopLogits
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
 
@@ -172,6 +173,7 @@ class CausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config, self.head_dim, max_model_len or config.max_position_embeddings, dtype
         )
+        self.refine_logits = RefineTopLogits()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
@@ -185,8 +187,11 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, the entries tied at a
+        row's maximum exact in fp32 when the head runs in bf16 (core/layers/logits.py)."""
+        head = self.lm_head
+        return self.refine_logits(head(hidden), hidden, getattr(head, "weight", None),
+                                  head.bias)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up as they come."""

@@ -12,6 +12,8 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor slots);
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor refine_top_logits(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
+                                c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -24,4 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "k, v rows into the flat slot caches at the given slots");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rotary embedding of q and k, in place");
+  m.def("refine_top_logits", &refine_top_logits,
+        "bf16 logits to fp32, the entries tied at each row's maximum recomputed in fp32");
 }
