@@ -24,9 +24,10 @@ GGUF_SUFFIX = ".gguf"
 
 
 def cache_root() -> Path:
-    """Where converted models live: ``$CADENCE_CACHE_DIR`` or ~/.cache/cadence/models."""
-    root = os.environ.get("CADENCE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "cadence" / "models"
+    """Where converted models live: ``models/`` under cadence's cache (core/cache_dir.py)."""
+    from cadence.cache_dir import cache_dir
+
+    return cache_dir("models")
 
 
 def find_gguf(path: str) -> Path | None:

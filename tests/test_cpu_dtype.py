@@ -78,7 +78,7 @@ def test_default_model_counts_as_trained_in_bf16(monkeypatch, tmp_path):
     folder = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"dtype": "float32"}))
-    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     assert default_model.is_default_model_folder(str(folder))
     assert trained_dtype(str(folder)) == "bfloat16"
 

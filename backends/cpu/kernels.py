@@ -33,9 +33,9 @@ _loaded: dict[str, ModuleType | None] = {}
 
 
 def cache_root() -> Path:
-    base = os.environ.get("CADENCE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cadence")
-    return Path(base) / "kernels"
+    from cadence.cache_dir import cache_dir
+
+    return cache_dir("kernels")
 
 
 def _build_dir(sources: list[Path]) -> Path:

@@ -102,9 +102,9 @@ def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64) 
 
 
 def _verdict_file() -> Path:
-    from cadence.backends.cpu.kernels import cache_root
+    from cadence.cache_dir import cache_dir
 
-    return cache_root().parent / "tuning" / "linear.json"
+    return cache_dir("tuning", "linear.json")
 
 
 def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
