@@ -97,6 +97,11 @@ class LLMEngine:
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         priority = int(priority)
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            # vLLM refuses it too: a priority the scheduler ignores would be silently wrong.
+            raise ValueError(f"priority={priority} needs the priority scheduling policy "
+                             f"(--scheduling-policy priority); this engine schedules "
+                             f"{self.config.scheduler_config.policy!r}, which ignores it")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)

@@ -280,8 +280,11 @@ CASES: list[Case] = [
     Case("priority-float", "priority", request={"priority": 1.5}),
     Case("priority-bool", "priority", request={"priority": True}),
     Case("priority-none", "priority", request={"priority": None}),
-    Case("priority-huge-negative", SERVED, request={"priority": -10**30}),
-    Case("priority-numpy", SERVED, request={"priority": np.int64(1)}, on=PYTHON),
+    # The table's engine schedules fcfs, where only the default priority is accepted.
+    Case("priority-nonzero-under-fcfs", "priority", request={"priority": 1}),
+    Case("priority-huge-negative-under-fcfs", "priority", request={"priority": -10**30}),
+    Case("priority-zero", SERVED, request={"priority": 0}),
+    Case("priority-numpy", SERVED, request={"priority": np.int64(0)}, on=PYTHON),
     # ---- LLM.generate's own arguments ---------------------------------------------------
     Case("generate-prompts-none", "prompts", request={"prompts": None}, on=GENERATE),
     Case("generate-prompts-int", "prompts", request={"prompts": 5}, on=GENERATE),

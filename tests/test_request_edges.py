@@ -187,3 +187,16 @@ def test_a_streamed_sample_is_reported_finished_once(model, endpoint):
     want = {c["index"]: c["text"] if "text" in c else c["message"]["content"]
             for c in whole.json()["choices"]}
     assert text == want
+
+
+def test_priority_is_served_under_the_priority_policy_and_refused_under_fcfs(model):
+    llm = make_llm(model, scheduling_policy="priority", max_num_seqs=1)
+    outs = llm.generate(["a b", "c d"], SamplingParams(max_tokens=2, temperature=0.0),
+                        priority=[5, -3], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    llm.engine.shutdown()
+    fcfs = make_llm(model)
+    with pytest.raises(ValueError, match=r"--scheduling-policy priority"):
+        fcfs.generate(["a b"], SamplingParams(max_tokens=2), priority=[1], use_tqdm=False)
+    assert not fcfs.engine.has_unfinished_requests()
+    fcfs.engine.shutdown()
