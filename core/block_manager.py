@@ -9,6 +9,19 @@ NOTE collision safety: a hit compares the block's token ids *and* the generation
 parent. Each registration gets a unique generation number, so a child block is only reachable
 through the exact parent it was computed after; a hash collision anywhere in the chain can
 cost a cache miss but never hands out KV computed over a different prefix.
+
+NOTE sliding windows: when every layer attends to a window of at most W tokens, a query at
+position p never reads keys before p - W + 1, so once a request has computed c tokens the
+blocks wholly before c - W + 1 are dead for it. ``free_out_of_window`` gives them back and
+leaves ``FREED_BLOCK`` in their table entries, so a position still maps to its entry. It runs
+inside ``cache_full_blocks``, after a step's results are in: the step that read those blocks
+has finished, and every later step of the request (one may be in flight under async
+scheduling) queries later positions, so it reads from later keys. A freed block handed to
+another request is written by a later step, never alongside one that could read it. A freed block keeps its prefix-cache identity in the free pool until it is handed
+out again, as any freed block does; a later request can hit it only through the whole chain
+of blocks before it (vLLM can serve a hit whose blocks before the window were evicted; cadence
+recomputes from the first evicted block). With some layers full, nothing is freed: the cache
+is shared by all layers.
 """
 
 from __future__ import annotations
@@ -21,6 +34,9 @@ if TYPE_CHECKING:
     from cadence.request import Request
 
 _ROOT_GEN = 0  # the "parent generation" of a request's first block
+# Table entry of a block freed behind a sliding window: a valid id, so a kernel that gathers
+# whole tables and masks stays in bounds; the request no longer holds that block.
+FREED_BLOCK = 0
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -59,11 +75,16 @@ class BlockManager:
     from mutators (``allocate``) so the scheduler can decide before it changes anything.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Every layer's window (the largest), or None: see the module NOTE.
+        self.sliding_window = sliding_window
         # Prefix-cache metrics, in tokens (vLLM's hit rate is hits / queries); they count
         # over the engine's life, across resets.
         self.num_cached_hits = 0
@@ -84,6 +105,8 @@ class BlockManager:
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, _Chain] = {}
+        # Leading table entries freed behind the window, per request (FREED_BLOCK entries).
+        self._num_freed: dict[str, int] = {}
         self._next_gen = _ROOT_GEN + 1
 
     @property
@@ -101,11 +124,17 @@ class BlockManager:
         return len(self._cached)
 
     def get_block_table(self, request_id: str) -> list[int]:
-        """The request's block table (the live list: read it, do not mutate it)."""
+        """The request's block table (the live list: read it, do not mutate it). Entries of
+        blocks freed behind a sliding window read ``FREED_BLOCK``."""
         return self._tables.get(request_id, [])
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks the request holds while computing ``num_new_tokens`` more."""
+        total = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return total - self._num_dead(request.num_computed_tokens)
 
     def _num_missing(self, request: Request, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
@@ -159,7 +188,12 @@ class BlockManager:
             hits.append(block)
             chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, block.cache_gen
         table = self._tables.setdefault(request.request_id, [])
-        for block in hits:
+        # Hits wholly behind the window of the first token to compute are not taken.
+        num_dead = min(self._num_dead(len(hits) * bs), len(hits))
+        table.extend([FREED_BLOCK] * num_dead)
+        if num_dead:
+            self._num_freed[request.request_id] = num_dead
+        for block in hits[num_dead:]:
             if block.ref_count == 0:
                 del self._free[block.block_id]
             block.ref_count += 1
@@ -170,7 +204,16 @@ class BlockManager:
         return len(hits) * bs
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that became full and computed since the last call."""
+        """Register the request's blocks that became full and computed since the last call,
+        then free those that fell behind a sliding window (``free_out_of_window``).
+
+        Call once the step that computed ``request.num_computed_tokens`` has finished and
+        before a later step is counted in it, as every engine loop does after a commit.
+        """
+        self._register_full_blocks(request)
+        self.free_out_of_window(request)
+
+    def _register_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request.request_id)
@@ -201,27 +244,55 @@ class BlockManager:
                 return
             chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, gen
 
+    def _num_dead(self, num_computed_tokens: int) -> int:
+        """Blocks wholly before the first key a query at ``num_computed_tokens`` sees."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens + 1 - self.sliding_window) // self.block_size
+
+    def free_out_of_window(self, request: Request) -> None:
+        """Free the request's blocks that fell behind every layer's window (module NOTE);
+        ``cache_full_blocks`` calls it once the blocks are registered."""
+        table = self._tables.get(request.request_id)
+        if self.sliding_window is None or not table:
+            return
+        done = self._num_freed.get(request.request_id, 0)
+        num_dead = min(self._num_dead(request.num_computed_tokens), len(table))
+        if num_dead <= done:
+            return
+        for i in range(done, num_dead):
+            self._release(table[i])
+            table[i] = FREED_BLOCK
+        self._num_freed[request.request_id] = num_dead
+
     def free(self, request: Request) -> None:
         """Drop the request's references; idempotent."""
         self._chains.pop(request.request_id, None)
+        num_freed = self._num_freed.pop(request.request_id, 0)
         table = self._tables.pop(request.request_id, None)
         if not table:
             return
         # Reverse order: a request's tail blocks are the least likely to be shared, so they
         # are freed (and later evicted) first.
-        for block_id in reversed(table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    # Holds nothing reusable: hand it out before any cached block.
-                    self._free.move_to_end(block_id, last=False)
+        for block_id in reversed(table[num_freed:]):
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                # Holds nothing reusable: hand it out before any cached block.
+                self._free.move_to_end(block_id, last=False)
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests; O(num_blocks))."""
         refs: Counter[int] = Counter()
-        for table in self._tables.values():
+        for request_id, full_table in self._tables.items():
+            num_freed = self._num_freed.get(request_id, 0)
+            assert all(b == FREED_BLOCK for b in full_table[:num_freed]), full_table
+            table = full_table[num_freed:]
             assert len(set(table)) == len(table), f"block repeated in a table: {table}"
             refs.update(table)
         num_used = 0
@@ -234,3 +305,4 @@ class BlockManager:
         assert all(b.block_hash == h for h, b in self._cached.items())
         assert num_used + len(self._free) == self.num_blocks
         assert set(self._chains) <= set(self._tables)
+        assert set(self._num_freed) <= set(self._tables)

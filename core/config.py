@@ -45,10 +45,16 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized by the backend from memory
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float = 2.0  # CPU: how much host memory the KV cache may take
+    # Tokens back from the newest that any layer still reads, when every layer attends to a
+    # sliding window (the largest one); None when some layer reads the whole context. Blocks
+    # behind it are freed while a request runs (core/block_manager.py). Read from the model.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:

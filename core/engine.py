@@ -61,7 +61,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(tokenizer, config.model_config.model,
                                             self.vocab_size)
         cc, sc = config.cache_config, config.scheduler_config
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                          cc.sliding_window)
         self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
         self.stats = EngineStats()
         hook = registry.hook.cadence_post_sample if registry.has_impl(

@@ -20,7 +20,7 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
-from cadence.model_limits import check_architecture, check_sliding_window, longest_context
+from cadence.model_limits import check_architecture, longest_context, model_kv_window
 
 
 @dataclass(slots=True)
@@ -76,9 +76,6 @@ class EngineArgs:
         longest, why = longest_context(model)
         if longest and max_len > longest:
             raise ValueError(f"max_model_len={max_len} is larger than the model allows: {why}")
-        if max_len:
-            max_len = check_sliding_window(model, max_len,
-                                           explicit=bool(args["max_model_len"]))
         dtype = args["dtype"]
         if dtype == "auto":
             # fp32 on CPUs without native bf16 (AVX-512 BF16/AMX) is far faster; see
@@ -93,7 +90,8 @@ class EngineArgs:
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
                                      generation_defaults=defaults),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
-                                     args["enable_prefix_caching"]),
+                                     args["enable_prefix_caching"],
+                                     sliding_window=model_kv_window(model)),
             scheduler_config=SchedulerConfig(args["max_num_seqs"], batched, max_len,
                                              args["enable_chunked_prefill"],
                                              args["scheduling_policy"],

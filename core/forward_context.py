@@ -16,11 +16,19 @@ from typing import Any, Protocol
 class AttentionImpl(Protocol):
     """What a backend provides so the model's attention layers can use its paged cache."""
 
-    def forward(self, layer_idx: int, q: Any, k: Any, v: Any, metadata: Any) -> Any:
+    def forward(self, layer_idx: int, q: Any, k: Any, v: Any, metadata: Any,
+                sliding_window: int | None = None) -> Any:
         """Write ``k``/``v`` of this step into the cache, then attend.
 
         Shapes: ``q`` [num_tokens, num_heads, head_dim], ``k``/``v``
         [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim].
+
+        ``sliding_window`` W: the query at position i attends to keys at positions
+        i - W < j <= i only (transformers' rule: W keys, its own included); None, the whole
+        causal context. Layers pass it by keyword, and only when they have a window, so an
+        implementation without the parameter fails loudly on a windowed model instead of
+        attending to too much. Keys older than the window may sit in blocks the engine has
+        already freed (their table entries then name block 0): never read them.
         """
         ...
 

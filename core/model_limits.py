@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 
 def _config(model: str) -> dict:
@@ -56,35 +58,60 @@ def longest_context(model: str) -> tuple[int | None, str]:
                      if longest > max_pos else f"max_position_embeddings ({max_pos})")
 
 
-def sliding_window(model: str) -> int | None:
-    """The attention window in tokens if some layer of the model attends to a window only
-    (Mistral's ``sliding_window``, Qwen2's with ``use_sliding_window``, per-layer
-    ``layer_types`` such as Gemma's); None for full attention everywhere."""
-    cfg = _config(model)
-    window = cfg.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+# transformers' defaults where config.json leaves a field out (MistralConfig, Qwen2Config,
+# Qwen3Config): the window of a Mistral whose config does not name one is 4096 tokens.
+_DEFAULT_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
+    """Each layer's attention window in tokens (None: the whole context), read the way
+    transformers reads the config (its ``model_type`` picks the rule):
+
+    - ``mistral``: every layer attends to ``sliding_window`` tokens; ``layer_types`` is
+      ignored, as MistralModel ignores it (transformers points such configs to Ministral).
+    - ``qwen2``, ``qwen3``: no window unless ``use_sliding_window``; then the layers that
+      ``layer_types`` marks ``sliding_attention``, or without ``layer_types`` the layers from
+      ``max_window_layers`` on (Qwen2Config's rule: the first ``max_window_layers`` are full).
+    - anything else (Llama): full attention everywhere.
+
+    A window of W tokens lets the query at position i see keys j with i - W < j <= i
+    (transformers' ``sliding_window_overlay``: W keys, the query's own included).
+    ``cfg`` is config.json's dict or a transformers config's ``to_dict()``.
+    """
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
+    kind = cfg.get("model_type")
+    if kind == "mistral":
+        window = cfg.get("sliding_window", _DEFAULT_WINDOW)
+        return [_valid_window(window)] * num_layers
+    if kind in ("qwen2", "qwen3"):
+        window = _valid_window(cfg.get("sliding_window", _DEFAULT_WINDOW))
+        if not cfg.get("use_sliding_window") or window is None:
+            return [None] * num_layers
+        layer_types = cfg.get("layer_types")
+        if not isinstance(layer_types, list):
+            first = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(num_layers)]
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [None] * num_layers
+
+
+def _valid_window(window: object) -> int | None:
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        return window
+    return None
+
+
+def kv_window(windows: list[int | None]) -> int | None:
+    """How many of the latest tokens any layer can still read, when every layer attends to a
+    window (the largest window); None when some layer reads the whole context. KV blocks
+    older than that are never read again and can be freed while a request runs."""
+    if not windows or any(w is None for w in windows):
         return None
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list):
-        return window if "sliding_attention" in layer_types else None
-    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
-        return None  # Qwen2/Qwen3 ship a window but leave it off
-    return window
+    return max(w for w in windows if w is not None)
 
 
-def check_sliding_window(model: str, max_len: int, explicit: bool) -> int:
-    """The max_model_len to use: cadence attends to the whole context, which equals
-    windowed attention exactly while no sequence is longer than the window. So a default
-    length is capped at the window (and says so), and a longer explicit one is refused."""
-    window = sliding_window(model)
-    if window is None or max_len <= window:
-        return max_len
-    if explicit:
-        raise ValueError(
-            f"max_model_len={max_len} is longer than the model's sliding attention window "
-            f"({window} tokens), and cadence does not implement windowed attention yet: "
-            f"past the window its output would differ from the model's; pass "
-            f"--max-model-len {window} or less")
-    print(f"cadence: max_model_len capped at the model's sliding attention window ({window} "
-          "tokens): cadence attends to the whole context, which is exact only within it")
-    return window
+def model_kv_window(model: str) -> int | None:
+    """``kv_window`` of the model folder's config.json."""
+    return kv_window(layer_windows(_config(model)))

@@ -73,7 +73,7 @@ class ModelRunner:
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
         spec = self.kv_cache_spec()
-        needed = -(-self.config.model_config.max_model_len // self.block_size)
+        needed = self._blocks_per_sequence()
         num_blocks = self.config.cache_config.num_blocks or num_bytes // spec.bytes_per_block
         if num_blocks < needed:
             raise ValueError(
@@ -82,6 +82,19 @@ class ModelRunner:
                 f"({needed}); give it more memory or lower max_model_len"
             )
         return num_blocks
+
+    def _blocks_per_sequence(self) -> int:
+        """The most blocks one sequence holds at once. Under a sliding window on every layer
+        that is the window plus the largest chunk, wherever the sequence ends: the blocks
+        behind the window are freed as it runs (core/block_manager.py)."""
+        bs = self.block_size
+        tokens = self.config.model_config.max_model_len
+        window = self.config.cache_config.sliding_window
+        if window is not None:
+            # Keys from c + 1 - W through c + chunk - 1, plus a partial block at each end.
+            chunk = self.config.scheduler_config.max_num_batched_tokens
+            return min(-(-tokens // bs), -(-(window - 1 + chunk) // bs) + 1)
+        return -(-tokens // bs)
 
     def allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         spec = self.kv_cache_spec()

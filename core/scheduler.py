@@ -194,7 +194,7 @@ class Scheduler:
 
     def _check_fits(self, request: Request, num_new_tokens: int) -> None:
         bm = self.block_manager
-        needed = bm.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        needed = bm.num_blocks_needed(request, num_new_tokens)
         if needed > bm.num_blocks:
             raise RequestTooLargeError(
                 request,

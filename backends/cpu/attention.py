@@ -2,7 +2,8 @@
 (paged_attention.cpp), which reads K/V blocks in place; the fresh prompts of a step in one
 call with the decode kernel's arithmetic (prefill_attention.cpp); chunks with cached context
 row by row through the decode kernel (see ``build_metadata``); the cache write in one pass
-(ops.cpp).
+(ops.cpp). A layer's sliding window goes to each kernel call; the kernels read only the
+window's blocks, so blocks the engine freed behind it are never touched.
 
 The kernel reads the core's flat-slot cache ([num_slots, KVH, D], viewed as
 [num_blocks, block_size, KVH, D]) as it is. It accepts any strided layout with that index
@@ -106,7 +107,9 @@ class CpuPagedAttention:
         self.v_blocks = [c.view(-1, block_size, *c.shape[1:]) for c in v_caches]
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: CpuAttentionMetadata) -> torch.Tensor:
+                metadata: CpuAttentionMetadata,
+                sliding_window: int | None = None) -> torch.Tensor:
+        window = sliding_window or 0  # the kernels' "no window"
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
         self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
@@ -114,7 +117,7 @@ class CpuPagedAttention:
         decode = None
         if nd:
             decode = self.ops.paged_decode_attention(q[:nd], kb, vb, metadata.decode_tables,
-                                                     metadata.decode_lens, self.scale)
+                                                     metadata.decode_lens, self.scale, window)
             if metadata.prefill_starts is None and not metadata.context_chunks:
                 return decode
         out = torch.empty_like(q)
@@ -123,8 +126,8 @@ class CpuPagedAttention:
         for c in metadata.context_chunks:
             s, e = c.query_start, c.query_start + c.query_len
             out[s:e] = self.ops.paged_decode_attention(q[s:e], kb, vb, c.tables, c.lens,
-                                                       self.scale)
+                                                       self.scale, window)
         if metadata.prefill_starts is not None:
             self.ops.prefill_attention(q, k, v, out, metadata.prefill_starts,
-                                       metadata.prefill_lens, self.scale)
+                                       metadata.prefill_lens, self.scale, window)
         return out

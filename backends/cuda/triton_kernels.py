@@ -45,16 +45,19 @@ def _write_kv_kernel(
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    scale,
+    scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     # One program per (sequence, kv head): the GQA group of query heads sharing that kv head
     # is handled together, so each K/V block is loaded once per group, not once per head.
+    # A sliding window (window > 0) keeps keys [seq_len - window, seq_len): the loop starts
+    # at the block holding the first of them, so blocks freed behind the window are never read.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_SIZE)
@@ -65,9 +68,10 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i in range(tl.cdiv(seq_len, BLOCK_SIZE)):
+    for i in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_bt + i).to(tl.int64)
-        n_mask = i * BLOCK_SIZE + n < seq_len  # the last block may be partly filled
+        pos = i * BLOCK_SIZE + n
+        n_mask = (pos < seq_len) & (pos >= first)  # the last block may be partly filled
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
         off = (block * BLOCK_SIZE + n)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
@@ -108,11 +112,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, out: torch.Tensor | None = None,
+                 sliding_window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] over the paged cache -> [B, H, D].
 
     ``block_tables`` [B, W] (int32/int64) must cover ``seq_lens[b]`` tokens; entries past
     that are never read. ``seq_lens[b] >= 1`` (graph padding rows point at a dummy block).
+    ``sliding_window`` W: only the last W tokens are attended (and their blocks read).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -124,7 +130,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads and block_size & (block_size - 1) == 0
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 1),

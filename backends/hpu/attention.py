@@ -10,12 +10,16 @@ steps of that bucket. The KV cache is the core's flat-slot layout per layer,
   Habana's fused SDPA when the bridge has it, else torch SDPA.
 - prefill after cached context: the chunk's K/V are written first, then the whole context
   is gathered like a decode, with a causal-by-position mask.
+
+A layer with a sliding window narrows the step's mask to the window (built once per window
+and step, inside the graph: the window is a constant of its layer). Blocks the engine freed
+behind the window are still gathered, since the shapes are the bucket's, and masked out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,32 @@ class HpuAttentionMetadata:
     block_tables: torch.Tensor  # [B, NB] int64; padding -> the dummy block
     # decode: [B, 1, 1, L]; prefill with context: [B, 1, Q, L]; None: causal over the chunk.
     attn_mask: torch.Tensor | None
+    positions: torch.Tensor | None = None  # [B, Q] query positions
+    seq_lens: torch.Tensor | None = None  # [B] tokens in the cache, this step's included
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """``attn_mask`` narrowed to a layer's window (None: the step's own mask)."""
+        if sliding_window is None:
+            return self.attn_mask
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            mask = self.window_masks[sliding_window] = self._window_mask(sliding_window)
+        return mask
+
+    def _window_mask(self, w: int) -> torch.Tensor:
+        b, ql = self.batch_size, self.query_len
+        if self.attn_mask is None:  # a fresh chunk: key index = position
+            idx = torch.arange(ql, device=self.slot_mapping.device)
+            causal = (idx.view(1, -1) <= idx.view(-1, 1)) & (idx.view(1, -1) > idx.view(-1, 1) - w)
+            return causal.view(1, 1, ql, ql).expand(b, 1, ql, ql)
+        length = self.attn_mask.shape[-1]
+        keys = torch.arange(length, device=self.attn_mask.device)
+        if self.is_decode:
+            recent = keys.view(1, -1) >= (self.seq_lens.view(b, 1) - w)  # [B, L]
+            return self.attn_mask & recent.view(b, 1, 1, length)
+        recent = keys.view(1, 1, -1) > (self.positions.view(b, ql, 1) - w)  # [B, Q, L]
+        return self.attn_mask & recent.view(b, 1, ql, length)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int
@@ -84,14 +114,15 @@ class HpuPagedAttention:
                                               scale=self.scale)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                md: HpuAttentionMetadata) -> torch.Tensor:
+                md: HpuAttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        mask = md.mask_for(sliding_window)
         if md.is_decode:
             kb = gather_blocks(kc, md.block_tables, self.block_size)
             vb = gather_blocks(vc, md.block_tables, self.block_size)
-            return decode_attention(q, kb, vb, md.attn_mask, self.scale)
+            return decode_attention(q, kb, vb, mask, self.scale)
         b, ql = md.batch_size, md.query_len
         _, h, d = q.shape
         if md.attn_mask is None:
@@ -103,7 +134,7 @@ class HpuPagedAttention:
         qt = q.view(b, ql, h, d).transpose(1, 2)  # [B, H, Q, D]
         kt = kb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, L, D]
         vt = vb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
-        out = self._sdpa(qt, kt, vt, md.attn_mask)  # [B, H, Q, D]
+        out = self._sdpa(qt, kt, vt, mask)  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(b * ql, h, d)
 
 
@@ -137,7 +168,8 @@ class GraphedForward(nn.Module):
             else:
                 causal = keys.view(1, 1, -1) <= positions.view(b, ql, 1)  # [B, Q, L]
                 mask = (causal & within).view(b, 1, ql, -1)
-        md = HpuAttentionMetadata(self.kind == "decode", b, ql, slot_mapping, block_tables, mask)
+        md = HpuAttentionMetadata(self.kind == "decode", b, ql, slot_mapping, block_tables, mask,
+                                  positions.view(b, ql), seq_lens)
         with set_forward_context(self.attn, md):
             hidden = self.model(input_ids, positions)  # [B * Q, hidden]
         return self.model.compute_logits(hidden.index_select(0, logits_indices))  # [B, V]

@@ -4,11 +4,16 @@ reference the device kernels are tested against.
 Cache layout, per layer: ``[num_blocks * block_size, num_kv_heads, head_dim]`` for keys and
 for values ("flat slots"), so the write is one ``index_copy_`` by slot id and a gather is one
 index by slot ids. Sequences in a step are ordered decodes first, then prefill chunks.
+
+Sliding windows (``sliding_window`` W of a layer) are masks here: a decode row keeps keys
+``seq_len - W <= j < seq_len``, a prefill row at position i keys ``i - W < j <= i``. Blocks
+wholly behind the window may already be freed (their table entries name block 0); they are
+still gathered, and masked out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,22 @@ class TorchAttentionMetadata:
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids (padded with 0)
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64: tokens in the cache
+    # decode_mask narrowed to each sliding window a layer asked for, built on first use.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """The decode rows' mask for a layer with this window (None: the whole context)."""
+        if sliding_window is None or self.decode_mask is None:
+            return self.decode_mask
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            n, length = self.decode_mask.shape[0], self.decode_mask.shape[-1]
+            keys = torch.arange(length, device=self.decode_mask.device)
+            recent = keys.unsqueeze(0) >= (self.decode_lens - sliding_window).unsqueeze(1)
+            mask = self.window_masks[sliding_window] = \
+                self.decode_mask & recent.view(n, 1, 1, length)
+        return mask
 
 
 def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
@@ -40,7 +61,7 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     """Turn the host description of a step into the index tensors the kernels use."""
     slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64, device=device)
     nd = mi.num_decodes
-    decode_tables = decode_mask = None
+    decode_tables = decode_mask = decode_lens = None
     if nd:
         # Whole blocks are gathered, so the padded length is a multiple of block_size. That
         # also keeps each row's reduction order independent of the other rows' lengths
@@ -57,6 +78,7 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
         valid = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
         decode_tables = torch.tensor(rows, dtype=torch.int64, device=device)
         decode_mask = valid.view(nd, 1, 1, max_len).to(device)
+        decode_lens = lens.to(device)
     prefills = []
     start = sum(mi.query_lens[:nd])
     for i in range(nd, mi.num_seqs):
@@ -70,7 +92,8 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
             gather = (table[pos // block_size] * block_size + pos % block_size).to(device)
         prefills.append(PrefillSeq(start, qlen, ctx, gather))
         start += qlen
-    return TorchAttentionMetadata(slot_mapping, nd, decode_tables, decode_mask, prefills)
+    return TorchAttentionMetadata(slot_mapping, nd, decode_tables, decode_mask, prefills,
+                                  decode_lens)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -100,9 +123,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
-                      scale: float, fused_context: bool = False) -> torch.Tensor:
+                      scale: float, fused_context: bool = False,
+                      sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of a chunk: q [Lq, H, D] at positions context_len.., k/v [Lk, KVH, D]
-    covering positions 0..Lk-1 (Lk = context_len + Lq) -> [Lq, H, D].
+    covering positions 0..Lk-1 (Lk = context_len + Lq) -> [Lq, H, D]. With
+    ``sliding_window`` W, the row at position i sees keys i - W < j <= i only.
 
     NOTE two kernels. SDPA's flash kernels (CPU and CUDA) take only 4-D [B, H, L, D] inputs;
     a 3-D call runs the math kernel, which materialises the [H, Lq, Lk] scores (measured on
@@ -117,38 +142,53 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     lq, h, _ = q.shape
     lk, kvh, _ = k.shape
     fused = context_len == 0 or fused_context
+    # The window cuts nothing until some query is W or more positions in.
+    windowed = sliding_window is not None and lk > sliding_window
+    masked = context_len != 0 or windowed
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, L, D]
     if fused:
         qt, kt, vt = qt.unsqueeze(0), kt.unsqueeze(0), vt.unsqueeze(0)  # [1, heads, L, D]
-    if kvh != h and context_len != 0:
+    if kvh != h and masked:
         # Not enable_gqa here: kernels that do not take it (the masked path's) would send
         # the call back to the math kernel. The causal flash kernel takes it and reads each
         # KV head once (measured bitwise equal to repeating K/V, without the copies).
         kt = kt.repeat_interleave(h // kvh, dim=-3)
         vt = vt.repeat_interleave(h // kvh, dim=-3)
-    if context_len == 0:
+    if not masked:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                              enable_gqa=kvh != h)
     else:
         # is_causal aligns the diagonal top-left, wrong when Lq < Lk: an explicit mask.
-        qpos = torch.arange(context_len, context_len + lq, device=q.device)
-        mask = torch.arange(lk, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
+        qpos = torch.arange(context_len, context_len + lq, device=q.device).unsqueeze(1)
+        keys = torch.arange(lk, device=q.device).unsqueeze(0)
+        mask = keys <= qpos
+        if windowed:
+            mask &= keys > qpos - sliding_window
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return (out[0] if fused else out).transpose(0, 1)
 
 
 def run_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float,
-                 out: torch.Tensor, fused_context: bool = False) -> None:
-    """Prefill chunks one sequence at a time into ``out``; shared by the device backends."""
+                 out: torch.Tensor, fused_context: bool = False,
+                 sliding_window: int | None = None) -> None:
+    """Prefill chunks one sequence at a time into ``out``; shared by the device backends.
+
+    Under a sliding window a chunk gathers its context from the first key its first query
+    sees, so blocks freed behind the window are not read."""
     for p in prefills:
         s, e = p.query_start, p.query_start + p.query_len
+        context_len = p.context_len
         if p.gather_slots is None:
             ks, vs = k[s:e], v[s:e]
         else:
-            ks, vs = k_cache[p.gather_slots], v_cache[p.gather_slots]
-        out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype), p.context_len,
-                                     scale, fused_context)
+            slots = p.gather_slots
+            if sliding_window is not None and context_len >= sliding_window:
+                first = context_len + 1 - sliding_window
+                slots, context_len = slots[first:], context_len - first  # positions shift
+            ks, vs = k_cache[slots], v_cache[slots]
+        out[s:e] = prefill_attention(q[s:e], ks.to(q.dtype), vs.to(q.dtype), context_len,
+                                     scale, fused_context, sliding_window)
 
 
 class TorchPagedAttention:
@@ -161,16 +201,18 @@ class TorchPagedAttention:
         self.scale = scale
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: TorchAttentionMetadata) -> torch.Tensor:
+                metadata: TorchAttentionMetadata,
+                sliding_window: int | None = None) -> torch.Tensor:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
+        mask = metadata.decode_mask_for(sliding_window)
         if not metadata.prefills:
-            return decode_attention(q, kc, vc, metadata.decode_tables, metadata.decode_mask,
-                                    self.scale)
+            return decode_attention(q, kc, vc, metadata.decode_tables, mask, self.scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables,
-                                        metadata.decode_mask, self.scale)
-        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out)
+            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables, mask,
+                                        self.scale)
+        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out,
+                     sliding_window=sliding_window)
         return out

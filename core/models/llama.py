@@ -5,9 +5,12 @@ batch dimension). Attention goes through the forward context, so the model knows
 about KV caches or sequence boundaries. q/k/v and gate/up are fused into one linear each
 (weights concatenated at load time): fewer, larger GEMMs are faster on the CPU.
 
-NOTE: Mistral/Qwen sliding windows are not implemented; attention is full causal. That is
-exact while no sequence is longer than the window, which core/model_limits.py enforces by
-capping ``max_model_len`` at the window (and refusing a longer explicit one).
+NOTE sliding windows: each attention layer knows its window (``layer_windows`` in
+core/model_limits.py reads it from the config the way transformers does: Mistral's
+``sliding_window`` on every layer, Qwen2/Qwen3's with ``use_sliding_window`` on the layers
+``layer_types`` or ``max_window_layers`` pick) and passes it to the backend's attention, which
+lets the query at position i see keys i - W < j <= i only. A full-attention layer passes
+nothing, so a backend whose attention predates windows still runs every other model.
 """
 
 from __future__ import annotations
@@ -25,14 +28,20 @@ from cadence.layers.linear import Linear
 from cadence.layers.logits import RefineTopLogits
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
+from cadence.model_limits import layer_windows
 
 
 class Attention(nn.Module):
-    """Fused-qkv self-attention; the attention itself is the backend's (forward context)."""
+    """Fused-qkv self-attention; the attention itself is the backend's (forward context).
 
-    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int]):
+    ``sliding_window``: the layer's window in tokens, None for full attention.
+    """
+
+    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int],
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.num_heads = dims["num_heads"]
         self.num_kv_heads = dims["num_kv_heads"]
         self.head_dim = dims["head_dim"]
@@ -55,7 +64,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos_sin)
         ctx = get_forward_context()
-        out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata)  # [T, H, D]
+        if self.sliding_window is None:
+            out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata)  # [T, H, D]
+        else:
+            out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata,
+                                   sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
@@ -82,9 +95,10 @@ class DecoderLayer(nn.Module):
     bits are those of the textbook ``x = x + branch(norm(x))``.
     """
 
-    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int]):
+    def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int],
+                 sliding_window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, spec, dims)
+        self.self_attn = Attention(config, layer_idx, spec, dims, sliding_window)
         self.mlp = MLP(config, spec["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -106,11 +120,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's ``model.*`` weights)."""
 
-    def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int]) -> None:
+    def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int],
+                 windows: list[int | None]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, spec, dims) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, spec, dims, windows[i])
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -161,9 +177,11 @@ class CausalLM(nn.Module):
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
         }
+        # Each layer's sliding window (None: full attention); see the module NOTE.
+        self.layer_windows = _layer_windows(config, max_model_len)
         # Meta first: no time spent on random init of weights that load_weights overwrites.
         with torch.device("meta"):
-            self.model = DecoderModel(config, spec, dims)
+            self.model = DecoderModel(config, spec, dims, self.layer_windows)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.model.to(dtype).to_empty(device="cpu")
         if self.tie_word_embeddings:
@@ -244,12 +262,24 @@ class CausalLM(nn.Module):
         return name in loaded
 
 
+def _layer_windows(config: Any, max_model_len: int | None) -> list[int | None]:
+    """Per-layer windows; one at least ``max_model_len`` long never cuts a key, so it is
+    dropped (full attention, the same output) and the backend's full path runs."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    windows = layer_windows(cfg)
+    if len(windows) != config.num_hidden_layers:
+        raise ValueError(f"layer_types names {len(windows)} layers, the model has "
+                         f"{config.num_hidden_layers} (num_hidden_layers)")
+    longest = max_model_len or config.max_position_embeddings
+    return [None if w is not None and w >= longest else w for w in windows]
+
+
 class LlamaForCausalLM(CausalLM):
     """Llama: biases follow ``attention_bias`` (q/k/v and o) and ``mlp_bias``."""
 
 
 class MistralForCausalLM(CausalLM):
-    """Mistral: Llama without biases; runs within its sliding window only (module NOTE)."""
+    """Mistral: Llama without biases; ``sliding_window`` on every layer (module NOTE)."""
 
     qkv_bias = False
     o_bias = False

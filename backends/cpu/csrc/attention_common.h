@@ -17,6 +17,12 @@ namespace cadence_cpu {
 
 constexpr int64_t kPartition = 256;  // tokens per softmax partition; fixed (batch invariance)
 
+// The first key a query at position len - 1 sees under a sliding window of `window` tokens
+// (0: no window): keys j with len - 1 - window < j, transformers' rule.
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
 // Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
 // (15 two-input shuffles pairs) instead of 16 separate horizontal sums (~3x fewer ops).
 inline vfloat reduce16(const vfloat* v) {

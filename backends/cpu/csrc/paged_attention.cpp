@@ -12,6 +12,13 @@
 // own query and cache, never on the batch it runs in or on which thread ran it. The engine's
 // async == sync exactness relies on this.
 //
+// NOTE sliding windows: a window keeps keys [seq_len - W, seq_len). Partitions stay at
+// absolute multiples of 256 tokens and tiles at absolute multiples of 16 (the first tile
+// starts at the 16-aligned token below the window, its older lanes masked), so a key lands
+// in the same partition and lane whichever kernel or chunk computes it, and the prefill
+// kernel (which masks the same way) gives the same bits. Partitions wholly before the window
+// are not visited; their blocks may already be freed.
+//
 // Vectors are vec.h's 16-float type, so the same source runs on AVX-512 and AVX2.
 
 #include <torch/extension.h>
@@ -49,6 +56,7 @@ struct Geometry {
   int64_t k_block_stride, k_token_stride, k_head_stride;
   int64_t v_block_stride, v_token_stride, v_head_stride;
   int64_t max_partitions;
+  int64_t window;  // sliding window in tokens; 0: the whole sequence
   // bf16 q and cache on a CPU with vdpbf16ps: the scores come from the unscaled bf16 q
   // (q_bf16, [num_seqs, H, D]) and are scaled after; else null, and q is fp32, prescaled.
   const c10::BFloat16* q_bf16;
@@ -106,14 +114,17 @@ inline void accumulate_v(const cache_t* const* rows, int64_t count, int64_t head
 // sequence, K rows then V rows read straight from the cache in tiles of 16 tokens. The
 // scores of a head over a tile come out of one transpose-and-add reduction; softmax per
 // head over the partition; then the weighted V sum, HB heads of a group per row load.
-// NC = head_dim / 16 vectors per row. Writes the unnormalized accumulators, maxima and
-// sums of heads kh0 * group ...
+// NC = head_dim / 16 vectors per row. Keys before `lo` (a sliding window's first token) are
+// masked. Writes the unnormalized accumulators, maxima and sums of heads kh0 * group ...
 template <typename cache_t, int NC, int HB>
 void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb,
                       const cache_t* k_cache, const cache_t* v_cache, const int32_t* table,
-                      int64_t kh0, int64_t kh1, int64_t t0, int64_t t1, float* scores,
-                      vfloat* maxes, float* acc_out, float* max_out, float* sum_out) {
+                      int64_t kh0, int64_t kh1, int64_t t_part, int64_t t1, int64_t lo,
+                      float* scores, vfloat* maxes, float* acc_out, float* max_out,
+                      float* sum_out) {
   constexpr int64_t d = NC * kVec;
+  // First tile: 16-aligned in absolute positions (see the window NOTE at the top).
+  const int64_t t0 = std::max(t_part, lo / kVec * kVec);
   const int64_t n = t1 - t0;
   const int64_t G = g.group;
   const int64_t nh = (kh1 - kh0) * G;
@@ -141,14 +152,16 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
       const int64_t off = (kh0 + h / G) * g.k_head_stride;
       vfloat sc = tile_scores<cache_t, NC>(q + h * d, qb == nullptr ? nullptr : qb + h * d,
                                            rows, off, g.scale);
-      // Lanes past the sequence's end weigh nothing: -inf, so exp gives 0 below.
+      // Lanes past the sequence's end or before the window weigh nothing: -inf, so exp
+      // gives 0 below.
       for (int64_t lane = count; lane < kVec; ++lane) sc[lane] = neg_inf[0];
+      for (int64_t lane = 0; lane < lo - t; ++lane) sc[lane] = neg_inf[0];
       store(scores + h * stride + (t - t0), sc);
       maxes[h] = maxes[h] > sc ? maxes[h] : sc;
     }
   }
   // The first V tile is on its way while the softmax runs.
-  for (int64_t tt = t0; tt < std::min<int64_t>(t1, t0 + kVec); ++tt)
+  for (int64_t tt = std::max(t0, lo); tt < std::min<int64_t>(t1, t0 + kVec); ++tt)
     prefetch_row(v_cache + table[tt / g.block_size] * g.v_block_stride +
                      (tt % g.block_size) * g.v_token_stride,
                  g.v_head_stride, kh0, kh1, d);
@@ -159,9 +172,13 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
     tile_rows(g, v_cache, g.v_block_stride, g.v_token_stride, g.v_head_stride, table, kh0,
               kh1, d, t, count, t1, rows);
+    // Rows before the window weigh exactly 0: skipped, which leaves the sum's bits as they
+    // are (the prefill kernel skips them too).
+    const int64_t skip = std::max<int64_t>(0, lo - t);
     for (int64_t h = 0; h < nh; h += HB)
-      accumulate_v<cache_t, NC, HB>(rows, count, (kh0 + h / G) * g.v_head_stride,
-                                    scores + h * stride + (t - t0), stride, acc_out + h * d);
+      accumulate_v<cache_t, NC, HB>(rows + skip, count - skip, (kh0 + h / G) * g.v_head_stride,
+                                    scores + h * stride + (t - t0) + skip, stride,
+                                    acc_out + h * d);
   }
 }
 
@@ -176,10 +193,14 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
   // when there are enough items to keep the threads busy; otherwise (small batches) each KV
   // head is its own item. The split changes which thread computes a head, never its
   // arithmetic, so outputs stay batch-invariant.
-  std::vector<int64_t> seq_parts(g.num_seqs);
+  // Partitions [first_part[b], first_part[b] + seq_parts[b]) hold the keys a row sees.
+  std::vector<int64_t> seq_parts(g.num_seqs), first_part(g.num_seqs), first_key(g.num_seqs);
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < g.num_seqs; ++b) {
-    seq_parts[b] = std::max<int64_t>(1, (seq_lens[b] + kPartition - 1) / kPartition);
+    first_key[b] = window_start(seq_lens[b], g.window);
+    first_part[b] = first_key[b] / kPartition;
+    seq_parts[b] = std::max<int64_t>(1, (seq_lens[b] + kPartition - 1) / kPartition -
+                                            first_part[b]);
     num_chunks += seq_parts[b];
   }
   const int64_t heads_per_item = num_chunks >= 4 * nthreads ? g.num_kv_heads : 1;
@@ -210,8 +231,8 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
       const int64_t local = item - item_start[b];
       const int64_t kh0 = (local % splits) * heads_per_item;
       const int64_t kh1 = kh0 + heads_per_item;
-      const int64_t part = local / splits;
-      const int64_t t0 = part * kPartition;
+      const int64_t part = local / splits;  // counted from the window's first partition
+      const int64_t t0 = (first_part[b] + part) * kPartition;
       const int64_t t1 = std::min<int64_t>(seq_lens[b], t0 + kPartition);
       const int64_t h0 = kh0 * g.group;
       const int64_t nh = heads_per_item * g.group;
@@ -222,7 +243,8 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
         else if (hb == 2) item_fn = attend_partition<cache_t, NC, 2>;
         const c10::BFloat16* qb = g.q_bf16 == nullptr ? nullptr : g.q_bf16 + (b * H + h0) * d;
         item_fn(g, q + (b * H + h0) * d, qb, k_cache, v_cache, tables + b * g.max_blocks, kh0,
-                kh1, t0, t1, scores.data(), maxes.data(), acc.data(), m.data(), l.data());
+                kh1, t0, t1, first_key[b], scores.data(), maxes.data(), acc.data(), m.data(),
+                l.data());
       } else {  // an empty sequence: its output is zero
         std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.end(), 0.f);
@@ -266,11 +288,14 @@ void dispatch_dim(const Geometry& g, const float* q, const cache_t* k, const cac
 
 // q [B, H, D] (any float dtype); k_cache, v_cache [num_blocks, block_size, KVH, D] or any
 // strided view with that index order and contiguous D; block_tables [B, max_blocks] int32;
-// seq_lens [B] int32 (tokens in the cache, this step's included). Returns [B, H, D] in q's
-// dtype.
+// seq_lens [B] int32 (tokens in the cache, this step's included); sliding_window W > 0: only
+// the last W of them are read (their table entries only need to be valid), 0: all. Returns
+// [B, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale,
+                                     int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim] views");
@@ -297,6 +322,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   g.v_block_stride = v_cache.stride(0);
   g.v_token_stride = v_cache.stride(1);
   g.v_head_stride = v_cache.stride(2);
+  g.window = sliding_window;
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == g.num_seqs && lens.dim() == 1 &&
                   lens.size(0) == g.num_seqs,
               "block_tables must be [num_seqs, max_blocks] and seq_lens [num_seqs], with "
@@ -304,21 +330,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "K and V caches differ in shape");
   // A bad block id would read outside the cache: checked once over the used table entries.
   const int64_t num_blocks = k_cache.size(0);
-  int64_t max_len = 0;
+  int64_t max_parts = 1;
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp_check = tables.data_ptr<int32_t>();
   for (int64_t b = 0; b < g.num_seqs; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= g.max_blocks * g.block_size,
                 "a sequence is longer than its block table");
-    max_len = std::max<int64_t>(max_len, lp[b]);
+    const int64_t first = window_start(lp[b], g.window);
+    max_parts = std::max<int64_t>(
+        max_parts, (lp[b] + kPartition - 1) / kPartition - first / kPartition);
     const int64_t used = (lp[b] + g.block_size - 1) / g.block_size;
-    for (int64_t i = 0; i < used; ++i) {
+    // From the first row the kernel reads: the window's 16-aligned first tile.
+    for (int64_t i = first / kVec * kVec / g.block_size; i < used; ++i) {
       const int32_t blk = tp_check[b * g.max_blocks + i];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the cache (",
                   num_blocks, " blocks)");
     }
   }
-  g.max_partitions = std::max<int64_t>(1, (max_len + kPartition - 1) / kPartition);
+  g.max_partitions = max_parts;
   // Scaled fp32 queries: the scale is folded in once instead of per score. With bf16 q and
   // cache and vdpbf16ps, the scores come from q's own bf16 values (scaled after): measured
   // 1.4x faster at batch 64 than widening every K row to fp32 (docs/backends/cpu.md).

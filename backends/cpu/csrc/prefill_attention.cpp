@@ -13,6 +13,8 @@
 // preemption turns its decoded tokens into prompt rows; async on == off stays exact only
 // because those rows do not change. What the prefill adds is reuse: a V row is loaded once
 // for R query rows (register-blocked), and K and V come from L1/L2, not from the cache.
+// Under a sliding window a row skips the partitions before its window and masks the older
+// lanes of the 16-aligned tile the window starts in, as the decode kernel does.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,6 +39,7 @@ struct Inputs {
   int64_t q_t, q_h, k_t, k_h, v_t, v_h;  // token and head strides (elements)
   int64_t heads, kv_heads, group;
   float scale;
+  int64_t window;  // sliding window in tokens; 0: none
   bool dot_bf16;  // scores from the raw bf16 q through vdpbf16ps (the decode kernel's rule)
 };
 
@@ -45,7 +48,7 @@ struct Scratch {
 };
 
 // Query tokens [q0, q1) of the prompt starting at token s, for the query heads of KV head
-// kh, against keys [0, token + 1) of the same prompt.
+// kh, against keys [window_start(token + 1), token + 1) of the same prompt.
 template <typename T, int NC>
 void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, int64_t s,
                  int64_t kh, int64_t q0, int64_t q1, Scratch& w) {
@@ -76,12 +79,13 @@ void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, i
 
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
-    int64_t lim[R], qrow[R];  // keys [0, lim) per row; its row in out ([T * H])
+    int64_t lim[R], lo[R], qrow[R];  // keys [lo, lim) per row; its row in out ([T * H])
     const float* qf[R];
     const c10::BFloat16* qb[R];
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + std::min(i, nr - 1);
       lim[i] = q0 + r / G + 1;
+      lo[i] = window_start(lim[i], in.window);
       qrow[i] = (s + q0 + r / G) * H + kh * G + r % G;
       qf[i] = w.q.data() + r * D;
       qb[i] = nullptr;
@@ -90,49 +94,66 @@ void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, i
     }
     const int64_t maxlim = lim[nr - 1];
     const int64_t parts = (maxlim + kPartition - 1) / kPartition;
-    for (int64_t p = 0; p < parts; ++p) {
+    // lo[0] is the group's smallest: rows are in token order.
+    for (int64_t p = lo[0] / kPartition; p < parts; ++p) {
       const int64_t t0 = p * kPartition, t1 = std::min(maxlim, t0 + kPartition);
-      const int64_t padded = (t1 - t0 + kVec - 1) / kVec * kVec;
+      const int64_t ts = std::max(t0, lo[0] / kVec * kVec);  // first tile, 16-aligned
+      const int64_t padded = (t1 - ts + kVec - 1) / kVec * kVec;
       vfloat maxv[R];
-      for (int i = 0; i < R; ++i) maxv[i] = neg_inf;
-      for (int64_t t = t0; t < t1; t += kVec) {
+      bool active[R];  // the row has keys in this partition
+      for (int i = 0; i < R; ++i) {
+        maxv[i] = neg_inf;
+        active[i] = i < nr && lim[i] > t0 && lo[i] < t1;
+      }
+      for (int64_t t = ts; t < t1; t += kVec) {
         const int64_t count = std::min<int64_t>(kVec, t1 - t);
         for (int64_t j = 0; j < kVec; ++j) krows[j] = kp + (t + std::min(j, count - 1)) * in.k_t;
         for (int i = 0; i < nr; ++i) {
-          if (lim[i] <= t0) continue;  // this row's keys end before the partition
+          if (!active[i]) continue;
+          if (t + kVec <= lo[i]) {  // the whole tile is before this row's window
+            store(w.scores.data() + i * stride + (t - ts), neg_inf);
+            continue;
+          }
           vfloat sc = tile_scores<T, NC>(qf[i], qb[i], krows, 0, in.scale);
           for (int64_t lane = std::max<int64_t>(0, lim[i] - t); lane < kVec; ++lane)
             sc[lane] = neg_inf[0];
-          store(w.scores.data() + i * stride + (t - t0), sc);
+          for (int64_t lane = 0; lane < lo[i] - t; ++lane) sc[lane] = neg_inf[0];
+          store(w.scores.data() + i * stride + (t - ts), sc);
           maxv[i] = maxv[i] > sc ? maxv[i] : sc;
         }
       }
       for (int i = 0; i < nr; ++i)
-        if (lim[i] > t0)
+        if (active[i])
           exp_partition(w.scores.data() + i * stride, maxv[i], padded,
                         w.maxes.data() + i * max_parts + p, w.sums.data() + i * max_parts + p);
-      // Weighted V sum in key order; a row's keys past its own end weigh exactly 0.
+      // Weighted V sum in key order; a row's keys outside [lo, lim) weigh exactly 0 and are
+      // skipped.
       vfloat a[R][NC];
       for (int i = 0; i < R; ++i)
         for (int c = 0; c < NC; ++c) a[i][c] = vfloat{};
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = std::max(t0, lo[0]); t < t1; ++t) {
         const T* vr = vp + t * in.v_t;
         vfloat vv[NC];
         for (int c = 0; c < NC; ++c) vv[c] = load(vr + c * kVec);
         for (int i = 0; i < nr; ++i) {
-          if (lim[i] <= t) continue;
-          const vfloat pi = splat(w.scores[i * stride + (t - t0)]);
+          if (lim[i] <= t || t < lo[i]) continue;
+          const vfloat pi = splat(w.scores[i * stride + (t - ts)]);
           for (int c = 0; c < NC; ++c) a[i][c] += pi * vv[c];
         }
       }
       for (int i = 0; i < nr; ++i)
-        for (int c = 0; c < NC; ++c)
-          store(w.acc.data() + (i * max_parts + p) * D + c * kVec, a[i][c]);
+        if (active[i])
+          for (int c = 0; c < NC; ++c)
+            store(w.acc.data() + (i * max_parts + p) * D + c * kVec, a[i][c]);
     }
-    for (int i = 0; i < nr; ++i)
-      merge_partitions(std::max<int64_t>(1, (lim[i] + kPartition - 1) / kPartition),
-                       w.maxes.data() + i * max_parts, w.sums.data() + i * max_parts,
-                       w.acc.data() + i * max_parts * D, D, out + qrow[i] * D, w.merge.data());
+    for (int i = 0; i < nr; ++i) {
+      // The row's partitions, from the one its window starts in (the decode kernel's).
+      const int64_t first = lo[i] / kPartition;
+      merge_partitions((lim[i] + kPartition - 1) / kPartition - first,
+                       w.maxes.data() + i * max_parts + first, w.sums.data() + i * max_parts + first,
+                       w.acc.data() + (i * max_parts + first) * D, D, out + qrow[i] * D,
+                       w.merge.data());
+    }
   }
 }
 
@@ -179,9 +200,12 @@ void dispatch_dim(int64_t d, const Inputs& in, const T* q, const T* k, const T* 
 
 // q [T, H, D], k and v [T, KVH, D] (any token/head strides, contiguous D, one dtype), out
 // [T, H, D] contiguous in that dtype; prompt i is tokens [starts[i], starts[i] + lens[i])
-// (int64), all of it new (causal from its first token). Writes those rows of out.
+// (int64), all of it new (causal from its first token). sliding_window W > 0: the token at
+// position i sees keys i - W < j <= i only; 0: none. Writes those rows of out.
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       torch::Tensor starts, torch::Tensor lens, double scale) {
+                       torch::Tensor starts, torch::Tensor lens, double scale,
+                       int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "prefill_attention: sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0),
               "prefill_attention: q must be [T, H, D] and k, v [T, KVH, D]");
   TORCH_CHECK(k.size(2) == q.size(2), "prefill_attention: head_dim of q and k differ");
@@ -209,7 +233,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
                 "prefill_attention: prompt ", i, " runs past the token batch");
   const Inputs in{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   q.size(1), k.size(1), q.size(1) / k.size(1), static_cast<float>(scale),
-                  kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0};
+                  sliding_window, kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0};
   if (q.scalar_type() == at::kFloat)
     dispatch_dim<float>(d, in, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                         out.data_ptr<float>(), sp, lp, st.size(0));

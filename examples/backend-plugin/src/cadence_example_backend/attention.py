@@ -45,7 +45,8 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
 
 
 class PerSequenceAttention:
-    """cadence's ``AttentionImpl`` protocol: ``forward(layer_idx, q, k, v, metadata)``."""
+    """cadence's ``AttentionImpl`` protocol:
+    ``forward(layer_idx, q, k, v, metadata, sliding_window=None)``."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  scale: float) -> None:
@@ -54,8 +55,9 @@ class PerSequenceAttention:
         self.scale = scale
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ExampleMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the T new tokens -> [T, H, D]."""
+                metadata: ExampleMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the T new tokens -> [T, H, D]. With
+        ``sliding_window`` W the query at position p sees keys p - W < j <= p only."""
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
@@ -69,8 +71,10 @@ class PerSequenceAttention:
             ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
             # Query i sits at position L - Lq + i and sees keys 0 .. that position.
             seq_len = ks.shape[1]
-            mask = torch.ones(s.query_len, seq_len, dtype=torch.bool, device=q.device).tril(
-                seq_len - s.query_len)
+            ones = torch.ones(s.query_len, seq_len, dtype=torch.bool, device=q.device)
+            mask = ones.tril(seq_len - s.query_len)
+            if sliding_window is not None:
+                mask &= ones.triu(seq_len - s.query_len - sliding_window + 1)
             attn = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
             out[s.query_start:end] = attn.transpose(0, 1)
         return out
