@@ -55,6 +55,11 @@ class SamplingMetadata:
     # Top-k logprobs wanted per row (-1: none); max_num_logprobs < 0 when no row wants any.
     num_logprobs: list[int] = field(default_factory=list)
     max_num_logprobs: int = -1
+    # Async scheduling, filled only when some row uses penalties and has a placeholder: per
+    # row, -1 or the row of the previous step's sampled ids that holds this row's newest
+    # output token, which ``output_token_ids`` lacks (it is not on the host yet). The
+    # backend counts it from its device-side copy (docs/async_scheduling.md).
+    output_placeholder_src: list[int] = field(default_factory=list)
 
     @property
     def has_penalties(self) -> bool:
@@ -81,6 +86,11 @@ class ModelInput:
     sample_seq_indices: list[int]
     sampling: SamplingMetadata
     request_ids: list[str] = field(default_factory=list)
+    # Async scheduling: ``input_ids[placeholder_idx[i]]`` is PLACEHOLDER_TOKEN_ID and must
+    # become ``sampled_token_ids[placeholder_src[i]]`` of the step submitted just before this
+    # one, on the device, before the forward. Empty otherwise.
+    placeholder_idx: list[int] = field(default_factory=list)
+    placeholder_src: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -204,9 +214,14 @@ class Backend(ABC):
 
     #: The name users pass as ``--backend``; must match the entry-point name.
     name: ClassVar[str] = ""
+    #: Whether ``submit``/``collect`` implement the placeholder protocol of async scheduling
+    #: (docs/async_scheduling.md). The engine refuses ``--async-scheduling`` otherwise.
+    supports_async_scheduling: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # The default submit/collect's device results, oldest first.
+        self._submitted: list[Any] = []
 
     @classmethod
     @abstractmethod
@@ -252,6 +267,30 @@ class Backend(ABC):
         out = self.to_host(sampled)
         post_sample()
         return out
+
+    def submit(self, model_input: ModelInput) -> None:
+        """Async scheduling: enqueue a step and return without waiting for it.
+
+        The engine submits step N+1 before it collects step N, so at most two steps are in
+        flight; they run in submission order. Step N+1's ``placeholder_idx`` input ids are
+        filled from step N's sampled ids on the device (``placeholder_src`` names the rows),
+        and rows with ``sampling.output_placeholder_src`` count that token as their newest
+        output for penalties. If step N failed, a step with placeholders must fail too, never
+        run on stale ids. This default runs forward and sample at once (no overlap, the
+        protocol's reference); ``collect`` copies the samples to the host.
+        """
+        if not self.supports_async_scheduling:
+            raise NotImplementedError(f"backend {self.name!r} does not support async scheduling")
+        self._submitted.append(self.sample(self.forward(model_input), model_input.sampling))
+
+    def collect(self) -> SamplerOutput:
+        """Async scheduling: wait for the oldest submitted step and return its samples.
+
+        Raises like ``execute``: ``WorkerLostError`` when the device state is gone, anything
+        else when that step failed. Post-sample work is the engine's: it runs it between
+        ``submit`` and ``collect``, while the device computes.
+        """
+        return self.to_host(self._submitted.pop(0))
 
     def check_health(self, deep: bool = False) -> None:
         """Raise ``WorkerLostError`` if the device or its worker is known to be gone.

@@ -115,6 +115,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     backend: str = "cpu"
     disable_async_output_proc: bool = False
+    # Plan step N+1 while step N computes (core/scheduling/, docs/async_scheduling.md).
+    async_scheduling: bool = False
     # Backend-specific options (e.g. {"overlap": "thread"} or {"enforce_eager": True}),
     # passed through untouched so plugins can add knobs without core changes.
     backend_options: tuple[tuple[str, object], ...] = ()

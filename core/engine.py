@@ -30,6 +30,7 @@ from cadence.plugins import get_registry
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams, is_valid_unicode
 from cadence.scheduler import RequestTooLargeError, StepPlan
+from cadence.scheduling import AsyncSchedulingLoop, check_backend_supports, scheduler_class
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
         from cadence.block_manager import BlockManager
-        from cadence.scheduler import Scheduler
 
         self.config = config
         registry = get_registry()
         backend_cls, self.backend_reason = registry.select(config.backend)
         logger.info("%s", self.backend_reason)
+        if config.async_scheduling:
+            check_backend_supports(backend_cls, registry)
         self.backend: Backend = backend_cls(config)
         self.backend.load_model()
         # Between load_model and allocate_kv_cache: a backend that loads in a worker process
@@ -63,7 +65,8 @@ class LLMEngine:
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.sliding_window)
-        self.scheduler = Scheduler(sc, self.block_manager, settle=self._settle)
+        self.scheduler = scheduler_class(config.async_scheduling)(
+            sc, self.block_manager, settle=self._settle)
         self.stats = EngineStats()
         hook = registry.hook.cadence_post_sample if registry.has_impl(
             "cadence_post_sample") else None
@@ -77,6 +80,8 @@ class LLMEngine:
         self._pending: list[Request] = []
         self._arrival = itertools.count()
         self._registry = registry
+        # The step strategy: None runs the loop below; async scheduling runs its own.
+        self._async_loop = AsyncSchedulingLoop(self) if config.async_scheduling else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, extra: dict | None = None) -> LLMEngine:
@@ -197,7 +202,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.output_processor.parents) or bool(self._pending)
-                or bool(self.output_processor.ready))
+                or bool(self.output_processor.ready)
+                or (self._async_loop is not None and self._async_loop.has_in_flight))
 
     # ---- the step ---------------------------------------------------------------------
     def _settle(self, req: Request) -> None:
@@ -210,6 +216,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that became ready during it."""
+        if self._async_loop is not None:
+            return self._async_loop.step()
         self.guard.repair()
         times = self.stats.times
         t0 = time.perf_counter()
@@ -247,6 +255,17 @@ class LLMEngine:
             touched += self.output_processor.commit(r.plan.scheduled,
                                                     r.model_input.sample_seq_indices, r.output)
             self.scheduler.update_after_step(r.plan)
+        self._stamp_token_times(touched)
+        self._pending = touched
+        if not self.async_output:
+            self._drain()
+        t4 = time.perf_counter()
+        times.add("commit", t4 - t3)
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += plan.num_batched_tokens
+        return self._finish_step()
+
+    def _stamp_token_times(self, touched: list[Request]) -> None:
         now = time.monotonic()
         itl = self.stats.inter_token_latency
         for req in touched:
@@ -258,20 +277,14 @@ class LLMEngine:
             else:
                 itl.observe(now - req.last_token_time)
             req.last_token_time = now
-        self._pending = touched
-        if not self.async_output:
-            self._drain()
-        t4 = time.perf_counter()
-        times.add("commit", t4 - t3)
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += plan.num_batched_tokens
-        return self._finish_step()
 
     def _build_input(self, plan: StepPlan) -> ModelInput:
         return build_model_input(plan, self.block_manager.get_block_table,
                                  self.config.cache_config.block_size)
 
     def _fail_all(self, message: str) -> None:
+        if self._async_loop is not None:
+            self._async_loop.discard()  # the device state those steps ran on is gone
         self._drain()
         self.output_processor.fail_all(message)
 

@@ -39,6 +39,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     disable_async_output_proc: bool = False
+    async_scheduling: bool = False
     tokenizer: str | None = None
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
@@ -98,6 +99,7 @@ class EngineArgs:
                                              max_num_samples=args["max_num_samples"]),
             backend=args["backend"],
             disable_async_output_proc=args["disable_async_output_proc"],
+            async_scheduling=bool(args["async_scheduling"]),
             backend_options=tuple(sorted(args["backend_options"].items())),
             fault_config=FaultConfig(float(args["step_timeout"]),
                                      int(args["max_worker_restarts"])),
@@ -146,6 +148,10 @@ class EngineArgs:
         p.add_argument("--disable-async-output-proc", action="store_true",
                        help="run the output work right after sampling instead of overlapping "
                             "it with the next step (outputs are identical; default: off)")
+        p.add_argument("--async-scheduling", action="store_true",
+                       help="plan each step while the previous one computes, with placeholders "
+                            "the backend fills on the device (outputs are identical; backends "
+                            "that support it: see docs/async_scheduling.md; default: off)")
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer folder (default: the model folder)")
         p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",

@@ -54,7 +54,9 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
         seeds=[p.seed for p in params],
-        output_lens=[len(r.output_token_ids) for r in reqs],
+        # Placeholders count: the seeded draw of step N+1 must not depend on whether step N's
+        # token reached the host yet (async scheduling).
+        output_lens=[len(r.output_token_ids) + r.num_output_placeholders for r in reqs],
         all_greedy=all(p.is_greedy for p in params),
     )
     if any(p.has_penalties for p in params):
@@ -73,7 +75,7 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
 
 def _banned(req: Request) -> list[int]:
     sp = req.sampling_params
-    if len(req.output_token_ids) >= sp.min_tokens:
+    if len(req.output_token_ids) + req.num_output_placeholders >= sp.min_tokens:
         return []
     ids = list(sp.stop_token_ids)
     if not sp.ignore_eos:

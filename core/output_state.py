@@ -30,6 +30,7 @@ class SeqOutputState:
     # Streaming progress: how much text/tokens the previous outputs already carried.
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    finish_sent: bool = False
 
 
 @dataclass(slots=True)
@@ -43,8 +44,18 @@ class ParentRequest:
     final_emitted: bool = False
     error: str | None = None
 
-    def make_output(self, finished: bool) -> RequestOutput:
+    def make_output(self, finished: bool) -> RequestOutput | None:
+        """The request's output now; None when a DELTA output would carry nothing new.
+
+        A DELTA output lists only the samples with new tokens or text, or a finish not
+        reported before (vLLM's n > 1 streams do the same): a finished sample is reported
+        finished once, and a client never sees the same finish twice.
+        """
         outs = [self._completion(c) for c in self.children]
+        if self.output_kind is OutputKind.DELTA:
+            outs = [o for o, c in zip(outs, self.children) if self._is_news(o, c)]
+            if not outs and not finished:
+                return None
         first = [c.first_token_time for c in self.children if c.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
@@ -56,6 +67,14 @@ class ParentRequest:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished, metrics, self.children[0].num_cached_tokens,
                              error=self.error)
+
+    @staticmethod
+    def _is_news(o: CompletionOutput, c: Request) -> bool:
+        st: SeqOutputState = c.detok_state
+        if o.finish_reason is not None and not st.finish_sent:
+            st.finish_sent = True
+            return True
+        return bool(o.token_ids or o.text)
 
     def _completion(self, c: Request) -> CompletionOutput:
         st: SeqOutputState = c.detok_state

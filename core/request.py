@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from cadence.sampling_params import SamplingParams
 
+#: The input id of a token that a step in flight has sampled but the host does not know yet
+#: (async scheduling); the backend replaces it on the device before the forward.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -78,6 +82,10 @@ class Request:
     last_token_time: float | None = None
     # Opaque per-request state owned by the output processor (the detokenizer).
     detok_state: object = field(default=None, repr=False)
+    # Async scheduling: tokens sampled by a step still in flight, counted in ``num_tokens``
+    # (so the scheduler plans the next step around them) but not yet in ``output_token_ids``
+    # (so nothing host-side ever sees them). Always 0 without async scheduling.
+    num_output_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +93,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return (len(self.prompt_token_ids) + len(self.output_token_ids)
+                + self.num_output_placeholders)
 
     @property
     def num_output_tokens(self) -> int:
@@ -97,12 +106,20 @@ class Request:
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if i < n:
+            return self.prompt_token_ids[i]
+        j = i - n
+        return self.output_token_ids[j] if j < len(self.output_token_ids) \
+            else PLACEHOLDER_TOKEN_ID
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
+        known = n + len(self.output_token_ids)
+        if end > known:  # async scheduling: tokens still on the device
+            head = self.token_slice(start, known) if start < known else []
+            return head + [PLACEHOLDER_TOKEN_ID] * (end - max(start, known))
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -125,7 +125,8 @@ def test_compare_without_hf(tiny_model_dir, tmp_path):
     assert chart.stat().st_size > 1000
     assert {"runs", "config", "env", "machine", "elapsed_s"} <= set(data)
     names = [(r["name"], r["batch_size"]) for r in data["runs"]]
-    assert sorted(names) == sorted((n, b) for n in ("async", "sync", "floor") for b in (1, 4))
+    assert sorted(names) == sorted((n, b) for n in ("async", "async_sched", "sync", "floor")
+                                   for b in (1, 4))
     for r in data["runs"]:
         assert r["output_tokens_per_s"] > 0 and r["num_prompts"] == r["batch_size"]
         assert r["num_output_tokens"] == 6 * r["num_prompts"]

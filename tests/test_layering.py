@@ -15,7 +15,7 @@ DEVICE_LIBS = re.compile(r"^\s*(import|from)\s+(triton|habana_frameworks)\b|torc
 NO_TORCH_MODULES = ["cadence.request", "cadence.sampling_params", "cadence.block_manager",
                     "cadence.scheduler", "cadence.output_processor", "cadence.detokenizer",
                     "cadence.input_builder", "cadence.backend", "cadence.plugins",
-                    "cadence.metrics", "cadence.config"]
+                    "cadence.metrics", "cadence.config", "cadence.scheduling"]
 
 
 def _run(code: str) -> str:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cadence.backend import Backend, ModelInput, PostSample, ProbeResult, SamplerOutput
@@ -37,6 +38,9 @@ class CpuBackend(Backend):
     """Runs the model with torch on the CPU."""
 
     name = "cpu"
+    # Every strategy runs the model through ModelRunner, which fills placeholders from the
+    # last sampled ids it keeps (in the worker process for ``process``).
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -45,6 +49,7 @@ class CpuBackend(Backend):
             raise ValueError(
                 f"cpu overlap must be one of {OVERLAP_STRATEGIES}, got {self.overlap!r}")
         self._pool: ThreadPoolExecutor | None = None
+        self._futures: deque[Future] = deque()  # thread strategy, async scheduling
         self._worker = None
         self.runner = None
         self.runtime_info: dict[str, str] = {}
@@ -122,6 +127,26 @@ class CpuBackend(Backend):
             out = future.result()
         return out
 
+    def submit(self, model_input: ModelInput) -> None:
+        """Async scheduling. ``process``: the input goes down the pipe at once and the worker
+        starts it as soon as the step before it is done; ``thread``: queued on the one
+        forward thread; ``sync``: forward and sample run now (the base class)."""
+        if self._worker is not None:
+            self._worker.submit(model_input)
+        elif self.overlap == "thread":
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
+            self._futures.append(self._pool.submit(self._forward_and_sample, model_input))
+        else:
+            super().submit(model_input)
+
+    def collect(self) -> SamplerOutput:
+        if self._worker is not None:
+            return self._worker.result()
+        if self.overlap == "thread":
+            return self._futures.popleft().result()
+        return super().collect()
+
     @property
     def worker_pid(self) -> int | None:
         """The forward worker's process id (``process`` strategy), for operators and tests."""
@@ -142,6 +167,8 @@ class CpuBackend(Backend):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._futures.clear()
+        self._submitted.clear()
         # Weights and the KV cache go now, not whenever the engine object is collected: a
         # process that builds engines one after another (tests, notebooks, a server that
         # restarts its engine) would otherwise hold every one's cache (2 GiB by default).

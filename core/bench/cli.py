@@ -102,7 +102,8 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--waves", type=int, default=0,
                     help="if > 0, each batch size b runs b * waves prompts instead of "
                          "--num-prompts (keeps small-batch sweeps short)")
-    cp.add_argument("--runs", default="async,sync,floor,hf_generate,hf_generate_batch",
+    cp.add_argument("--runs",
+                    default="async,async_sched,sync,floor,hf_generate,hf_generate_batch",
                     help="comma list of runs to measure")
     cp.add_argument("--skip-hf", action="store_true", help="drop the transformers runs")
     cp.add_argument("--chart", default=None, metavar="FILE.png",

@@ -30,7 +30,12 @@ from cadence.bench.throughput import (
     workload_tokens,
 )
 
-RUN_NAMES = ("async", "sync", "floor", "hf_generate", "hf_generate_batch")
+RUN_NAMES = ("async", "async_sched", "sync", "floor", "hf_generate", "hf_generate_batch")
+# The engine runs: EngineArgs overrides of each (async_sched: async output processing plus
+# async scheduling, docs/async_scheduling.md).
+ENGINE_MODES = {"async": {"async_scheduling": False},
+                "async_sched": {"async_scheduling": True, "disable_async_output_proc": False},
+                "sync": {"disable_async_output_proc": True, "async_scheduling": False}}
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -62,13 +67,21 @@ def _record_env(engine: Any, info: dict[str, Any]) -> None:
 def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs: int,
                  prompts: list[list[int]] | None, info: dict[str, Any]
                  ) -> tuple[list[dict], list[list[int]]]:
-    """async (+ floor on the same backend) and sync at one batch size."""
+    """async (+ floor on the same backend), async_sched and sync at one batch size."""
     out = []
     out_lens = workload.output_lens()
-    for mode in ("async", "sync"):
+    for mode, overrides in ENGINE_MODES.items():
         if mode not in runs and not (mode == "async" and "floor" in runs):
             continue
-        engine = build_engine(ns, max_num_seqs=bs, disable_async_output_proc=mode == "sync")
+        try:
+            engine = build_engine(ns, max_num_seqs=bs, **overrides)
+        except ValueError as e:
+            if mode != "async_sched":
+                raise
+            # A backend without async scheduling: recorded, the other runs go on.
+            out.append({"name": mode, "batch_size": bs, "num_prompts": workload.num_prompts,
+                        "output_tokens_per_s": None, "skipped": str(e)})
+            continue
         try:
             if prompts is None:
                 prompts = workload.prompts(vocab_size_of(engine))
@@ -186,8 +199,11 @@ def _add_ratios(recs: list[dict]) -> None:
     for r in recs:
         tps = r.get("output_tokens_per_s")
         r["ratio_to_floor"] = tps / floor["output_tokens_per_s"] if floor and tps else None
-        if r["name"] == "async" and sync and tps:
+        if r["name"] in ("async", "async_sched") and sync and tps:
             r["ratio_to_sync"] = tps / sync["output_tokens_per_s"]
+        if r["name"] == "async_sched" and tps and (a := next(
+                (x for x in recs if x["name"] == "async"), None)) and a["output_tokens_per_s"]:
+            r["ratio_to_async"] = tps / a["output_tokens_per_s"]
         b = r.get("breakdown")
         if b and floor:
             b["floor_device_s"] = floor["device_s"]

@@ -51,14 +51,29 @@ class StepTimer:
         self.totals = {"device": 0.0, "finalize": 0.0, "reported": 0.0, "hidden": 0.0}
         self.calls = {"device": 0, "finalize": 0, "reported": 0, "hidden": 0}
         self._patched: list[tuple[Any, str]] = []
+        # (start, end) of each step on the device, where the backend reports both: the gaps
+        # between consecutive steps are the host time the device waited for (exposed).
+        self.spans: list[tuple[float, float]] = []
         execute = engine.backend.execute
+        collect = engine.backend.collect
 
-        def reporting_execute(model_input: Any, post_sample: Any) -> Any:
-            out = execute(model_input, post_sample)
+        def record(out: Any) -> None:
             seconds = getattr(out, "device_seconds", 0.0)
             if seconds:
                 self.totals["reported"] += seconds
                 self.calls["reported"] += 1
+            done_at = getattr(out, "device_done_at", 0.0)
+            if seconds and done_at:
+                self.spans.append((done_at - seconds, done_at))
+
+        def reporting_collect() -> Any:  # async scheduling: post-sample work is the engine's
+            out = collect()
+            record(out)
+            return out
+
+        def reporting_execute(model_input: Any, post_sample: Any) -> Any:
+            out = execute(model_input, post_sample)
+            record(out)
             done_at = getattr(out, "device_done_at", 0.0)
             if done_at and post_sample.called:
                 # The part of post_sample that ran before the device's results were ready.
@@ -68,7 +83,8 @@ class StepTimer:
             return out
 
         engine.backend.execute = reporting_execute
-        self._patched.append((engine.backend, "execute"))
+        engine.backend.collect = reporting_collect
+        self._patched += [(engine.backend, "execute"), (engine.backend, "collect")]
         for obj, attr, kind in ((engine.backend, "forward", "device"),
                                 (engine.backend, "sample", "device"),
                                 (engine.backend, "to_host", "device"),
@@ -110,6 +126,8 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
         hidden, hidden_source = min(post, max(0.0, device + post - execute)), "estimated"
     steps = max(num_steps, 1)
     host = phases["schedule"] + phases["prepare"] + phases["commit"] + phases["drain"]
+    spans = sorted(timer.spans)
+    gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
     return {
         "num_steps": num_steps,
         "wall_s": wall_s,
@@ -125,6 +143,8 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
         "exposed_finalize_s": max(0.0, finalize - hidden),
         "hidden_fraction": hidden / finalize if finalize > 0 else 0.0,
         "host_critical_s": host,
+        "exposed_host_s": sum(gaps) if gaps else None,
+        "exposed_host_per_step_ms": 1000 * sum(gaps) / len(gaps) if gaps else None,
         "other_s": max(0.0, wall_s - sum(phases.values())),
         "device_idle_fraction": max(0.0, 1.0 - device / wall_s) if wall_s > 0 else 0.0,
     }

@@ -180,6 +180,7 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
         "batch_size": engine.config.scheduler_config.max_num_seqs,
         "host_work": workload.host_work,
         "async_output": engine.async_output,
+        "async_scheduling": engine.config.async_scheduling,
         "num_prompts": len(prompts),
         "num_input_tokens": num_in,
         "num_output_tokens": num_out,
@@ -208,6 +209,9 @@ def print_breakdown(rec: dict[str, Any]) -> None:
           f"finalize {b['finalize_s']:.3f} s: hidden {b['hidden_finalize_s']:.3f} s, "
           f"exposed {b['exposed_finalize_s']:.3f} s; "
           f"device idle {100 * b['device_idle_fraction']:.1f} % of wall")
+    if b.get("exposed_host_per_step_ms") is not None:
+        print(f"exposed host time {b['exposed_host_per_step_ms']:.3f} ms/step (the device "
+              f"idle between consecutive steps, from the backend's timestamps)")
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:
@@ -215,7 +219,8 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     engine = build_engine(ns)
     try:
         prompts = workload.prompts(vocab_size_of(engine))
-        name = "sync" if not engine.async_output else "async"
+        name = "async_sched" if engine.config.async_scheduling else \
+            "sync" if not engine.async_output else "async"
         rec = run_engine(engine, workload, prompts, workload.output_lens(), ns.breakdown,
                          not ns.disable_tqdm, name)
         env, machine = env_info(engine), machine_info(engine)

@@ -47,11 +47,16 @@ def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generato
     return g
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata,
+                    pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``pending_ids`` [B] (async scheduling): each row's newest output token, still on the
+    device, or the vocabulary size where the row has none; counted like the host's."""
     b, v = logits.shape
     dev = logits.device
     out_counts = torch.zeros(b, v + 1, dtype=logits.dtype, device=dev)
     out_ids = _pad_ids(meta.output_token_ids, v, dev)
+    if pending_ids is not None:
+        out_ids = torch.cat([out_ids, pending_ids.to(out_ids.dtype).unsqueeze(1)], dim=1)
     out_counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
     out_counts = out_counts[:, :v]
     prompt_mask = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
@@ -98,12 +103,27 @@ def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
+def pending_output_ids(meta: SamplingMetadata, previous: torch.Tensor | None,
+                       vocab_size: int) -> torch.Tensor | None:
+    """Async scheduling: per row, the newest output token from the previous step's sampled
+    ids ``previous`` (device), or ``vocab_size`` for rows without one; None if no row has."""
+    if not meta.output_placeholder_src or all(s < 0 for s in meta.output_placeholder_src):
+        return None
+    if previous is None:
+        raise RuntimeError("a step planned on the previous step's samples runs after a step "
+                           "that produced none (it failed): refusing stale token ids")
+    src = host_tensor(meta.output_placeholder_src, torch.int64, previous.device)
+    return torch.where(src >= 0, previous[src.clamp(min=0)], vocab_size)
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata,
-           global_generator: torch.Generator | None = None) -> DeviceSample:
-    """Sample one token per row of ``logits`` [B, V] (float32)."""
+           global_generator: torch.Generator | None = None,
+           pending_ids: torch.Tensor | None = None) -> DeviceSample:
+    """Sample one token per row of ``logits`` [B, V] (float32). ``pending_ids``: see
+    ``apply_penalties``."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
     if meta.has_penalties:
-        logits = apply_penalties(logits, meta)
+        logits = apply_penalties(logits, meta, pending_ids)
     if any(meta.banned_token_ids):
         rows = [i for i, ids in enumerate(meta.banned_token_ids) for _ in ids]
         cols = [t for ids in meta.banned_token_ids for t in ids]

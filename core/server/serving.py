@@ -136,16 +136,13 @@ class OpenAIServing:
                                 ) -> AsyncIterator[str]:
         head = formats.Head("cmpl", "text_completion", self.model_name)
         offsets: dict[int, int] = {}
-        finished: set[int] = set()  # a delta output repeats its finished samples: once is enough
         usage = formats.Usage()
+        # A delta output lists only the samples with news (core/output_state.py), and a
+        # finish once, so every sample it lists becomes a chunk.
         async for i, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
                 index = i * req.n + c.index
-                if index in finished or not (c.text or c.token_ids or c.finished):
-                    continue
-                if c.finished:
-                    finished.add(index)
                 lp = None
                 if req.logprobs is not None:
                     lp = formats.completion_logprobs(c, offsets.get(index, 0))
@@ -164,12 +161,9 @@ class OpenAIServing:
             yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
                                                                "content": ""}, None, None)]))
         usage = formats.Usage()
-        finished: set[int] = set()
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
-                if c.index in finished:
-                    continue
                 # Tokens whose text is held back (a partial character or a possible stop
                 # string) still send their logprobs; without logprobs they wait for text.
                 if c.text or (c.token_ids and k is not None):
@@ -177,7 +171,6 @@ class OpenAIServing:
                     yield _sse(head.chunk([formats.chat_delta(c.index, {"content": c.text},
                                                               lp, None)]))
                 if c.finished:
-                    finished.add(c.index)
                     yield _sse(head.chunk([formats.chat_delta(c.index, {}, None,
                                                               c.finish_reason,
                                                               c.stop_reason)]))

@@ -31,6 +31,7 @@ from cadence.testing.helpers import (
 )
 
 __all__ = [
+    "test_async_scheduling_equals_sync_or_is_refused",
     "test_batch_composition_and_padding_do_not_change_outputs",
     "test_core_calls_post_sample_when_backend_never_does",
     "test_every_kv_block_is_free_after_requests",
@@ -132,6 +133,35 @@ def test_overlap_on_equals_off(cadence_llm: Any, cadence_llm_sync: Any, workload
     for i, (a, b) in enumerate(zip(on, off)):
         assert a == b, f"prompt {i}: async on {a}\n != async off {b}"
     assert len(on) == len(off)
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_async_scheduling_equals_sync_or_is_refused(
+        cadence_backend: str, cadence_model_dir: str, cadence_backend_options: dict[str, Any],
+        cadence_llm_sync: Any, workload: str) -> None:
+    """A backend that declares ``supports_async_scheduling`` gives identical outputs with
+    async scheduling (step N+1 planned on placeholders while step N computes), greedy and
+    seeded, under preemption and chunked prefill, with every block free at the end. One
+    that does not is refused at start-up with an error naming the backends that can."""
+    from cadence.plugins import get_registry
+    from cadence.testing.pytest_plugin import _make_llm
+
+    cls = get_registry().backends[cadence_backend].cls
+    if not getattr(cls, "supports_async_scheduling", False):
+        with pytest.raises(ValueError, match="async_scheduling is not supported"):
+            _make_llm(cadence_model_dir, cadence_backend, async_scheduling=True,
+                      backend_options=cadence_backend_options)
+        return
+    llm = _make_llm(cadence_model_dir, cadence_backend, async_scheduling=True,
+                    backend_options=cadence_backend_options)
+    try:
+        got = summarize(run_workload(llm, workload))
+    finally:
+        llm.shutdown()
+    want = summarize(cached_workload(cadence_llm_sync, workload))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a == b, f"prompt {i}: async scheduling {a}\n != sync {b}"
+    assert len(got) == len(want)
 
 
 def test_batch_composition_and_padding_do_not_change_outputs(
