@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import select
 import socket
 import threading
 import time
@@ -339,3 +341,90 @@ def test_serve_flags_reach_the_app_and_uvicorn(monkeypatch):
                 ["--default-max-tokens", "-3"], ["--timeout-keep-alive", "-1"]):
         assert cli.main(base + bad) == 2, bad
     assert len(started) == 2
+
+
+# ---- slow headers ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def bare_server(header_timeout: float):
+    """A trivial app under uvicorn with the header deadline (no engine needed)."""
+    from cadence.server.connections import header_timeout_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=30,
+                                           http=header_timeout_protocol(header_timeout)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _read_until_closed(s: socket.socket) -> tuple[bytes, float]:
+    start, reply = time.monotonic(), b""
+    while chunk := s.recv(4096):
+        reply += chunk
+    return reply, time.monotonic() - start
+
+
+def test_a_connection_that_never_sends_its_headers_gets_408_and_is_closed():
+    with bare_server(0.3) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            reply, waited = _read_until_closed(s)  # sends nothing at all
+        assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout" in reply, reply
+        assert waited < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            # Headers that never end, a byte every 50 ms: each byte would reset uvicorn's
+            # keep-alive timer, and must not move this deadline.
+            s.sendall(b"GET / HTTP/1.1\r\n")
+            start, reply = time.monotonic(), b""
+            for byte in itertools.cycle(b"X-Padding: aaaa\r\n"):
+                if select.select([s], [], [], 0.05)[0]:
+                    reply, _ = _read_until_closed(s)
+                    break
+                s.sendall(bytes([byte]))
+                assert time.monotonic() - start < 5, "still open after 5 s"
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+
+
+def test_the_header_deadline_spares_prompt_clients_and_restarts_after_each_response():
+    with bare_server(0.5) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            for _ in range(2):  # two requests on one keep-alive connection, each in time
+                time.sleep(0.3)
+                s.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+                reply = b""
+                while not reply.endswith(b"ok"):
+                    reply += s.recv(4096)
+                assert reply.startswith(b"HTTP/1.1 200"), reply
+            reply, waited = _read_until_closed(s)  # then silence: the deadline again
+        assert reply.startswith(b"HTTP/1.1 408") and waited < 5, reply
+
+
+def test_header_timeout_flag_is_checked_and_reaches_uvicorn(monkeypatch):
+    from cadence.async_engine import AsyncLLM
+
+    fake = types.SimpleNamespace(tokenizer=None, max_model_len=256, generation_defaults=())
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, *a, **kw: fake))
+    runs: list[dict] = []
+    import cadence.cli.serve
+
+    monkeypatch.setattr(cadence.cli.serve, "serve_app",
+                        lambda app, sock, msg, **kw: runs.append(kw))
+    base = ["serve", "--served-model-name", "tiny", "--log-level", "warning", "--port", "0"]
+    assert cli.main(base) == 0
+    assert cli.main(base + ["--header-timeout", "0"]) == 0
+    assert runs[0]["http"].__name__ == "HeaderTimeoutProtocol" and "http" not in runs[1]
+    with pytest.raises(ValueError, match="--header-timeout must be >= 0"):
+        cadence.cli.serve.cmd_serve(cli.build_parser().parse_args(base + ["--header-timeout",
+                                                                          "-1"]))

@@ -33,6 +33,10 @@ def add_limit_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request still generating is aborted: HTTP "
                         "504, or an error event on a stream (unset or 0: no limit)")
+    g.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection has to send a request's headers (after it "
+                        "opens, or after its previous response); then HTTP 408 and the "
+                        "connection closes (default: %(default)s; 0: no limit)")
     g.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open (uvicorn's "
                         "option; default: %(default)s)")
@@ -65,6 +69,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         check_api_key(api_key)
     if ns.timeout_keep_alive < 0:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {ns.timeout_keep_alive}")
+    if not ns.header_timeout >= 0:
+        raise ValueError(f"--header-timeout must be >= 0 (0: no limit), got "
+                         f"{ns.header_timeout}")
     args, extra = EngineArgs.from_cli_args(ns)
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
     # Bound before the model loads, so that a taken port is reported at once.
@@ -84,10 +91,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         url_host = f"[{host}]" if ":" in host else host
         serve_app(app, sock, f"cadence: serving {name!r} on http://{url_host}:{port}/v1 with "
                              f"{backend}{', API key required' if api_key else ''}",
-                  log_level=ns.log_level, timeout_keep_alive=ns.timeout_keep_alive)
+                  log_level=ns.log_level, timeout_keep_alive=ns.timeout_keep_alive,
+                  **_protocol_options(ns.header_timeout))
     finally:
         sock.close()
     return 0
+
+
+def _protocol_options(header_timeout: float) -> dict:
+    if not header_timeout:
+        return {}
+    from cadence.server.connections import header_timeout_protocol
+
+    return {"http": header_timeout_protocol(header_timeout)}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
