@@ -14,7 +14,8 @@ Loaded through the ``pytest11`` entry point named ``cadence.testing.pytest_plugi
 The checks themselves are test functions in ``cadence.testing.conformance``. Run them with
 ``pytest --pyargs cadence.testing.conformance --cadence-backend NAME``, or put
 ``from cadence.testing.conformance import *`` in a test module of your own package and run
-``pytest --cadence-backend NAME`` (docs/writing_a_backend.md).
+``pytest --cadence-backend NAME`` (docs/writing_a_backend.md). Either way their ids name the
+kit, ``cadence/testing/conformance.py::test_...[NAME]``, not the module that imported them.
 
 NOTE this module is imported by every pytest run in an environment where cadence is
 installed, so it imports nothing heavy: torch and the engine load inside the fixtures.
@@ -22,8 +23,12 @@ installed, so it imports nothing heavy: torch and the engine load inside the fix
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,15 +66,78 @@ def backend_names(config: pytest.Config) -> list[str]:
     return [n.strip() for n in str(raw).split(",") if n.strip()]
 
 
+KIT_MODULE = "cadence.testing.conformance"
+# The node id of the kit's checks however they were collected, so that an author's output
+# says whose check failed: cadence/testing/conformance.py::test_...[backend], never
+# tests/test_conformance.py::test_... as if the author had written it.
+KIT_NODE_ID = "cadence/testing/conformance.py"
+_KIT_COLLECTED = pytest.StashKey[bool]()
+
+
+@cache
+def _kit_path() -> Path | None:
+    spec = importlib.util.find_spec(KIT_MODULE)
+    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+
+
+def _is_kit_check(obj: object) -> bool:
+    return (callable(obj) and getattr(obj, "__module__", None) == KIT_MODULE
+            and getattr(obj, "__name__", "").startswith("test_"))
+
+
+class KitChecks(pytest.Module):
+    """The kit's checks, collected under the kit's own node id (``KIT_NODE_ID``).
+
+    Placed under the module that imported them, so that module's fixtures (a
+    ``cadence_backend`` of its own, say) still apply; ``only`` keeps the checks it imported.
+    """
+
+    def __init__(self, *args: Any, only: frozenset[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.only = only
+
+    def _getobj(self) -> Any:
+        # By name, not by path: a path import could load a second copy under another name.
+        return importlib.import_module(KIT_MODULE)
+
+    def collect(self) -> list[Any]:
+        found = super().collect()
+        if self.only is None:
+            return found
+        return [node for node in found if getattr(node, "originalname", node.name) in self.only]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    # pytest --pyargs cadence.testing.conformance (or the kit's file named by path).
+    if _kit_path() is not None and module_path.resolve() == _kit_path():
+        return KitChecks.from_parent(parent, path=module_path, nodeid=KIT_NODE_ID)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Any:
+    # A test module of the author's that imported the checks
+    # (from cadence.testing.conformance import *): one KitChecks node holds them all.
+    if (not _is_kit_check(obj) or isinstance(collector, KitChecks)
+            or not isinstance(collector, pytest.Module)):
+        return None
+    if collector.stash.get(_KIT_COLLECTED, False):
+        return []
+    collector.stash[_KIT_COLLECTED] = True
+    only = frozenset(v.__name__ for v in vars(collector.obj).values() if _is_kit_check(v))
+    return KitChecks.from_parent(collector, path=_kit_path(), nodeid=KIT_NODE_ID, only=only)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cadence_conformance: a cadence backend conformance check")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # One run of every check per backend named on the command line. Without the option the
+    # One run of every check per backend named (its name ends each id). Without a name the
     # fixture is left alone, so a test module may define its own ``cadence_backend``.
     names = backend_names(metafunc.config)
-    if "cadence_backend" in metafunc.fixturenames and len(names) > 1:
+    if "cadence_backend" in metafunc.fixturenames and names:
         metafunc.parametrize("cadence_backend", names, indirect=True, scope="session")
 
 
