@@ -60,6 +60,11 @@ class ModelRunner:
         self.metadata_builder = paged_attention.build_metadata
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
+        # Async scheduling: the sampled ids of the last step that completed (device tensor),
+        # None while a step runs and after one failed, so that a step planned on them never
+        # runs on stale ids. ``_previous`` is what the step now running reads.
+        self.last_sampled: torch.Tensor | None = None
+        self._previous: torch.Tensor | None = None
 
     def load_model(self) -> None:
         from cadence.model_loader import load_model
@@ -129,13 +134,34 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, prepared.sample_token_idx))
 
     def forward(self, mi: ModelInput) -> torch.Tensor:
-        return self.run_model(self.prepare(mi))
+        self._previous, self.last_sampled = self.last_sampled, None
+        prepared = self.prepare(mi)
+        if mi.placeholder_idx:
+            self.fill_placeholders(prepared.input_ids, mi, self._previous)
+        return self.run_model(prepared)
+
+    @staticmethod
+    def fill_placeholders(input_ids: torch.Tensor, mi: ModelInput,
+                          previous: torch.Tensor | None) -> None:
+        """Replace the placeholder input ids with the previous step's sampled ids, on the
+        device: the host never waits for them (async scheduling)."""
+        if previous is None:
+            raise RuntimeError("a step planned on the previous step's samples runs after a "
+                               "step that produced none (it failed): refusing stale token ids")
+        dev = input_ids.device
+        idx = sampler.host_tensor(mi.placeholder_idx, torch.int64, dev)
+        src = sampler.host_tensor(mi.placeholder_src, torch.int64, dev)
+        input_ids.index_copy_(0, idx, previous.index_select(0, src))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> sampler.DeviceSample:
         if logits.shape[0] == 0:
-            return sampler.DeviceSample(torch.empty(0, dtype=torch.int64))
-        return sampler.sample(logits.float(), meta, self.generator)
+            out = sampler.DeviceSample(torch.empty(0, dtype=torch.int64))
+        else:
+            pending = sampler.pending_output_ids(meta, self._previous, logits.shape[1])
+            out = sampler.sample(logits.float(), meta, self.generator, pending)
+        self.last_sampled = out.token_ids
+        return out
 
     def to_host(self, sampled: sampler.DeviceSample) -> SamplerOutput:
         return sampler.to_host(sampled)
