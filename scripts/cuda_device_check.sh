@@ -1,58 +1,123 @@
 #!/usr/bin/env bash
-# One prepared check of the CUDA backend on a GPU machine (H100/H200 class): environment
-# facts, the GPU tests, `engine bench compare`, and a direct timing loop through cadence.LLM
-# so numbers come back even if the bench command is not there.
+# Check cadence's CUDA backend on your NVIDIA GPU: the GPU tests, then the throughput with
+# async output processing on and off next to the bare forward floor (`engine bench compare`),
+# gathered in one summary file. Run it from a cadence checkout:
 #
-#   bash scripts/cuda_device_check.sh [RESULTS_DIR]     (about ten minutes)
+#   bash scripts/cuda_device_check.sh [--dry-run] [OUTPUT_DIR]   (default ./cuda-check-results)
 #
-# It assumes a bare, offline machine whose python3 already has torch (CUDA), triton,
-# transformers, tokenizers, safetensors, pluggy and pytest,
-# so cadence is installed with --no-deps --no-index. Each stage has its own time limit, cut
-# to what is left of BUDGET_S (570 s), and the stages run most-valuable-first (correctness,
-# then the overlap timings, then the bench command); STAGES selects some of them.
-# Results (eight files) land in RESULTS_DIR (default ./cuda-check-results):
-#   env.txt  pytest.log  bench.log  bench.json  timing.log  timing.json  summary.txt
+# --dry-run prints what would run and whether this machine has a GPU, and runs nothing.
+# Settings, all optional, as environment variables:
+#   PYTHON=python3      the interpreter to use; its torch must be a CUDA build
+#   INSTALL=1           pip install -e ".[cuda,test]" with that interpreter's pip first;
+#                       INSTALL=0 uses cadence as it is installed
+#   MODEL=PATH|ID       the model of the throughput figures (a folder, a GGUF file or a Hub
+#                       id); default: a random-weight 1.1B Llama (TinyLlama's shape, bf16),
+#                       built once into OUTPUT_DIR/model
+#   DTYPE=bfloat16      BATCH_SIZES=1,8,32,64,128,256   (128 prompt and 128 output tokens)
+#   STAGES=env,install,model,tests,bench   run only some stages
+#   BUDGET_S=SECONDS    a limit for the whole run: each stage is cut to what is left and
+#                       skipped with under 20 s to go, so the summary always gets written
+# Files in OUTPUT_DIR: env.txt install.log model.log pytest.log bench.log bench.json
+# summary.txt
 set -u -o pipefail
+
+dry=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+if [[ "${1:-}" == -* || $# -gt 1 ]]; then
+  echo "usage: bash scripts/cuda_device_check.sh [--dry-run] [OUTPUT_DIR]" >&2
+  exit 2
+fi
 results="${1:-cuda-check-results}"
-mkdir -p "$results"
-STAGES="${STAGES:-env,install,model,tests,timing,bench}"
-BATCHES="${BATCHES:-1,8,32,64,128,256}"
-MODEL_DIR="${MODEL_DIR:-/tmp/cadence-llama-1b}"
 PY="${PYTHON:-python3}"
+INSTALL="${INSTALL:-1}"
+DTYPE="${DTYPE:-bfloat16}"
+BATCH_SIZES="${BATCH_SIZES:-1,8,32,64,128,256}"
+STAGES="${STAGES:-env,install,model,tests,bench}"
+MODEL="${MODEL:-}"
+# Paths the user gave are theirs, relative to where they ran this; the stages run from the
+# checkout (the tests and the model builder live there).
+[[ "$results" == /* ]] || results="$PWD/$results"
+[[ -n "$MODEL" && -e "$MODEL" && "$MODEL" != /* ]] && MODEL="$PWD/$MODEL"
+model_dir="${MODEL:-$results/model}"
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-unset TRITON_INTERPRET
+unset TRITON_INTERPRET  # the tests would otherwise run the kernels in Triton's interpreter
+
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+gpu_problem() {  # prints why this machine cannot run the check, or nothing
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "nvidia-smi not found: this check needs an NVIDIA GPU with its driver installed"
+  elif ! nvidia-smi -L 2>/dev/null | grep -q "^GPU "; then
+    echo "nvidia-smi lists no GPU: $(nvidia-smi -L 2>&1 | head -1)"
+  fi
+}
+
+if (( dry )); then
+  problem="$(gpu_problem)"
+  echo "GPU: ${problem:-$(nvidia-smi -L | head -1)}"
+  echo "output folder: $results; stages: $STAGES; model: ${MODEL:-random 1.1B Llama in $model_dir}"
+  has install && (( INSTALL )) && echo "+ $PY -m pip install -e .[cuda,test]"
+  has model && [[ -z "$MODEL" ]] && echo "+ $PY (builds the random-weight model in $model_dir)"
+  has tests && echo "+ $PY -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py" \
+    "tests/test_cuda_logic.py -q -rs"
+  has bench && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
+    "--dtype $DTYPE --batch-sizes $BATCH_SIZES --runs async,sync,floor --skip-hf ..."
+  [[ -n "$problem" ]] && echo "(without a GPU the check stops here)"
+  exit 0
+fi
+
+problem="$(gpu_problem)"
+if [[ -n "$problem" ]]; then
+  echo "error: $problem" >&2
+  exit 2
+fi
+mkdir -p "$results" || exit 2
+: >"$results/summary.txt"
 say() { echo "== $(date +%T) $*" | tee -a "$results/summary.txt"; }
-# One deadline for the whole run (BUDGET_S; set it below whatever limit the job runs under):
-# each stage gets min(its own limit, what is left), so a slow stage cannot starve the rest
-# of time to write their results, and a stage with under 20 s left is skipped.
-BUDGET_S="${BUDGET_S:-570}"
-DEADLINE=$(( $(date +%s) + BUDGET_S ))
-left() { local l=$(( DEADLINE - $(date +%s) - 5 )); (( l < $1 )) && echo "$l" || echo "$1"; }
-fits() { (( $(left 9999) >= 20 )) || { say "skipped $1: out of time"; return 1; }; }
+
+# Without BUDGET_S a stage runs to its end; with it, every stage gets what is left.
+if [[ -n "${BUDGET_S:-}" ]]; then DEADLINE=$(( $(date +%s) + BUDGET_S )); fi
+limited() {  # limited NAME CMD...: run CMD within what is left of the budget
+  local name="$1"; shift
+  if [[ -z "${DEADLINE:-}" ]]; then "$@"; return; fi
+  local left=$(( DEADLINE - $(date +%s) - 5 ))
+  if (( left < 20 )); then say "skipped $name: BUDGET_S is spent"; return 124; fi
+  timeout "$left" "$@"
+}
 
 if has env; then
-  say "env"
-  { nvidia-smi; "$PY" -c 'import sys, torch, triton, transformers
-print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda,
-      "gpu", torch.cuda.get_device_name(0)); print("triton", triton.__version__)
-print("transformers", transformers.__version__)'; } >"$results/env.txt" 2>&1
-  tail -4 "$results/env.txt" | tee -a "$results/summary.txt"
+  say "environment"
+  { nvidia-smi
+    "$PY" -c 'import sys, torch
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+print("GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
+      "not visible to torch (a CPU-only build?)")
+try:
+    import triton; print("triton", triton.__version__)
+except ImportError:
+    print("triton not installed")'; } >"$results/env.txt" 2>&1
+  tail -3 "$results/env.txt" | tee -a "$results/summary.txt"
 fi
 
-if has install; then
-  say "install cadence (no deps, offline)"
-  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >>"$results/env.txt" 2>&1 \
-    || "$PY" -m pip install -q --no-deps --no-index --no-build-isolation . >>"$results/env.txt" 2>&1 \
-    || say "pip install failed (see env.txt)"
-  "$PY" -c 'from cadence.backends.cuda.backend import CudaBackend as C; print(C.probe())' \
-    2>&1 | tee -a "$results/summary.txt"
+if has install && (( INSTALL )); then
+  say "install cadence with its cuda and test extras ($PY -m pip)"
+  limited install "$PY" -m pip install -e ".[cuda,test]" >"$results/install.log" 2>&1 \
+    || { say "pip install failed: see install.log"; exit 1; }
 fi
 
-if has model && fits model; then
-  say "build a ~1.1B Llama-shaped random-weight model (TinyLlama shape) in $MODEL_DIR"
-  timeout "$(left 180)" "$PY" - "$MODEL_DIR" <<'EOF' 2>&1 | tee -a "$results/summary.txt"
-import os, shutil, sys
+probe="$("$PY" -c 'from cadence.backends.cuda.backend import CudaBackend as C
+r = C.probe(); print(("available" if r.available else "unavailable:"), r.reason)' 2>&1)"
+say "CUDA backend: $probe"
+if [[ "$probe" != available* ]]; then
+  say "stopping: the CUDA backend cannot run here (see above)"
+  exit 1
+fi
+
+if has model && [[ -z "$MODEL" ]]; then
+  say "random-weight 1.1B Llama (TinyLlama's shape) in $model_dir"
+  limited model "$PY" - "$model_dir" >"$results/model.log" 2>&1 <<'EOF'
+import os, sys
 import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
@@ -62,7 +127,7 @@ out = sys.argv[1]
 if os.path.exists(os.path.join(out, "model.safetensors")):
     print("exists"); sys.exit(0)
 os.makedirs(out, exist_ok=True)
-model_factory.build_tokenizer(out)  # small BPE; the timing loop feeds token ids directly
+model_factory.build_tokenizer(out)  # a small BPE: the benchmark's prompts are token ids
 cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                   num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                   max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -86,97 +151,24 @@ for l in range(cfg.num_hidden_layers):
 save_file(w, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 print("params", sum(t.numel() for t in w.values()) / 1e9, "B")
 EOF
+  tail -1 "$results/model.log" | tee -a "$results/summary.txt"
 fi
 
-if has tests && fits tests; then
+if has tests; then
   say "GPU tests"
-  timeout "$(left 200)" "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
-    tests/test_cuda_logic.py -q -rs -x >"$results/pytest.log" 2>&1
+  limited tests "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
+    tests/test_cuda_logic.py -q -rs >"$results/pytest.log" 2>&1
   echo "pytest exit $?" | tee -a "$results/summary.txt"
   tail -5 "$results/pytest.log" | tee -a "$results/summary.txt"
 fi
 
-if has timing; then
-  # One process per setting: each engine takes 0.9 of the card for its KV cache.
-  for setting in async sync eager; do
-    fits "timing $setting" || break
-    say "timing loop: $setting (batches $BATCHES)"
-    timeout "$(left 150)" "$PY" - "$MODEL_DIR" "$setting" "$BATCHES" "$results/timing.json" <<'EOF' \
-      2>&1 | tee -a "$results/timing.log" | grep -E '^(RESULT|Traceback|[A-Za-z]*Error)' \
-      | tee -a "$results/summary.txt"
-import json, os, random, sys, time
-import torch
-from cadence import LLM, SamplingParams
-from cadence.backends.cuda.graphs import bucket_for
-model, setting, batches, out_path = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-IN, OUT_LEN = 128, 128
-llm = LLM(model=model, backend="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=256,
-          disable_async_output_proc=setting == "sync",
-          backend_options={"enforce_eager": setting == "eager"})
-be = llm.engine.backend
-rng = random.Random(0)
-def prompts(n):
-    return [{"prompt_token_ids": [rng.randrange(2, 800) for _ in range(IN)]}
-            for _ in range(n)]
-def run(n, max_tokens):
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        detokenize=False)
-    ps = prompts(n)
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    outs = llm.generate(ps, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
-run(4, 8)  # warm-up: first Triton compiles, allocator growth
-results = []
-for b in [int(x) for x in batches.split(",")]:
-    prefill_s, _ = run(b, 1)
-    total_s, ntok = run(b, OUT_LEN)
-    decode_s = max(total_s - prefill_s, 1e-9)
-    row = {"setting": setting, "batch": b, "output_tokens": ntok, "total_s": total_s,
-           "tok_per_s": ntok / total_s, "decode_tok_per_s": b * (OUT_LEN - 1) / decode_s}
-    bucket = bucket_for(b, be.graphs.sizes) if be.graphs is not None else None
-    if bucket is not None:  # the floor: the decode graph alone, replayed back to back
-        be.graphs.views.slot_mapping.fill_(-1)  # write no KV while timing
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            be.graphs.replay(bucket)
-        start.record()
-        for _ in range(20):
-            be.graphs.replay(bucket)
-        end.record(); end.synchronize()
-        step_s = start.elapsed_time(end) / 20 / 1000
-        row |= {"floor_step_ms": step_s * 1000, "floor_tok_per_s": b / step_s,
-                "ratio_to_floor": row["decode_tok_per_s"] / (b / step_s),
-                "gpu_idle_fraction_est": max(0.0, 1 - (OUT_LEN - 1) * step_s / decode_s)}
-    results.append(row)
-    print("RESULT", json.dumps(row), flush=True)
-llm.shutdown()
-old = json.load(open(out_path)) if os.path.exists(out_path) else []
-json.dump(old + results, open(out_path, "w"), indent=1)
-EOF
-  done
-  [[ -f "$results/timing.json" ]] && "$PY" - "$results/timing.json" <<'EOF' 2>&1 | tee -a "$results/summary.txt"
-import json, sys
-rows = json.load(open(sys.argv[1]))
-by = {(r["setting"], r["batch"]): r for r in rows}
-print(f"{'batch':>5} {'async tok/s':>11} {'sync tok/s':>10} {'on/off':>6} {'eager tok/s':>11} "
-      f"{'decode/floor':>12} {'idle est':>8}")
-for b in sorted({r["batch"] for r in rows}):
-    a, s, e = by.get(("async", b), {}), by.get(("sync", b), {}), by.get(("eager", b), {})
-    ratio = a.get("decode_tok_per_s", 0) / s["decode_tok_per_s"] if s else float("nan")
-    print(f"{b:>5} {a.get('decode_tok_per_s', 0):>11.0f} {s.get('decode_tok_per_s', 0):>10.0f} "
-          f"{ratio:>6.3f} {e.get('decode_tok_per_s', 0):>11.0f} "
-          f"{a.get('ratio_to_floor', float('nan')):>12.3f} "
-          f"{a.get('gpu_idle_fraction_est', float('nan')):>8.3f}")
-EOF
+if has bench; then
+  say "engine bench compare: async output processing on, off, and the forward floor"
+  limited bench "$PY" -m cadence.cli.main bench compare --backend cuda --model "$model_dir" \
+    --dtype "$DTYPE" --max-model-len 512 --max-num-seqs 256 --input-len 128 \
+    --output-len 128 --batch-sizes "$BATCH_SIZES" --waves 2 --runs async,sync,floor \
+    --skip-hf --disable-tqdm --output-json "$results/bench.json" >"$results/bench.log" 2>&1
+  echo "bench exit $?" | tee -a "$results/summary.txt"
+  tail -20 "$results/bench.log" | tee -a "$results/summary.txt"
 fi
-
-if has bench && fits bench; then
-  say "engine bench compare"
-  { engine bench compare --help 2>&1 | head -40
-    timeout "$(left 150)" engine bench compare --backend cuda --model "$MODEL_DIR" --dtype bfloat16 \
-      --output-json "$results/bench.json" ${BENCH_EXTRA_ARGS:-}
-    echo "bench exit $?"; } >"$results/bench.log" 2>&1
-  tail -15 "$results/bench.log" | tee -a "$results/summary.txt"
-fi
-say "done"
+say "done: $results/summary.txt"
