@@ -55,7 +55,8 @@ class StepTimer:
         # between consecutive steps are the host time the device waited for (exposed).
         self.spans: list[tuple[float, float]] = []
         execute = engine.backend.execute
-        collect = engine.backend.collect
+        # Only backends that support async scheduling have collect().
+        collect = getattr(engine.backend, "collect", None)
 
         def record(out: Any) -> None:
             seconds = getattr(out, "device_seconds", 0.0)
@@ -83,8 +84,10 @@ class StepTimer:
             return out
 
         engine.backend.execute = reporting_execute
-        engine.backend.collect = reporting_collect
-        self._patched += [(engine.backend, "execute"), (engine.backend, "collect")]
+        self._patched.append((engine.backend, "execute"))
+        if collect is not None:
+            engine.backend.collect = reporting_collect
+            self._patched.append((engine.backend, "collect"))
         for obj, attr, kind in ((engine.backend, "forward", "device"),
                                 (engine.backend, "sample", "device"),
                                 (engine.backend, "to_host", "device"),
