@@ -17,7 +17,7 @@ class AttentionImpl(Protocol):
     """What a backend provides so the model's attention layers can use its paged cache."""
 
     def forward(self, layer_idx: int, q: Any, k: Any, v: Any, metadata: Any,
-                sliding_window: int | None = None) -> Any:
+                sliding_window: int | None = None, scale: float | None = None) -> Any:
         """Write ``k``/``v`` of this step into the cache, then attend.
 
         Shapes: ``q`` [num_tokens, num_heads, head_dim], ``k``/``v``
@@ -29,6 +29,11 @@ class AttentionImpl(Protocol):
         implementation without the parameter fails loudly on a windowed model instead of
         attending to too much. Keys older than the window may sit in blocks the engine has
         already freed (their table entries then name block 0): never read them.
+
+        ``scale``: the factor on q.k before the softmax; None, ``head_dim ** -0.5``. Passed by
+        keyword, and only when it differs (Granite's ``attention_multiplier``, Gemma's
+        ``query_pre_attn_scalar``), with the same loud failure for an implementation that
+        lacks it (core/layers/attention.py).
         """
         ...
 

@@ -48,7 +48,9 @@ class KernelSiluAndMul(nn.Module):
 
 
 class KernelRotary(nn.Module):
-    """Rotates q and k in place (they are views of this step's fresh qkv output)."""
+    """Rotates q and k in place (they are views of this step's fresh qkv output). Tables
+    narrower than the head rotate its leading dimensions only (partial rotary): the kernel
+    takes strided heads, so it runs on the narrower views as they are."""
 
     def __init__(self, ops: ModuleType) -> None:
         super().__init__()
@@ -56,7 +58,11 @@ class KernelRotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.ops.rotary_inplace(q, k, *cos_sin)
+        rd = cos_sin[0].shape[-1]
+        if rd == q.shape[-1]:
+            self.ops.rotary_inplace(q, k, *cos_sin)
+        else:
+            self.ops.rotary_inplace(q[..., :rd], k[..., :rd], *cos_sin)
         return q, k
 
 

@@ -102,19 +102,21 @@ class HpuPagedAttention:
         self.fused_sdpa = fused_sdpa
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q [B, H, Q, D], k/v [B, H, L, D]; mask None = causal, else [B, 1, Q, L] bool."""
         if self.fused_sdpa is not None:
             # FusedSDPA takes an additive mask; every row attends to at least key 0, so the
             # large negative never turns a whole row into NaN.
             add = None if mask is None else torch.where(
                 mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
-            return self.fused_sdpa(q, k, v, add, 0.0, mask is None, self.scale)
+            return self.fused_sdpa(q, k, v, add, 0.0, mask is None, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=self.scale)
+                                              scale=scale)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                md: HpuAttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+                md: HpuAttentionMetadata, sliding_window: int | None = None,
+                scale: float | None = None) -> torch.Tensor:
+        scale = self.scale if scale is None else scale
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
@@ -122,7 +124,7 @@ class HpuPagedAttention:
         if md.is_decode:
             kb = gather_blocks(kc, md.block_tables, self.block_size)
             vb = gather_blocks(vc, md.block_tables, self.block_size)
-            return decode_attention(q, kb, vb, mask, self.scale)
+            return decode_attention(q, kb, vb, mask, scale)
         b, ql = md.batch_size, md.query_len
         _, h, d = q.shape
         if md.attn_mask is None:
@@ -134,7 +136,7 @@ class HpuPagedAttention:
         qt = q.view(b, ql, h, d).transpose(1, 2)  # [B, H, Q, D]
         kt = kb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, L, D]
         vt = vb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
-        out = self._sdpa(qt, kt, vt, mask)  # [B, H, Q, D]
+        out = self._sdpa(qt, kt, vt, mask, scale)  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(b * ql, h, d)
 
 

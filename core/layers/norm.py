@@ -34,3 +34,31 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+
+class RMSNormWeightFirst(nn.Module):
+    """RMSNorm that applies its weight in float32 before casting back (OLMo 2's and Gemma's
+    order; ``RMSNorm`` casts first, as Llama does). In float32 the two agree bit for bit; in
+    bf16 they round differently, so each family uses its own.
+
+    ``offset``: the scale is ``offset + weight`` (Gemma stores ``weight`` around 0 and
+    scales by ``1 + weight``).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.weight.float() + self.offset if self.offset else self.weight
+        return (scale * normed).to(input_dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with a bias over the last dimension (GPT-2, GPT-NeoX): torch's own, as
+    transformers runs it, named here so that a backend can find and swap it."""

@@ -202,17 +202,17 @@ class TorchPagedAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: TorchAttentionMetadata,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, scale: float | None = None) -> torch.Tensor:
+        scale = self.scale if scale is None else scale
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(kc, vc, k, v, metadata.slot_mapping)
         nd = metadata.num_decodes
         mask = metadata.decode_mask_for(sliding_window)
         if not metadata.prefills:
-            return decode_attention(q, kc, vc, metadata.decode_tables, mask, self.scale)
+            return decode_attention(q, kc, vc, metadata.decode_tables, mask, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables, mask,
-                                        self.scale)
-        run_prefills(q, k, v, kc, vc, metadata.prefills, self.scale, out,
+            out[:nd] = decode_attention(q[:nd], kc, vc, metadata.decode_tables, mask, scale)
+        run_prefills(q, k, v, kc, vc, metadata.prefills, scale, out,
                      sliding_window=sliding_window)
         return out

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -38,7 +38,24 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def _inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """How many leading dimensions of each head are rotated: ``head_dim`` times the partial
+    rotary factor (``rope_parameters["partial_rotary_factor"]``, where transformers 5.x puts
+    it, also GPT-NeoX's ``rotary_pct``; else a top-level ``partial_rotary_factor``)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * factor)
+
+
+def _longrope_is_long(config: Any, max_len: int) -> bool:
+    params = rope_parameters(config)
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None) or config.max_position_embeddings
+    return max_len > original
+
+
+def _inv_freq(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -50,6 +67,17 @@ def _inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if rope_type == "longrope":
+        # NOTE LongRoPE: transformers rotates with the short factors while a sequence fits in
+        # original_max_position_embeddings and, once it grows past, recomputes the whole
+        # sequence with the long ones (Phi3ForCausalLM drops its cache at that step). A
+        # paged cache cannot re-rotate keys it holds, so the choice is made once per engine,
+        # from max_model_len: short when every sequence fits, long otherwise. Each matches
+        # transformers for the sequences that stay on its side (docs/models.md).
+        seq_len = max_len if _longrope_is_long(config, max_len) else None
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu",
+                                                                   seq_len=seq_len)
+        return inv_freq.float(), float(attention_factor)
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.float(), float(attention_factor)
 
@@ -69,12 +97,18 @@ def _dynamic_ntk_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for all positions; ``apply_rotary`` rotates q and k with a lookup."""
+    """cos/sin tables for all positions; ``apply_rotary`` rotates q and k with a lookup.
+
+    ``head_dim`` is the rotated width (``rotary_dim``: the whole head unless the model
+    rotates only part of it). ``max_model_len`` picks LongRoPE's factors (NOTE in
+    ``_inv_freq``); the tables cover at least ``max_position_embeddings`` positions.
+    """
 
     def __init__(self, config: Any, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.head_dim = head_dim
+        self.max_model_len = max_len
         self.max_len = max(max_len, config.max_position_embeddings)
         self.dtype = dtype
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
@@ -83,12 +117,10 @@ class RotaryEmbedding(nn.Module):
 
     def reset_cache(self) -> None:
         """(Re)compute the cos/sin tables on the CPU, e.g. after building on the meta device."""
-        inv_freq, attention_factor = _inv_freq(self.config, self.head_dim)
+        inv_freq, attention_factor = _inv_freq(self.config, self.head_dim, self.max_model_len)
         if inv_freq.numel() * 2 != self.head_dim:
-            raise ValueError(
-                f"partial rotary embeddings are not supported (rotary dim "
-                f"{inv_freq.numel() * 2} != head_dim {self.head_dim})"
-            )
+            raise ValueError(f"the rope parameters give {inv_freq.numel() * 2} rotary "
+                             f"dimensions, the model rotates {self.head_dim}")
         positions = torch.arange(self.max_len, dtype=torch.float, device="cpu")
         # Same float32 arithmetic as transformers: positions * inv_freq, then scale cos/sin.
         freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
@@ -120,9 +152,17 @@ class ApplyRotary(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated, same shapes."""
+    """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated, same shapes.
+
+    Tables narrower than the head (cos, sin [T, 1, rotary_dim]) rotate the leading
+    ``rotary_dim`` dimensions and pass the rest through (partial rotary, GPT-NeoX's
+    ``rotary_pct``), as transformers' ``apply_rotary_pos_emb`` does."""
     cos, sin = cos_sin
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    rd = cos.shape[-1]
+    if rd == q.shape[-1]:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return (torch.cat((_rotate(q[..., :rd], cos, sin), q[..., rd:]), dim=-1),
+            torch.cat((_rotate(k[..., :rd], cos, sin), k[..., rd:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,20 +15,18 @@ nothing, so a backend whose attention predates windows still runs every other mo
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from cadence.forward_context import get_forward_context
 from cadence.layers.activation import SiluAndMul
+from cadence.layers.attention import attend, attention_features
 from cadence.layers.linear import Linear
-from cadence.layers.logits import RefineTopLogits
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
 from cadence.model_limits import layer_windows
+from cadence.models import base
 
 
 class Attention(nn.Module):
@@ -42,6 +40,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.features = attention_features(dims["head_dim"], sliding_window)
         self.num_heads = dims["num_heads"]
         self.num_kv_heads = dims["num_kv_heads"]
         self.head_dim = dims["head_dim"]
@@ -63,12 +62,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos_sin)
-        ctx = get_forward_context()
-        if self.sliding_window is None:
-            out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata)  # [T, H, D]
-        else:
-            out = ctx.attn.forward(self.layer_idx, q, k, v, ctx.metadata,
-                                   sliding_window=self.sliding_window)
+        out = attend(self.layer_idx, q, k, v, self.features)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
@@ -132,17 +126,16 @@ class DecoderModel(nn.Module):
 
 
 # HF checkpoint names of the projections we fuse -> (our fused name, shard index).
-_FUSED = {
+FUSED_QKV_GATE_UP = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
-class CausalLM(nn.Module):
+class CausalLM(base.CausalLM):
     """Llama-family causal LM built from a transformers config; see the module docstring.
 
     Built on the meta device and materialized on the CPU with uninitialized weights:
@@ -153,18 +146,10 @@ class CausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
     qk_norm: bool = False
+    fused_parts = FUSED_QKV_GATE_UP
 
     def __init__(self, config: Any, dtype: torch.dtype, max_model_len: int | None = None):
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.vocab_size = config.vocab_size
-        self.hidden_size = config.hidden_size
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(config, dtype)
         attention_bias = bool(getattr(config, "attention_bias", False))
         spec = {
             "qkv_bias": attention_bias if self.qkv_bias is None else self.qkv_bias,
@@ -179,19 +164,11 @@ class CausalLM(nn.Module):
         }
         # Each layer's sliding window (None: full attention); see the module NOTE.
         self.layer_windows = _layer_windows(config, max_model_len)
-        # Meta first: no time spent on random init of weights that load_weights overwrites.
-        with torch.device("meta"):
-            self.model = DecoderModel(config, spec, dims, self.layer_windows)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.model.to(dtype).to_empty(device="cpu")
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head.to(dtype).to_empty(device="cpu")
+        self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows),
+                   "embed_tokens")
         self.rotary_emb = RotaryEmbedding(
             config, self.head_dim, max_model_len or config.max_position_embeddings, dtype
         )
-        self.refine_logits = RefineTopLogits()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
@@ -203,63 +180,6 @@ class CausalLM(nn.Module):
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, the entries tied at a
-        row's maximum exact in fp32 when the head runs in bf16 (core/layers/logits.py)."""
-        head = self.lm_head
-        return self.refine_logits(head(hidden), hidden, getattr(head, "weight", None),
-                                  head.bias)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up as they come."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (
-                self.tie_word_embeddings and name == "lm_head.weight"
-            ):
-                continue  # recomputed / shared with the embeddings
-            match = _FUSED_RE.match(name)
-            if match is not None:
-                prefix, proj, kind = match.groups()
-                fused, shard = _FUSED[proj]
-                target = f"{prefix}.{fused}.{kind}"
-                if target not in params:
-                    unexpected.append(name)
-                    continue
-                self._shard(params[target], fused, shard).copy_(tensor)
-                loaded.add(f"{target}#{shard}")
-            elif name in params:
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-            else:
-                unexpected.append(name)
-        missing = [n for n in sorted(expected) if not self._is_loaded(n, loaded)]
-        if unexpected:
-            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
-        if missing:
-            raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
-
-    def _shard(self, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
-        if fused == "qkv_proj":
-            q = self.num_heads * self.head_dim
-            kv = self.num_kv_heads * self.head_dim
-            sizes = [q, kv, kv]
-        else:
-            sizes = [param.shape[0] // 2] * 2
-        start = sum(sizes[:shard])
-        return param.data[start : start + sizes[shard]]
-
-    @staticmethod
-    def _is_loaded(name: str, loaded: set[str]) -> bool:
-        if ".qkv_proj." in name:
-            return all(f"{name}#{i}" in loaded for i in range(3))
-        if ".gate_up_proj." in name:
-            return all(f"{name}#{i}" in loaded for i in range(2))
-        return name in loaded
 
 
 def _layer_windows(config: Any, max_model_len: int | None) -> list[int | None]:

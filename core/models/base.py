@@ -1,0 +1,162 @@
+"""What every model family shares: the attributes the engine reads, building on the meta
+device, the LM head (tied to the embeddings or its own), fp32 logits, and checkpoint loading
+with fused projections filled shard by shard.
+
+A family subclasses ``CausalLM``, builds its layers with ``build``, and says how its
+checkpoint names map onto its parameters (``fused_parts``, ``convert_weight``); the loader
+then checks that every parameter was loaded exactly from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from cadence.layers.linear import Linear
+from cadence.layers.logits import RefineTopLogits
+
+
+def empty_embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialized (``load_weights`` fills it)."""
+    # _weight skips the random init: on the meta device normal_ runs through torch's Python
+    # reference ops, whose first use imports torch._dynamo (~1-2 s of start-up).
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+class CausalLM(nn.Module):
+    """Base of the decoder families.
+
+    The engine reads ``num_layers``, ``num_kv_heads``, ``head_dim`` (the KV cache's shape),
+    ``vocab_size`` and ``hidden_size``, calls ``forward(input_ids, positions)`` -> hidden
+    states [T, hidden] and ``compute_logits(hidden)`` -> fp32 logits, and ``load_weights``.
+
+    Class data a family sets (read-only):
+    - ``fused_parts``: checkpoint projection name -> (our fused module, shard index), for
+      projections the model runs as one GEMM (q/k/v, gate/up); ``fused_sizes`` gives each
+      fused module's shard rows.
+    """
+
+    fused_parts: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    def __init__(self, config: Any, dtype: torch.dtype, head_dim: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim or getattr(config, "head_dim", None) \
+            or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.refine_logits = RefineTopLogits()
+
+    # -- building ---------------------------------------------------------------------------
+
+    def build(self, prefix: str, body: Callable[[], nn.Module], embed: str,
+              head_bias: bool = False) -> None:
+        """Build ``body()`` as ``self.<prefix>`` (HF's name for it, so checkpoint names map
+        directly) and the LM head, on the meta device first (no time spent on random init of
+        weights that ``load_weights`` overwrites), then materialize them uninitialized in the
+        model's dtype. A tied head shares ``self.<prefix>.<embed>``'s weight."""
+        with torch.device("meta"):
+            module = body()
+            lm_head = Linear(self.hidden_size, self.vocab_size, bias=head_bias)
+        setattr(self, prefix, module.to(self.dtype).to_empty(device="cpu"))
+        self.lm_head = lm_head.to(self.dtype).to_empty(device="cpu")
+        if self.tie_word_embeddings:
+            self.lm_head.weight = module.get_submodule(embed).weight
+
+    # -- logits -----------------------------------------------------------------------------
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, the entries tied at a
+        row's maximum exact in fp32 when the head runs in bf16 (core/layers/logits.py), then
+        the family's own final step (``finish_logits``)."""
+        head = self.lm_head
+        logits = self.refine_logits(head(hidden), hidden, getattr(head, "weight", None),
+                                    head.bias)
+        return self.finish_logits(logits)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits -> the family's logits (a scale, a soft cap); monotonic per row, so
+        the exact maxima stay the maxima. Identity by default."""
+        return logits
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def convert_weight(self, name: str, tensor: torch.Tensor
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One checkpoint tensor -> (our name, tensor) pairs; none to skip it. The default
+        skips stored rotary frequencies (recomputed) and renames nothing."""
+        if "rotary_emb.inv_freq" not in name:
+            yield name, tensor
+
+    def fused_sizes(self, fused: str) -> list[int]:
+        """Rows of each shard of the fused module ``fused`` (see ``fused_parts``)."""
+        if fused == "qkv_proj":
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return [q, kv, kv]
+        if fused == "gate_up_proj":
+            size = self.config.intermediate_size
+            return [size, size]
+        raise NotImplementedError(f"{type(self).__name__} names no shard sizes for {fused}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, filling fused parameters shard by shard, and
+        refuse a checkpoint with an unknown, misshapen or missing weight."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        owned = dict(self.named_parameters())  # a tied head's weight counts once
+        shared = set(params) - set(owned)
+        fused_re = _fused_pattern(self.fused_parts)
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for ckpt_name, ckpt_tensor in weights:
+            for name, tensor in self.convert_weight(ckpt_name, ckpt_tensor):
+                if name in shared:
+                    continue  # the head tied to the embeddings: loaded under their name
+                target, shard = name, None
+                match = fused_re.match(name) if fused_re is not None else None
+                if match is not None:
+                    prefix, proj, kind = match.groups()
+                    fused, shard = self.fused_parts[proj]
+                    target = f"{prefix}.{fused}.{kind}"
+                if target not in params:
+                    unexpected.append(ckpt_name)
+                    continue
+                dest = params[target].data
+                if shard is not None:
+                    sizes = self.fused_sizes(target.split(".")[-2])
+                    start = sum(sizes[:shard])
+                    dest = dest[start:start + sizes[shard]]
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"checkpoint weight {ckpt_name} has shape "
+                                     f"{tuple(tensor.shape)}, the model expects "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
+        missing = [n for n in owned if not self._is_loaded(n, loaded)]
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+
+    def _is_loaded(self, name: str, loaded: set[str]) -> bool:
+        if name in loaded:
+            return True
+        module = name.split(".")[-2] if "." in name else ""
+        if module not in {fused for fused, _ in self.fused_parts.values()}:
+            return False
+        return all(f"{name}#{i}" in loaded for i in range(len(self.fused_sizes(module))))
+
+
+def _fused_pattern(parts: dict[str, tuple[str, int]]) -> re.Pattern[str] | None:
+    if not parts:
+        return None
+    names = "|".join(map(re.escape, parts))
+    return re.compile(rf"^(.*)\.({names})\.(weight|bias)$")

@@ -1,0 +1,70 @@
+"""Tiny random-weight models of the families beyond Llama, built from transformers' own
+config classes with each family's distinctive options switched on.
+
+The weights are seeded; norm scales sit near their neutral value (1, or 0 where the family
+scales by 1 + weight), norm biases near 0 (a large one favours the same tokens at every
+step), and everything else is much larger than usual, so that greedy decoding wanders
+instead of repeating one token (each family's ``std`` was picked by looking at that).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_COMMON = {"vocab_size": None, "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+# name -> (model_type, config fields, init: "norm" the neutral norm scale, "std" the weights')
+FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
+    # Parallel attention/MLP, half of each head rotated, the exact GELU.
+    "gpt_neox": ("gpt_neox", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "rotary_pct": 0.5, "use_parallel_residual": True,
+        "hidden_act": "gelu", "layer_norm_eps": 1e-5}, {"norm": 1.0, "std": 0.5}),
+    # The sequential residual, the tanh GELU, a tied head, all of each head rotated.
+    "gpt_neox-sequential": ("gpt_neox", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "rotary_pct": 1.0, "use_parallel_residual": False,
+        "hidden_act": "gelu_new", "tie_word_embeddings": True}, {"norm": 1.0, "std": 0.5}),
+}
+
+
+def family_config(name: str, vocab_size: int, bos_id: int, eos_id: int) -> Any:
+    from transformers import AutoConfig
+
+    model_type, fields, _ = FAMILIES[name]
+    merged = {**_COMMON, **fields, "vocab_size": vocab_size, "bos_token_id": bos_id,
+              "eos_token_id": eos_id, "pad_token_id": eos_id}
+    return AutoConfig.for_model(model_type, **merged)
+
+
+def _is_norm(name: str) -> bool:
+    return any(part in name for part in ("norm", "ln_", ".ln"))
+
+
+def build_family_model(name: str, out_dir: str | Path, tokenizer_dir: str | Path,
+                       seed: int = 0) -> str:
+    """Save a seeded random-weight model of family ``name`` plus the tokenizer in out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = family_config(name, len(tokenizer), tokenizer.bos_token_id,
+                           tokenizer.eos_token_id)
+    init = FAMILIES[name][2]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if _is_norm(pname) and pname.endswith("weight"):
+                param.copy_(init["norm"] + 0.1 * torch.randn_like(param))
+            elif _is_norm(pname):
+                param.normal_(0.0, 0.02)
+            else:
+                param.normal_(0.0, 0.25 if "embed" in pname or "wte" in pname else init["std"])
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return str(out_dir)

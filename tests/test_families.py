@@ -1,0 +1,143 @@
+"""Model families beyond Llama, exact against transformers: tiny random-weight models built
+from transformers' config classes with each family's distinctive options on
+(tests/family_factory.py).
+
+- the model alone (a dense reference attention) gives transformers' logits;
+- through the engine, greedy tokens equal transformers' own ``generate`` over prompts of a
+  few dozen tokens, with the CPU backend's compiled kernels and with its torch path;
+- async output processing on == off with seeded sampling and chunked prefill;
+- the HPU backend's emulation gives the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_factory import FAMILIES, build_family_model
+
+from cadence import SamplingParams
+from cadence.config import ModelConfig
+from cadence.forward_context import set_forward_context
+from cadence.model_loader import load_model
+from cadence.models import supported_architectures
+
+PROMPTS = [[(7 * i + 3) % 600 + 2 for i in range(40)], [(5 * i + 11) % 600 + 2 for i in range(5)],
+           [(3 * i + 1) % 600 + 2 for i in range(23)]]
+NUM_TOKENS = 32
+NAMES = sorted(FAMILIES)
+
+
+class DenseAttention:
+    """Reference AttentionImpl: causal SDPA per sequence of a packed batch, no cache; takes
+    every attention feature a family may pass."""
+
+    def forward(self, layer_idx: int, q, k, v, metadata: list[int],
+                sliding_window: int | None = None, scale: float | None = None):
+        outs, start = [], 0
+        for n in metadata:
+            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+            i = torch.arange(n)
+            mask = i[None, :] <= i[:, None]
+            if sliding_window is not None:
+                mask &= i[None, :] > i[:, None] - sliding_window
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+
+@pytest.fixture(scope="module")
+def family(tokenizer_dir, tmp_path_factory):
+    """``family(name)`` -> (model folder, transformers' greedy tokens for PROMPTS)."""
+    built: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def make(name: str) -> tuple[str, list[list[int]]]:
+        if name not in built:
+            from transformers import AutoModelForCausalLM
+
+            path = build_family_model(name, tmp_path_factory.mktemp(name), tokenizer_dir)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
+                                min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(p):].tolist()
+                    for p in PROMPTS]
+            built[name] = (path, want)
+        return built[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_transformers(family, name) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path, _ = family(name)
+    with open(f"{path}/config.json") as f:
+        assert json.load(f)["architectures"][0] in supported_architectures()
+    ours, _ = load_model(ModelConfig(model=path, max_model_len=512))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    with torch.no_grad():
+        with set_forward_context(DenseAttention(), [len(p) for p in PROMPTS]):
+            logits = ours.compute_logits(ours(ids, positions))
+        want = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert logits.dtype == torch.float32
+    # Larger weights than usual make larger logits: the last bits differ by more.
+    torch.testing.assert_close(logits, want, atol=5e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+def _greedy(model: str, **kw) -> list[list[int]]:
+    from engine_helpers import generate, make_llm
+
+    llm = make_llm(model, **kw)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        outs = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_transformers(family, name, attention) -> None:
+    model, want = family(name)
+    got = _greedy(model, block_size=4,
+                  backend_options={"overlap": "sync", "attention": attention})
+    assert got == want
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_async_on_equals_off(family, name) -> None:
+    """Seeded sampling and greedy side by side, prompts cut into 8-token chunks."""
+    from engine_helpers import generate, make_llm, summarize
+
+    model, _ = family(name)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True,
+                             logprobs=1) if i % 2 else
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    results = []
+    for off in (False, True):
+        llm = make_llm(model, block_size=4, max_num_batched_tokens=8,
+                       disable_async_output_proc=off)
+        results.append(summarize(generate(llm, prompts, params)))
+        llm.shutdown()
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hpu_emulation_greedy(family, name, monkeypatch) -> None:
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    model, want = family(name)
+    got = _greedy(model, backend="hpu", block_size=4, max_num_batched_tokens=64,
+                  max_model_len=128, max_num_seqs=4)
+    assert got == want
