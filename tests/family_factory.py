@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_COMMON = {"vocab_size": None, "max_position_embeddings": 512, "tie_word_embeddings": False}
+_COMMON = {"max_position_embeddings": 512, "tie_word_embeddings": False}
 
 # name -> (model_type, config fields, init: "norm" the neutral norm scale, "std" the weights')
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
@@ -26,6 +26,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
         "num_attention_heads": 2, "rotary_pct": 1.0, "use_parallel_residual": False,
         "hidden_act": "gelu_new", "tie_word_embeddings": True}, {"norm": 1.0, "std": 0.5}),
+    # Learned positions, Conv1D checkpoints, a tied head, gelu_new.
+    "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512,
+                      "activation_function": "gelu_new", "tie_word_embeddings": True},
+             {"norm": 1.0, "std": 0.5}),
+    # Per-layer attention scale 1 / sqrt(D) / (layer + 1), an own head, n_inner, exact GELU.
+    "gpt2-layer-scaled": ("gpt2", {
+        "n_embd": 64, "n_layer": 3, "n_head": 2, "n_inner": 96, "n_positions": 512,
+        "activation_function": "gelu", "scale_attn_by_inverse_layer_idx": True,
+        "tie_word_embeddings": False}, {"norm": 1.0, "std": 0.5}),
 }
 
 

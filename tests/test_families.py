@@ -141,3 +141,25 @@ def test_hpu_emulation_greedy(family, name, monkeypatch) -> None:
     got = _greedy(model, backend="hpu", block_size=4, max_num_batched_tokens=64,
                   max_model_len=128, max_num_seqs=4)
     assert got == want
+
+
+@pytest.mark.parametrize(("name", "rename"), [
+    # The original GPT-2 checkpoints name the body bare (h.0..., wte) and store the masks.
+    ("gpt2-layer-scaled", lambda n: n.removeprefix("transformer.")),
+    # Pythia's checkpoints call the head embed_out.
+    ("gpt_neox", lambda n: "embed_out.weight" if n == "lm_head.weight" else n),
+])
+def test_older_checkpoint_names_load(family, name, rename) -> None:
+    from cadence.model_loader import iterate_weights
+
+    path, _ = family(name)
+    ours, _ = load_model(ModelConfig(model=path, max_model_len=512))
+    renamed, _ = load_model(ModelConfig(model=path, max_model_len=512))
+    extra = [("h.0.attn.bias", torch.ones(1, 1, 8, 8))] if name.startswith("gpt2") else \
+        [("gpt_neox.layers.0.attention.masked_bias", torch.tensor(-1e9))]
+    renamed.load_weights([(rename(n), t) for n, t in iterate_weights(path)] + extra)
+    for (n, a), (_, b) in zip(ours.state_dict().items(), renamed.state_dict().items(),
+                              strict=True):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="unexpected weights"):
+        renamed.load_weights([("transformer.h.0.attn.nonsense", torch.zeros(1))])

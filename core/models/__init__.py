@@ -9,6 +9,7 @@ import importlib
 
 # architecture -> (module under cadence.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
