@@ -149,6 +149,15 @@ class AsyncLLM:
         """A snapshot of the engine's stats, taken after the latest step (never torn)."""
         return self._stats
 
+    def replica_stats(self) -> list[EngineStats]:
+        """``[stats()]``: one engine is one replica (core/data_parallel/ serves several)."""
+        return [self._stats]
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request under this id is in flight (its stream not yet closed)."""
+        with self._lock:
+            return request_id in self._by_user_id
+
     async def add_request(self, prompt: str | Sequence[int] | dict,
                           params: SamplingParams | None = None, request_id: str | None = None,
                           priority: int = 0, output_kind: OutputKind = OutputKind.DELTA

@@ -217,6 +217,11 @@ class Backend(ABC):
     #: Whether ``submit``/``collect`` implement the placeholder protocol of async scheduling
     #: (docs/async_scheduling.md). The engine refuses ``--async-scheduling`` otherwise.
     supports_async_scheduling: ClassVar[bool] = False
+    #: Whether several engines of this backend can serve side by side in one process, each
+    #: taking its share of the machine from ``config.parallel_config`` (its rank among
+    #: ``data_parallel_size`` replicas; core/data_parallel/). ``engine serve
+    #: --data-parallel-size`` refuses a backend that does not declare it.
+    supports_data_parallel: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -109,6 +109,24 @@ class FaultConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Where this engine sits among replicas (core/data_parallel/): ``data_parallel_size``
+    engines serve one model side by side, this one is ``data_parallel_rank``. A backend
+    that declares ``supports_data_parallel`` uses them to take its share of the machine
+    (the CPU backend: its share of the cores)."""
+
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -121,6 +139,7 @@ class EngineConfig:
     # passed through untouched so plugins can add knobs without core changes.
     backend_options: tuple[tuple[str, object], ...] = ()
     fault_config: FaultConfig = FaultConfig()
+    parallel_config: ParallelConfig = ParallelConfig()
 
     def backend_option(self, name: str, default: object = None) -> object:
         return dict(self.backend_options).get(name, default)

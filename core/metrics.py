@@ -88,6 +88,32 @@ class EngineStats:
     # (LLMEngine.step), where the token's time is known without a per-token list.
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
+    @classmethod
+    def merged(cls, parts: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one (data-parallel replicas): counts, gauges and
+        histograms summed, KV cache usage averaged, the earliest start."""
+        out = cls()
+        for p in parts:
+            for name in ("num_prompt_tokens", "num_generation_tokens", "num_requests_added",
+                         "num_requests_finished", "num_preemptions", "num_steps",
+                         "num_scheduled_tokens", "num_running", "num_waiting"):
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            for reason, n in p.finish_reasons.items():
+                out.finish_reasons[reason] = out.finish_reasons.get(reason, 0) + n
+            out.times.num_steps += p.times.num_steps
+            for phase, secs in p.times.phases.items():
+                out.times.phases[phase] = out.times.phases.get(phase, 0.0) + secs
+            for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                         "time_per_output_token", "inter_token_latency"):
+                mine, theirs = getattr(out, name), getattr(p, name)
+                mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts)]
+                mine.total += theirs.total
+                mine.count += theirs.count
+            out.started = min(out.started, p.started)
+        if parts:
+            out.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
+        return out
+
     def snapshot(self) -> EngineStats:
         """A copy another thread may read while this one keeps counting (~5x cheaper than
         ``copy.deepcopy``, which matters once per engine step)."""

@@ -22,7 +22,7 @@ from cadence.output_state import OutputKind
 from cadence.server.app import build_app
 
 PROMPTS = ["the quick brown fox", "a small bird sings", "hello there"]
-LABELS = {"model_name": "tiny", "backend": "cpu"}
+LABELS = {"model_name": "tiny", "backend": "cpu", "engine": "0"}
 HISTOGRAMS = ["time_to_first_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "time_per_output_token_seconds",
               "inter_token_latency_seconds"]
@@ -162,9 +162,9 @@ def test_the_prefix_can_be_cadences_own():
     from cadence.metrics import EngineStats
     from cadence.server.metrics import make_registry
 
-    registry = make_registry(EngineStats, "m", lambda: "cpu", "cadence")
+    registry = make_registry(lambda: [EngineStats()], "m", lambda: "cpu", "cadence")
     names = {m.name for m in registry.collect()}
     assert "cadence:num_requests_running" in names
     assert not any(n.startswith("vllm:") for n in names)
     with pytest.raises(ValueError, match="metrics prefix must be one of"):
-        make_registry(EngineStats, "m", lambda: "cpu", "tgi")
+        make_registry(lambda: [EngineStats()], "m", lambda: "cpu", "tgi")

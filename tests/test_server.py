@@ -251,17 +251,17 @@ def test_models_health_and_metrics(model):
             assert r.status_code == 200
         text = (await client.get("/metrics")).text
 
-        def value(name: str, labels: str = 'backend="cpu",model_name="tiny"') -> float:
+        def value(name: str, labels: str = 'backend="cpu",engine="0",model_name="tiny"') -> float:
             m = re.search(rf"^vllm:{name}{{{re.escape(labels)}}} (\S+)$", text, re.M)
             assert m, name
             return float(m.group(1))
 
         assert value("generation_tokens_total") == 2 * 3 * 5
         assert value("request_success_total",
-                     'backend="cpu",finished_reason="length",model_name="tiny"') == 6
+                     'backend="cpu",engine="0",finished_reason="length",model_name="tiny"') == 6
         assert value("time_to_first_token_seconds_count") == 6
         assert value("e2e_request_latency_seconds_bucket",
-                     'backend="cpu",le="+Inf",model_name="tiny"') == 6
+                     'backend="cpu",engine="0",le="+Inf",model_name="tiny"') == 6
         assert value("num_requests_running") == 0
         assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
 

@@ -41,6 +41,8 @@ class CpuBackend(Backend):
     # Every strategy runs the model through ModelRunner, which fills placeholders from the
     # last sampled ids it keeps (in the worker process for ``process``).
     supports_async_scheduling = True
+    # Each replica's worker process binds to its own share of the cores (placement.py).
+    supports_data_parallel = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -65,6 +67,15 @@ class CpuBackend(Backend):
     def load_model(self) -> None:
         # The model, its packed GEMMs, the KV cache and the attention kernel are built in one
         # go (backends/cpu/runtime.py), in the worker process or here.
+        if self.config.parallel_config.data_parallel_size > 1:
+            from cadence.backends.cpu.placement import replica_cpus
+
+            if self.overlap != "process":
+                raise ValueError(
+                    f"data parallel serving on the cpu backend needs the 'process' overlap "
+                    f"strategy (each replica's worker process binds to its own cores); got "
+                    f"{self.overlap!r}")
+            replica_cpus(self.config.parallel_config)  # too few cores: say so before spawning
         if self.overlap == "process":
             from cadence.backends.cpu.worker import ForwardWorker
 

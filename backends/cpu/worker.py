@@ -76,6 +76,11 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
     try:
         import torch
 
+        from cadence.backends.cpu.placement import bind_to, replica_cpus
+
+        # A replica among several takes its share of the cores (placement.py), before
+        # torch starts its thread pool.
+        num_threads = bind_to(replica_cpus(config.parallel_config)) or num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
         from cadence.backends.cpu.runtime import build_runtime

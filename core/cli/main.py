@@ -93,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model folder's name)")
     g.add_argument("--max-pending-requests", type=int, default=None,
-                   help="requests in flight beyond which new ones get HTTP 429 "
-                        "(default: 4 x --max-num-seqs)")
+                   help="requests in flight beyond which new ones get HTTP 429, per "
+                        "replica (default: 4 x --max-num-seqs)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas of the model behind this server, each request "
+                        "routed to the least loaded one; on the CPU each replica's worker "
+                        "takes its share of the cores (default: %(default)s; "
+                        "docs/distributed.md)")
     g.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get HTTP 413")
     g.add_argument("--max-logprobs", type=int, default=20,

@@ -69,6 +69,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         check_api_key(api_key)
     if ns.timeout_keep_alive < 0:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {ns.timeout_keep_alive}")
+    if ns.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
     if not ns.header_timeout >= 0:
         raise ValueError(f"--header-timeout must be >= 0 (0: no limit), got "
                          f"{ns.header_timeout}")
@@ -79,7 +81,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         logging.basicConfig(level=ns.log_level.upper(),
                             format="%(levelname)s %(name)s: %(message)s")
-        engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
+        if ns.data_parallel_size > 1:
+            from cadence.data_parallel import DataParallelAsyncLLM
+
+            engine = DataParallelAsyncLLM.from_engine_args(
+                args, extra, ns.data_parallel_size, max_pending_requests=pending)
+        else:
+            engine = AsyncLLM.from_engine_args(args, extra, max_pending_requests=pending)
         print_generation_defaults(engine.generation_defaults)
         name = ns.served_model_name or os.path.basename(
             os.path.normpath(engine.engine.config.model_config.model))
@@ -87,6 +95,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         ns.metrics_prefix)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
+        if ns.data_parallel_size > 1:
+            backend += f", {ns.data_parallel_size} replicas"
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         serve_app(app, sock, f"cadence: serving {name!r} on http://{url_host}:{port}/v1 with "

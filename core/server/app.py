@@ -79,6 +79,12 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         problem = engine.check_health()
         if problem is not None:
             return error_response(503, problem)
+        # Data-parallel replicas: some may be down while the others serve (200, named).
+        problems = engine.replica_problems() if hasattr(engine, "replica_problems") else []
+        if any(p is not None for p in problems):
+            return {"status": "degraded", "replicas": [
+                {"replica": i, "status": "ok" if p is None else p}
+                for i, p in enumerate(problems)]}
         return {"status": "ok"}
 
     @app.get("/version")
@@ -91,7 +97,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             "id": model_name, "object": "model", "created": 0, "owned_by": "cadence",
             "max_model_len": engine.max_model_len}]}
 
-    registry = make_registry(lambda: engine.stats(), model_name,
+    registry = make_registry(lambda: engine.replica_stats(), model_name,
                              lambda: _backend_name(engine), metrics_prefix)
 
     @app.get("/metrics")

@@ -26,7 +26,9 @@ from prometheus_client.utils import floatToGoString
 
 from cadence.metrics import EngineStats, Histogram
 
-LABELS = ["model_name", "backend"]
+# ``engine``: the replica's rank under data-parallel serving ("0" for one engine), vLLM's
+# label for the same thing.
+LABELS = ["model_name", "backend", "engine"]
 
 #: Metric name prefixes: vLLM's own, so dashboards built for vLLM work unchanged, or
 #: cadence's, for a deployment that scrapes both engines side by side.
@@ -59,9 +61,10 @@ _HISTOGRAMS = (
 
 
 class EngineStatsCollector(Collector):
-    """Turns the latest ``EngineStats`` snapshot into metric families at scrape time."""
+    """Turns the latest ``EngineStats`` snapshot of each replica (``stats()`` lists them by
+    rank) into metric families at scrape time, one sample per replica."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+    def __init__(self, stats: Callable[[], list[EngineStats]], model_name: str,
                  backend: Callable[[], str], prefix: str = "vllm") -> None:
         if prefix not in METRIC_PREFIXES:
             raise ValueError(f"metrics prefix must be one of {METRIC_PREFIXES}, got {prefix!r}")
@@ -72,31 +75,38 @@ class EngineStatsCollector(Collector):
         self.backend = backend
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        labels = [self.model_name, self.backend()]
+        replicas = self.stats()
+        base = [self.model_name, self.backend()]
+        rows = [([*base, str(rank)], s) for rank, s in enumerate(replicas)]
         for name, help_, attr in _COUNTERS:
             c = CounterMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
-            c.add_metric(labels, getattr(s, attr))
+            for labels, s in rows:
+                c.add_metric(labels, getattr(s, attr))
             yield c
         for name, help_, attr in _GAUGES:
             g = GaugeMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
-            g.add_metric(labels, getattr(s, attr))
+            for labels, s in rows:
+                g.add_metric(labels, getattr(s, attr))
             yield g
         c = CounterMetricFamily(f"{self.prefix}:request_success", "Finished requests by reason.",
                                 labels=[*LABELS, "finished_reason"])
-        for reason, n in sorted(s.finish_reasons.items()):
-            c.add_metric([*labels, reason], n)
+        for labels, s in rows:
+            for reason, n in sorted(s.finish_reasons.items()):
+                c.add_metric([*labels, reason], n)
         yield c
         for name, help_, attr in _HISTOGRAMS:
             h = HistogramMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
-            hist: Histogram = getattr(s, attr)
-            h.add_metric(labels, _cumulative(hist), hist.total)
+            for labels, s in rows:
+                hist: Histogram = getattr(s, attr)
+                h.add_metric(labels, _cumulative(hist), hist.total)
             yield h
-        for phase, secs in s.times.phases.items():
+        phases = sorted({phase for _, s in rows for phase in s.times.phases})
+        for phase in phases:
             c = CounterMetricFamily(f"{self.prefix}:step_{phase}_seconds",
                                     f"Time spent in the {phase} phase of engine steps.",
                                     labels=LABELS)
-            c.add_metric(labels, secs)
+            for labels, s in rows:
+                c.add_metric(labels, s.times.phases.get(phase, 0.0))
             yield c
 
 
@@ -108,7 +118,7 @@ def _cumulative(hist: Histogram) -> list[tuple[str, float]]:
     return buckets
 
 
-def make_registry(stats: Callable[[], EngineStats], model_name: str,
+def make_registry(stats: Callable[[], list[EngineStats]], model_name: str,
                   backend: Callable[[], str], prefix: str = "vllm") -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one) holding the collector."""
     registry = CollectorRegistry(auto_describe=False)

@@ -1,0 +1,48 @@
+"""Which cores a CPU engine's worker runs on when several engines serve side by side.
+
+Replicas of one model in one server (``engine serve --data-parallel-size N``) would all
+start torch's thread pool on every core, and N pools fighting over the same cores run
+slower than one. Each replica's worker instead takes a contiguous 1/N of the cores this
+process may use (its affinity mask, which respects ``taskset`` and container limits),
+binds itself to them and sizes its pool to match, as vLLM's CPU backend binds each rank's
+OpenMP threads to its own cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cadence.config import ParallelConfig
+
+
+def available_cpus() -> list[int]:
+    """The cores this process may run on, in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (not Linux): every core counts
+        return list(range(os.cpu_count() or 1))
+
+
+def replica_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> list[int] | None:
+    """The cores of replica ``data_parallel_rank``, or None for a lone engine (it keeps the
+    whole machine). ValueError when there are fewer cores than replicas."""
+    size, rank = parallel.data_parallel_size, parallel.data_parallel_rank
+    if size == 1:
+        return None
+    cpus = available_cpus() if cpus is None else cpus
+    if len(cpus) < size:
+        raise ValueError(f"--data-parallel-size {size} needs at least {size} CPU cores, one "
+                         f"per replica; this process may use {len(cpus)} ({cpus})")
+    # The first len % size replicas get one core more; every core belongs to one replica.
+    base, extra = divmod(len(cpus), size)
+    start = rank * base + min(rank, extra)
+    return cpus[start:start + base + (1 if rank < extra else 0)]
+
+
+def bind_to(cpus: list[int] | None) -> int | None:
+    """Pin this process to ``cpus``; the thread count to use (None: leave torch's)."""
+    if not cpus:
+        return None
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    return len(cpus)

@@ -1,0 +1,153 @@
+"""N ``AsyncLLM`` replicas behind the same calls as one (what the server uses)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from cadence.async_engine import AsyncLLM, EngineDeadError
+from cadence.async_stream import RequestStream
+from cadence.config import EngineConfig, ParallelConfig
+from cadence.engine_args import EngineArgs
+from cadence.metrics import EngineStats
+from cadence.output_state import OutputKind
+from cadence.outputs import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+
+def pick_replica(loads: Sequence[int | None], turn: int) -> int | None:
+    """The index of the least-loaded replica (None entries cannot serve); ties go round
+    robin from ``turn``, so an idle server spreads its first requests. None if none can."""
+    n = len(loads)
+    best = None
+    for k in range(n):
+        i = (turn + k) % n
+        if loads[i] is not None and (best is None or loads[i] < loads[best]):
+            best = i
+    return best
+
+
+class DataParallelAsyncLLM:
+    """Replicas of one model, each an ``AsyncLLM`` with its own engine and backend.
+
+    A request goes to the replica with the fewest requests in flight (a replica that is
+    not running is skipped), and stays there: its stream, abort and outputs are that
+    replica's. Request ids are unique across the replicas. ``max_pending_requests`` bounds
+    each replica, so ``EngineOverloadedError`` means every replica is full.
+    """
+
+    def __init__(self, replicas: Sequence[AsyncLLM]) -> None:
+        if not replicas:
+            raise ValueError("a data-parallel engine needs at least one replica")
+        self.replicas = list(replicas)
+        first = self.replicas[0]
+        # The replicas share a model: its tokenizer, limits and defaults speak for all.
+        self.engine = first.engine
+        self.tokenizer = first.tokenizer
+        self.max_model_len = first.max_model_len
+        self.generation_defaults = first.generation_defaults
+        self._turn = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, extra: dict | None = None, size: int = 2,
+                         max_pending_requests: int | None = None) -> DataParallelAsyncLLM:
+        """``size`` replicas of the engine ``args`` describe, started side by side."""
+        from cadence.engine import LLMEngine
+        from cadence.plugins import get_registry
+
+        config = args.create_engine_config(extra)
+        registry = get_registry()
+        backend_cls, _ = registry.select(config.backend)
+        if size > 1 and not backend_cls.supports_data_parallel:
+            capable = sorted(n for n, info in registry.backends.items()
+                             if info.cls.supports_data_parallel)
+            raise ValueError(
+                f"--data-parallel-size {size}: backend {config.backend!r} cannot serve "
+                f"replicas side by side; backends that can: {', '.join(capable) or 'none'}")
+        configs = replica_configs(config, size)
+        # Started together: each replica's model load (a worker process on the CPU) runs
+        # while the others load.
+        with ThreadPoolExecutor(max_workers=size) as pool:
+            futures = [pool.submit(LLMEngine, c) for c in configs]
+            engines, errors = [], []
+            for f in futures:
+                try:
+                    engines.append(f.result())
+                except Exception as e:
+                    errors.append(e)
+        if errors:
+            for engine in engines:
+                engine.shutdown()
+            raise errors[0]
+        return cls([AsyncLLM(e, max_pending_requests) for e in engines])
+
+    # ---- the AsyncLLM calls ----------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return any(r.is_running for r in self.replicas)
+
+    @property
+    def num_pending_requests(self) -> int:
+        return sum(r.num_pending_requests for r in self.replicas)
+
+    def check_health(self) -> str | None:
+        """None while some replica can serve (requests are routed around the others)."""
+        problems = self.replica_problems()
+        if all(p is not None for p in problems):
+            return "no replica can serve: " + "; ".join(
+                f"replica {i}: {p}" for i, p in enumerate(problems))
+        return None
+
+    def replica_problems(self) -> list[str | None]:
+        """Each replica's ``check_health()``, by rank."""
+        return [r.check_health() for r in self.replicas]
+
+    def stats(self) -> EngineStats:
+        """The replicas' stats summed (gauges too; KV cache usage averaged)."""
+        return EngineStats.merged(self.replica_stats())
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's latest stats snapshot, by rank."""
+        return [r.stats() for r in self.replicas]
+
+    async def add_request(self, prompt: str | Sequence[int] | dict,
+                          params: SamplingParams | None = None, request_id: str | None = None,
+                          priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                          ) -> RequestStream:
+        """``AsyncLLM.add_request`` on the least-loaded replica."""
+        if request_id is not None and any(r.has_request(request_id) for r in self.replicas):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        loads = [r.num_pending_requests if r.is_running else None for r in self.replicas]
+        i = pick_replica(loads, next(self._turn))
+        if i is None:
+            raise EngineDeadError("no replica is running")
+        # No await between the id check and the replica registering the id: another
+        # request with the same id cannot slip in between.
+        return await self.replicas[i].add_request(prompt, params, request_id, priority,
+                                                  output_kind)
+
+    async def generate(self, prompt: str | Sequence[int] | dict,
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
+        async for out in stream:
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        for r in self.replicas:
+            if r.has_request(request_id):
+                await r.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.shutdown() for r in self.replicas))
+
+
+def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
+    """``config`` for each of ``size`` replicas (its rank in ``parallel_config``)."""
+    return [dataclasses.replace(config, parallel_config=ParallelConfig(size, rank))
+            for rank in range(size)]
+
