@@ -140,8 +140,11 @@ class BlockManager:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(self._tables.get(request.request_id, ())))
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self._num_missing(request, num_new_tokens) <= len(self._free)
+    def can_allocate(self, request: Request, num_new_tokens: int, num_also_free: int = 0
+                     ) -> bool:
+        """Whether the table can grow by ``num_new_tokens``, with ``num_also_free`` more
+        blocks than the pool holds now (blocks about to be freed)."""
+        return self._num_missing(request, num_new_tokens) <= len(self._free) + num_also_free
 
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Grow the table to hold ``num_computed_tokens + num_new_tokens`` tokens."""
@@ -264,6 +267,21 @@ class BlockManager:
             self._release(table[i])
             table[i] = FREED_BLOCK
         self._num_freed[request.request_id] = num_dead
+
+    def num_freeable_behind_window(self, requests: list[Request]) -> int:
+        """Blocks that ``free_out_of_window`` would return to the pool now for ``requests``:
+        those behind each one's window at its ``num_computed_tokens`` that it still holds,
+        counting a shared block only when every reference to it goes."""
+        if self.sliding_window is None:
+            return 0
+        dying: Counter[int] = Counter()
+        for request in requests:
+            table = self._tables.get(request.request_id)
+            if not table:
+                continue
+            done = self._num_freed.get(request.request_id, 0)
+            dying.update(table[done:min(self._num_dead(request.num_computed_tokens), len(table))])
+        return sum(1 for b, n in dying.items() if self._blocks[b].ref_count == n)
 
     def free(self, request: Request) -> None:
         """Drop the request's references; idempotent."""

@@ -8,18 +8,32 @@ planned as a decode of its placeholder, exactly as it would be once the token ar
 from __future__ import annotations
 
 from cadence.request import Request
-from cadence.scheduler import Scheduler
+from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
 
 
 class AsyncScheduler(Scheduler):
-    """``Scheduler`` that does not plan a step whose token is known to be discarded.
+    """``Scheduler`` that plans around the step in flight.
 
     A request whose placeholder is its ``max_tokens``-th output token, or reaches
     ``max_model_len``, finishes when that token is committed whatever it turns out to be: it
     is left out now (vLLM's async scheduler does the same), so a length limit costs no extra
     step and no extra block. EOS, stop ids and stop strings depend on the token's value: such
     a request is planned once more and that step's token is discarded at commit.
+
+    NOTE sliding windows: the blocks that fall behind the window in the step in flight are
+    freed when it is committed (``BlockManager.cache_full_blocks``), after this plan. A
+    running request that fits once they are free waits for them instead of preempting:
+    with a cache sized for one sequence, preempting would free and recompute the same
+    request at every step, forever. Nothing else is admitted meanwhile.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._is_waiting_for_commit = False
+
+    def schedule(self) -> StepPlan:
+        self._is_waiting_for_commit = False
+        return super().schedule()
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_output_placeholders and self._finishes_on_length(request):
@@ -31,3 +45,15 @@ class AsyncScheduler(Scheduler):
         num_out = len(request.output_token_ids) + request.num_output_placeholders
         return (max_tokens is not None and num_out >= max_tokens) or \
             request.num_tokens >= self.config.max_model_len
+
+    def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        bm = self.block_manager
+        if not bm.can_allocate(request, num_new) and bm.can_allocate(
+                request, num_new, bm.num_freeable_behind_window(self.running)):
+            self._is_waiting_for_commit = True
+            return False
+        return super()._reserve(request, num_new, preempted)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        if not self._is_waiting_for_commit:
+            super()._schedule_waiting(budget, scheduled)
