@@ -73,6 +73,8 @@ def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
     - ``qwen2``, ``qwen3``: no window unless ``use_sliding_window``; then the layers that
       ``layer_types`` marks ``sliding_attention``, or without ``layer_types`` the layers from
       ``max_window_layers`` on (Qwen2Config's rule: the first ``max_window_layers`` are full).
+    - ``phi3``: every layer attends to ``sliding_window`` tokens when the config sets one
+      (Phi3Config's default is None; Phi-3-mini-4k sets 2047).
     - anything else (Llama): full attention everywhere.
 
     A window of W tokens lets the query at position i see keys j with i - W < j <= i
@@ -84,6 +86,8 @@ def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
     if kind == "mistral":
         window = cfg.get("sliding_window", _DEFAULT_WINDOW)
         return [_valid_window(window)] * num_layers
+    if kind == "phi3":
+        return [_valid_window(cfg.get("sliding_window"))] * num_layers
     if kind in ("qwen2", "qwen3"):
         window = _valid_window(cfg.get("sliding_window", _DEFAULT_WINDOW))
         if not cfg.get("use_sliding_window") or window is None:

@@ -35,6 +35,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "n_embd": 64, "n_layer": 3, "n_head": 2, "n_inner": 96, "n_positions": 512,
         "activation_function": "gelu", "scale_attn_by_inverse_layer_idx": True,
         "tie_word_embeddings": False}, {"norm": 1.0, "std": 0.5}),
+    # LongRoPE on half of each head (short factors: every sequence here fits in 256), GQA.
+    "phi3": ("phi3", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5,
+                            "original_max_position_embeddings": 256,
+                            "short_factor": [1.0, 1.3, 1.9, 2.6],
+                            "long_factor": [1.5, 2.5, 4.0, 7.0]}}, {"norm": 1.0, "std": 0.15}),
+    # A sliding window of 16 on every layer, plain RoPE on the whole head, a tied head.
+    "phi3-window": ("phi3", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "sliding_window": 16,
+        "tie_word_embeddings": True}, {"norm": 1.0, "std": 0.15}),
 }
 
 

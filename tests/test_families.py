@@ -76,7 +76,8 @@ def test_logits_equal_transformers(family, name) -> None:
     path, _ = family(name)
     with open(f"{path}/config.json") as f:
         assert json.load(f)["architectures"][0] in supported_architectures()
-    ours, _ = load_model(ModelConfig(model=path, max_model_len=512))
+    # 256: within Phi-3's original_max_position_embeddings, so LongRoPE's short factors.
+    ours, _ = load_model(ModelConfig(model=path, max_model_len=256))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([t for p in PROMPTS for t in p])
     positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
@@ -163,3 +164,36 @@ def test_older_checkpoint_names_load(family, name, rename) -> None:
         assert torch.equal(a, b), n
     with pytest.raises(ValueError, match="unexpected weights"):
         renamed.load_weights([("transformer.h.0.attn.nonsense", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+def test_longrope_long_factors_past_the_original_context(family, attention) -> None:
+    """max_model_len past original_max_position_embeddings (256) takes LongRoPE's long
+    factors for every position; transformers takes them for a prompt that long too."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = family("phi3")
+    prompt = [(11 * i + 5) % 600 + 2 for i in range(300)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                       do_sample=False)[0, len(prompt):].tolist()
+    from engine_helpers import make_llm
+
+    llm = make_llm(path, max_model_len=512, backend_options={"overlap": "sync",
+                                                             "attention": attention})
+    try:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == want
+    finally:
+        llm.shutdown()
+
+
+def test_phi3_windows_every_layer_when_set() -> None:
+    from cadence.model_limits import layer_windows
+
+    assert layer_windows({"model_type": "phi3", "num_hidden_layers": 2,
+                          "sliding_window": 16}) == [16, 16]
+    assert layer_windows({"model_type": "phi3", "num_hidden_layers": 2,
+                          "sliding_window": None}) == [None, None]

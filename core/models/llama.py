@@ -167,8 +167,12 @@ class CausalLM(base.CausalLM):
         self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows),
                    "embed_tokens")
         self.rotary_emb = RotaryEmbedding(
-            config, self.head_dim, max_model_len or config.max_position_embeddings, dtype
+            config, self.rotary_dim(), max_model_len or config.max_position_embeddings, dtype
         )
+
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates: all of them here."""
+        return self.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
