@@ -50,6 +50,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "sliding_window": 16,
         "tie_word_embeddings": True}, {"norm": 1.0, "std": 0.15}),
+    # Post-norms, q/k norms over the whole projection, GQA, q/k/v/o biases.
+    "olmo2": ("olmo2", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True,
+        "rms_norm_eps": 1e-6}, {"norm": 1.0, "std": 0.3}),
 }
 
 

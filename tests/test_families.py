@@ -197,3 +197,17 @@ def test_phi3_windows_every_layer_when_set() -> None:
                           "sliding_window": 16}) == [16, 16]
     assert layer_windows({"model_type": "phi3", "num_hidden_layers": 2,
                           "sliding_window": None}) == [None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_first_rms_norm_matches_olmo2_bit_for_bit(dtype) -> None:
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from cadence.layers.norm import RMSNormWeightFirst
+
+    theirs, ours = Olmo2RMSNorm(64, eps=1e-6).to(dtype), RMSNormWeightFirst(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        theirs.weight.normal_(1.0, 0.1)
+        ours.weight.copy_(theirs.weight)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    assert torch.equal(ours(x), theirs(x))
