@@ -55,6 +55,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True,
         "rms_norm_eps": 1e-6}, {"norm": 1.0, "std": 0.3}),
+    # All four multipliers (attention scale 0.1, not 1/sqrt(16)), attention biases.
+    "granite": ("granite", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.8, "attention_multiplier": 0.1, "logits_scaling": 4.0,
+        "attention_bias": True}, {"norm": 1.0, "std": 0.15}),
 }
 
 

@@ -211,3 +211,20 @@ def test_weight_first_rms_norm_matches_olmo2_bit_for_bit(dtype) -> None:
         ours.weight.copy_(theirs.weight)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
     assert torch.equal(ours(x), theirs(x))
+
+
+def test_a_backend_without_a_feature_refuses_the_model() -> None:
+    """An AttentionImpl that predates the scale keyword fails naming it, instead of
+    attending with head_dim ** -0.5; models that need no feature still run on it."""
+    from cadence.layers.attention import attend, attention_features
+
+    class OldAttention:
+        def forward(self, layer_idx, q, k, v, metadata, sliding_window=None):
+            return q
+
+    q = torch.zeros(2, 4, 16)
+    assert attention_features(16, scale=0.25) == {}  # the default scale is not passed
+    with set_forward_context(OldAttention(), None):
+        assert attend(0, q, q, q, attention_features(16)) is q
+        with pytest.raises(NotImplementedError, match="scale=0.1"):
+            attend(0, q, q, q, attention_features(16, scale=0.1))

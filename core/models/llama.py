@@ -115,11 +115,11 @@ class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's ``model.*`` weights)."""
 
     def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int],
-                 windows: list[int | None]) -> None:
+                 windows: list[int | None], layer_cls: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, spec, dims, windows[i])
+            layer_cls(config, i, spec, dims, windows[i])
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -146,6 +146,7 @@ class CausalLM(base.CausalLM):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
     qk_norm: bool = False
+    decoder_layer: type[nn.Module] = DecoderLayer
     fused_parts = FUSED_QKV_GATE_UP
 
     def __init__(self, config: Any, dtype: torch.dtype, max_model_len: int | None = None):
@@ -164,8 +165,8 @@ class CausalLM(base.CausalLM):
         }
         # Each layer's sliding window (None: full attention); see the module NOTE.
         self.layer_windows = _layer_windows(config, max_model_len)
-        self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows),
-                   "embed_tokens")
+        self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows,
+                                                 self.decoder_layer), "embed_tokens")
         self.rotary_emb = RotaryEmbedding(
             config, self.rotary_dim(), max_model_len or config.max_position_embeddings, dtype
         )
