@@ -52,7 +52,7 @@ class LLMEngine:
         # Between load_model and allocate_kv_cache: a backend that loads in a worker process
         # returns from load_model at once, and the tokenizer loads while the worker does.
         if tokenizer is None:
-            from cadence.model_loader import load_tokenizer
+            from cadence.tokenizer_loader import load_tokenizer
 
             tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.tokenizer = tokenizer

@@ -15,6 +15,7 @@ import torch
 
 from cadence.config import ModelConfig
 from cadence.models import get_model_class
+from cadence.tokenizer_loader import load_tokenizer  # re-exported; it imports no torch itself
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
@@ -74,16 +75,6 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     model = model_cls(hf_config, dtype, max_model_len=model_config.max_model_len)
     model.load_weights(iterate_weights(model_config.model))
     return model.eval(), hf_config
-
-
-def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a local model folder, through ``transformers.AutoTokenizer``."""
-    folder = _check_folder(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        str(folder), local_files_only=True, trust_remote_code=False
-    )
 
 
 def torch_dtype(name: str) -> torch.dtype:

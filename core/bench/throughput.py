@@ -101,7 +101,7 @@ def workload_tokens(ns: argparse.Namespace, workload: Workload
     ``workload.prompts(vocab_size_of(engine))`` gives)."""
     from cadence.engine import vocab_size_from_config
     from cadence.engine_args import EngineArgs
-    from cadence.model_loader import load_tokenizer
+    from cadence.tokenizer_loader import load_tokenizer
 
     model = EngineArgs(model=ns.model).resolve_model()
     vocab = prompt_vocab_size(vocab_size_from_config(model),

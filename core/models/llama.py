@@ -117,7 +117,11 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int],
                  windows: list[int | None], layer_cls: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips the random init: on the meta device normal_ runs through torch's
+        # Python reference ops, whose first use imports torch._dynamo (~1-2 s of start-up).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             layer_cls(config, i, spec, dims, windows[i])
             for i in range(config.num_hidden_layers)
