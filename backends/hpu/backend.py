@@ -12,6 +12,10 @@ the order is the CUDA backend's: forward -> post_sample -> sample -> to_host.
 Every step is padded to a bucket (``buckets.py``) and the warmup runs every bucket, so no
 graph is compiled while serving. Decodes and prefills of a step run as two graphs.
 
+Async scheduling (``submit``/``collect``): a step is queued whole (forward, mark_step,
+sample, mark_step) behind the one before it, and its placeholders are filled on the device
+from a fixed-size buffer of that step's samples (``feedback.py``), at bucket shapes.
+
 This module imports no torch at import time: the plugin registers ``HpuBackend`` and the
 engine calls ``probe()`` before anything heavy is loaded. ``CADENCE_HPU_EMULATE=1`` runs all
 of it on CPU tensors (a test aid, never a fallback; see docs/backends/hpu.md).
@@ -21,7 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cadence.backend import (
@@ -34,6 +39,7 @@ from cadence.backend import (
     raise_if_device_lost,
 )
 from cadence.backends.hpu import buckets as bk
+from cadence.backends.hpu.sampling import expand_sampling  # noqa: F401  (its old home)
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
@@ -53,29 +59,6 @@ def emulation_requested() -> bool:
     return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
-    """Per-row metadata for a padded batch: ``rows[r]`` is the sampled row of ``meta`` that
-    batch row r carries, or None for a row nobody reads (padding, unfinished prefill chunk),
-    which gets greedy defaults; its sample is dropped."""
-    def pick(values: list, default: Any, optional: bool = True) -> list:
-        # Optional fields stay empty when unused: the sampler skips their work then.
-        if optional and not values:
-            return []
-        return [values[j] if j is not None else default for j in rows]
-
-    return replace(
-        meta, temperature=pick(meta.temperature, 0.0, False), top_k=pick(meta.top_k, 0, False),
-        top_p=pick(meta.top_p, 1.0, False), min_p=pick(meta.min_p, 0.0, False),
-        seeds=pick(meta.seeds, None, False), output_lens=pick(meta.output_lens, 0, False),
-        presence_penalty=pick(meta.presence_penalty, 0.0),
-        frequency_penalty=pick(meta.frequency_penalty, 0.0),
-        repetition_penalty=pick(meta.repetition_penalty, 1.0),
-        prompt_token_ids=pick(meta.prompt_token_ids, []),
-        output_token_ids=pick(meta.output_token_ids, []),
-        banned_token_ids=pick(meta.banned_token_ids, []),
-        num_logprobs=pick(meta.num_logprobs, -1))
-
-
 @dataclass(slots=True)
 class _Part:
     """One graph of a step: its padded batch, and which sampled row each batch row is."""
@@ -83,12 +66,16 @@ class _Part:
     batch: bk.PaddedBatch
     rows: list[int | None]
     result: Any = None  # logits after forward, DeviceSample after sample
+    fill: Any = None  # async scheduling: the placeholder fill (feedback.Fill)
 
 
 class HpuBackend(Backend):
     """Runs the model on a Habana Gaudi (or, with CADENCE_HPU_EMULATE=1, its emulation)."""
 
     name = "hpu"
+    # Placeholders are filled on the device from a fixed-size buffer of the last step's
+    # samples, at bucket shapes (feedback.py).
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -105,6 +92,10 @@ class HpuBackend(Backend):
         self._graphs: dict[str, Any] = {}
         self._warmed: set[bk.BucketShape] = set()
         self._unwarmed_seen: set[bk.BucketShape] = set()
+        # Async scheduling: the last samples on the device, and the steps submitted.
+        self._sampled = None
+        self._in_flight: deque[tuple[list[_Part], bool]] = deque()
+        self._lost_samples = False
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -148,6 +139,10 @@ class HpuBackend(Backend):
         self._graphs = {kind: self.device.wrap_graph(GraphedForward(self.runner.model, attn, kind),
                                                      kind)
                         for kind in ("decode", "prefill", "prefill_ctx")}
+        if self.config.async_scheduling:
+            from cadence.backends.hpu.feedback import SampledIds
+
+            self._sampled = SampledIds(self.buckets, self.device)
         return num_blocks
 
     def warmup(self) -> None:
@@ -155,6 +150,8 @@ class HpuBackend(Backend):
         if self.config.backend_option("skip_warmup"):
             logger.warning("HPU warmup skipped: graphs will compile while serving")
             return
+        from cadence.backends.hpu.feedback import Fill
+
         plan = bk.warmup_plan(self.buckets)
         # Greedy and plain random sampling; top-k/top-p, penalties, seeds and logprobs add
         # ops and compile on first use (docs/backends/hpu.md).
@@ -162,8 +159,10 @@ class HpuBackend(Backend):
                  for greedy in (True, False)]
         for shape in plan:
             for meta in metas:
-                part = _Part(bk.dummy_batch(shape, self.dummy_block, self.buckets.block_size),
-                             [None] * shape.batch_size)
+                batch = bk.dummy_batch(shape, self.dummy_block, self.buckets.block_size)
+                part = _Part(batch, [None] * shape.batch_size)
+                if self._sampled is not None:  # the placeholder fill compiles here too
+                    part.fill = Fill.nothing(shape.num_tokens)
                 self._run_parts([part])
                 self.device.mark_step()
                 self._sample_parts([part], meta)
@@ -192,7 +191,8 @@ class HpuBackend(Backend):
             batch = bk.pad_batch(mi, seqs, shape, self.dummy_block, self.buckets.block_size)
             rows = [slot_of.get(seqs[r]) if r < len(seqs) else None
                     for r in range(shape.batch_size)]
-            parts.append(_Part(batch, rows))
+            fill = None if self._sampled is None else self._sampled.fill_for(mi, seqs, batch)
+            parts.append(_Part(batch, rows, fill=fill))
         return parts
 
     def _run_parts(self, parts: list[_Part]) -> None:
@@ -203,13 +203,14 @@ class HpuBackend(Backend):
         with torch.inference_mode():
             for p in parts:
                 args = to_tensors(p.batch, self.device.torch_device)
+                if p.fill is not None:
+                    args = (self._sampled.apply(args[0], p.fill), *args[1:])
                 p.result = self._graphs[graph_kind(p.batch)](*args)
 
     def _sample_parts(self, parts: list[_Part], meta: SamplingMetadata) -> None:
-        for p in parts:
-            rows_meta = expand_sampling(meta, p.rows)
-            self.device.note_graph("sample", p.result, rows_meta.all_greedy)
-            p.result = self.runner.sample(p.result, rows_meta)
+        from cadence.backends.hpu.sampling import sample_parts
+
+        sample_parts(parts, meta, self.runner, self.device, self._sampled)
 
     def _host_parts(self, parts: list[_Part], num_sampled: int) -> SamplerOutput:
         from cadence.layers import sampler
@@ -230,6 +231,8 @@ class HpuBackend(Backend):
     # The per-step API: forward/sample/to_host take and return the step's parts.
     def forward(self, model_input: ModelInput) -> list[_Part]:
         self._event("forward")
+        if self._sampled is not None:
+            self._sampled.begin()
         parts = self._split(model_input)
         self._run_parts(parts)
         return parts
@@ -253,6 +256,36 @@ class HpuBackend(Backend):
             raise_if_device_lost(e, HPU_STICKY_ERRORS, "the HPU device")
             raise
 
+    def submit(self, model_input: ModelInput) -> None:
+        """Async scheduling: the step's forward and sampling are queued behind the step
+        before it (lazy mode: two ``mark_step``), its placeholders filled from that step's
+        samples on the device; ``collect`` waits for the samples."""
+        try:
+            parts = self.forward(model_input)
+            if self.lazy:
+                self._mark_step()
+            self.sample(parts, model_input.sampling)
+            if self.lazy:
+                self._mark_step()
+        except Exception as e:
+            raise_if_device_lost(e, HPU_STICKY_ERRORS, "the HPU device")
+            raise
+        self._in_flight.append((parts, bool(model_input.placeholder_idx)))
+
+    def collect(self) -> SamplerOutput:
+        parts, has_placeholders = self._in_flight.popleft()
+        if has_placeholders and self._lost_samples:
+            # Its ids came from a step whose samples never arrived.
+            raise RuntimeError("this step ran on the samples of a step that failed")
+        try:
+            out = self.to_host(parts)
+        except Exception as e:
+            self._lost_samples = True
+            raise_if_device_lost(e, HPU_STICKY_ERRORS, "the HPU device")
+            raise
+        self._lost_samples = False
+        return out
+
     def _execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         parts = self.forward(model_input)
         if self.lazy:
@@ -267,6 +300,8 @@ class HpuBackend(Backend):
     def shutdown(self) -> None:
         # Weights and the KV cache go with the engine, not when the object is collected.
         self.runner = None
+        self._sampled = None
+        self._in_flight.clear()
 
     def env_info(self) -> dict[str, str]:
         import torch

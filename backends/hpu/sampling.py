@@ -1,0 +1,60 @@
+"""Sampling a padded HPU step: per-row metadata for the bucket's rows, and the sampler call,
+counting for penalties the tokens that async scheduling left on the device. No torch at
+import time (the plugin module imports the backend before anything heavy)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from cadence.backend import SamplingMetadata
+
+__all__ = ["expand_sampling", "sample_parts"]
+
+
+def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
+    """Per-row metadata for a padded batch: ``rows[r]`` is the sampled row of ``meta`` that
+    batch row r carries, or None for a row nobody reads (padding, unfinished prefill chunk),
+    which gets greedy defaults; its sample is dropped."""
+    def pick(values: list, default: Any, optional: bool = True) -> list:
+        # Optional fields stay empty when unused: the sampler skips their work then.
+        if optional and not values:
+            return []
+        return [values[j] if j is not None else default for j in rows]
+
+    return replace(
+        meta, temperature=pick(meta.temperature, 0.0, False), top_k=pick(meta.top_k, 0, False),
+        top_p=pick(meta.top_p, 1.0, False), min_p=pick(meta.min_p, 0.0, False),
+        seeds=pick(meta.seeds, None, False), output_lens=pick(meta.output_lens, 0, False),
+        presence_penalty=pick(meta.presence_penalty, 0.0),
+        frequency_penalty=pick(meta.frequency_penalty, 0.0),
+        repetition_penalty=pick(meta.repetition_penalty, 1.0),
+        prompt_token_ids=pick(meta.prompt_token_ids, []),
+        output_token_ids=pick(meta.output_token_ids, []),
+        banned_token_ids=pick(meta.banned_token_ids, []),
+        num_logprobs=pick(meta.num_logprobs, -1),
+        output_placeholder_src=pick(meta.output_placeholder_src, -1))
+
+
+def sample_parts(parts: list[Any], meta: SamplingMetadata, runner: Any, device: Any,
+                 sampled: Any) -> None:
+    """Sample every part of a step (``part.result``: logits in, ``DeviceSample`` out).
+
+    ``sampled`` (feedback.SampledIds, async scheduling only) supplies the previous step's
+    tokens to rows with penalties, and takes this step's samples once every part is done.
+    """
+    from cadence.layers import sampler
+
+    if sampled is not None:
+        meta = sampled.sampling_rows(meta)
+    for p in parts:
+        rows_meta = expand_sampling(meta, p.rows)
+        device.note_graph("sample", p.result, rows_meta.all_greedy)
+        pending = None if sampled is None else sampler.pending_output_ids(
+            rows_meta, sampled.buf, p.result.shape[1])
+        if pending is None:
+            p.result = runner.sample(p.result, rows_meta)
+        else:
+            p.result = sampler.sample(p.result.float(), rows_meta, runner.generator, pending)
+    if sampled is not None:
+        sampled.keep(parts)  # only now: the step itself read the previous samples
