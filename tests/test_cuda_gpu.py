@@ -80,6 +80,21 @@ def test_overlap_on_equals_off(tiny_model_dir) -> None:
     assert on == off
 
 
+def test_async_scheduling_equals_sync(tiny_model_dir) -> None:
+    """Placeholders scattered from the last sampled ids on the GPU (graph replays and eager
+    steps, cuda_graph_max_bs=4 with 6 prompts), penalties and a stop id included."""
+    from cadence import SamplingParams
+
+    model = tiny_model_dir("llama")
+    params = _seeded()
+    params[1] = SamplingParams(temperature=0.9, seed=5, max_tokens=20, repetition_penalty=1.3,
+                               presence_penalty=0.4, n=2)
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[5, 7, 11])
+    opts = {"cuda_graph_max_bs": 4}
+    want = _run(model, params, disable_async_output_proc=True, backend_options=opts)
+    assert _run(model, params, async_scheduling=True, backend_options=opts) == want
+
+
 def test_graphs_on_equals_off_across_buckets(tiny_model_dir) -> None:
     """cuda_graph_max_bs=4 with 6 prompts: decode batches of 5-6 run eagerly, then the
     batch shrinks through buckets 4, 2, 1 as requests of different lengths finish."""

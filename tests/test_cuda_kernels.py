@@ -118,7 +118,7 @@ def test_paged_decode_random_shapes(seed: int) -> None:
     test_paged_decode_matches_reference(case)
 
 
-# Compiles both kernels for sm_90 (H100/H200) ahead of time: triton's compiler and ptxas need
+# Compiles the kernels for sm_90 (H100/H200) ahead of time: triton's compiler and ptxas need
 # no GPU. The interpreter runs code that the compiler rejects (shapes that are not constexpr,
 # mixed dtypes, ...), so the interpreted tests above cannot catch that.
 _SM90_SCRIPT = """
@@ -153,6 +153,9 @@ for dt in ("bf16", "fp16", "fp32"):
                               "scale": "fp32"},
                      dict(GROUP=group, BLOCK_G=p2(group), HEAD_DIM=hd, BLOCK_D=p2(hd),
                           BLOCK_SIZE=bs))
+compile_sm90(tk._scatter_sampled_kernel, {"input_ids_ptr": "*i64", "idx_ptr": "*i64",
+                                          "src_ptr": "*i64", "sampled_ptr": "*i64"},
+             dict(BLOCK=128))
 print("compiled")
 """
 
@@ -260,3 +263,17 @@ def test_cuda_backend_code_on_cpu_matches_cpu_backend(tiny_model_dir, monkeypatc
     # cuda_graph_max_bs=4: 3 decodes replay bucket 4 with one padding row (dummy block).
     assert run("cuda", device="cpu", record_events=True, cuda_graph_max_bs=4) == expected
     assert run("cuda", device="cpu", record_events=True, enforce_eager=True) == expected
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 130])
+def test_scatter_sampled_matches_index_copy(n: int) -> None:
+    """Async scheduling's placeholder fill: input_ids[idx[i]] = sampled[src[i]], against
+    torch's index_copy_; more placeholders than one program's block included."""
+    g = torch.Generator().manual_seed(n)
+    input_ids = torch.randint(0, 1000, (max(2 * n, 4),), generator=g).to(DEVICE)
+    idx = torch.randperm(input_ids.numel(), generator=g)[:n].to(DEVICE)
+    sampled = torch.randint(0, 1000, (n + 5,), generator=g).to(DEVICE)
+    src = torch.randint(0, n + 5, (n,), generator=g).to(DEVICE)
+    want = input_ids.clone().index_copy_(0, idx, sampled.index_select(0, src))
+    tk.scatter_sampled(input_ids, idx, src, sampled)
+    assert torch.equal(input_ids, want)

@@ -6,6 +6,11 @@ One step (``execute``)::
     host:   stage inputs (pinned) | replay graph | post_sample() | sample | start copy | wait
     device:                        |======= forward =======|sample|copy ids (side stream)|
 
+With async scheduling (``submit``/``collect``) a step is launched, sampled and its copy
+started without waiting; its placeholders are filled from the previous step's sampled ids by
+a Triton scatter on the compute stream, into the graph's static input ids before a replay
+(``runtime.fill_placeholders``); ``collect`` waits on the copy's event only.
+
 Importing this module imports no torch and no triton: it holds the host logic (the overlap
 order, KV sizing, the profiling step) and the class, whose torch-side methods live in
 ``cadence.backends.cuda.runtime``, imported when a backend is constructed; triton is imported
@@ -184,6 +189,8 @@ class CudaBackend(Backend):
     """Runs the model on one CUDA GPU (see the module docstring)."""
 
     name = "cuda"
+    # Placeholders are scattered from the last sampled ids on the device (runtime.submit).
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -261,6 +268,20 @@ class CudaBackend(Backend):
         except Exception as e:
             # Out of memory fails this step only (the engine retries it in smaller groups);
             # a sticky CUDA error poisons the context for every later step.
+            raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
+            raise
+
+    def submit(self, model_input: ModelInput) -> None:
+        try:
+            self._rt.submit(self, model_input)
+        except Exception as e:
+            raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
+            raise
+
+    def collect(self) -> SamplerOutput:
+        try:
+            return self._rt.collect(self)
+        except Exception as e:
             raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
             raise
 

@@ -7,6 +7,7 @@ probing the backend (``engine backends``, ``engine --help``) never imports torch
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,11 +25,12 @@ from cadence.backends.cuda.graphs import (
     pack_padded,
     pad_decode,
 )
+from cadence.layers import sampler
 from cadence.layers.sampler import host_tensor
 from cadence.model_runner import ModelRunner, PreparedInput
 
 if TYPE_CHECKING:
-    from cadence.backend import ModelInput
+    from cadence.backend import ModelInput, SamplerOutput, SamplingMetadata
     from cadence.backends.cuda.backend import CudaBackend
 
 
@@ -44,6 +46,11 @@ def init(be: CudaBackend) -> None:
         torch.cuda.set_device(device)
     be.device = device
     be.runner = ModelRunner(be.config, device)
+    # Async scheduling: the last submitted step's sampled ids (device; None while a step
+    # runs and after one failed), and the steps submitted, oldest first.
+    be.last_sampled = None
+    be.in_flight = deque()
+    be.lost_samples = False
 
 
 def load_model(be: CudaBackend) -> None:
@@ -126,20 +133,26 @@ def ensure_current_device(be: CudaBackend) -> None:
         torch.cuda.set_device(be.device)
 
 
-def launch(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
-    """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible)."""
+def launch(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible).
+    ``previous``: the last step's sampled ids, for ``mi``'s placeholders (async scheduling)."""
     ensure_current_device(be)
+    be.last_sampled = None  # valid again only once a submitted step has sampled
     bucket = None
     if be.graphs is not None and mi.is_decode_only and mi.num_seqs:
         bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
         if bucket is not None and max(map(len, mi.block_tables)) > be.width:
             bucket = None  # a table wider than the static buffer: run eagerly
     if bucket is None:
-        return launch_eager(be, mi)
+        return launch_eager(be, mi, previous)
     graphs = be.graphs
     padded = pad_decode(mi, bucket, be.dummy_block)
     be.stager.stage(graphs.layout.size_for_rows(bucket),
                     lambda a: pack_padded(a, graphs.layout, padded), dst=graphs.static)
+    # Into the graph's static input ids, after the staged copy and before the replay, on
+    # the same stream: the captured graph reads them as it reads every staged input.
+    fill_placeholders(be, graphs.views.input_ids, mi, previous)
     logits = graphs.replay(bucket)
     rows = mi.sample_seq_indices
     if rows == list(range(len(rows))):
@@ -147,7 +160,8 @@ def launch(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
     return logits[host_tensor(rows, torch.int64, be.device)]  # pinned: no wait on the stream
 
 
-def launch_eager(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
+def launch_eager(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     sample_idx = sample_token_indices(mi.query_lens, mi.sample_seq_indices)
     width = max(1, max(map(len, mi.block_tables), default=1))
     layout = InputLayout(mi.num_tokens, len(sample_idx), mi.num_seqs, width)
@@ -155,12 +169,79 @@ def launch_eager(be: CudaBackend, mi: ModelInput) -> torch.Tensor:
         a, layout, mi.input_ids, mi.positions, mi.slot_mapping, sample_idx, mi.seq_lens,
         mi.block_tables))
     views = layout.split(flat)
+    fill_placeholders(be, views.input_ids, mi, previous)
     md = build_metadata(mi, views, be.block_size)
     return be.runner.run_model(PreparedInput(views.input_ids, views.positions,
                                              views.sample_idx, md))
 
 
+def fill_placeholders(be: CudaBackend, input_ids: torch.Tensor, mi: ModelInput,
+                      previous: torch.Tensor | None) -> None:
+    """Async scheduling: replace ``mi``'s placeholder input ids with the previous step's
+    sampled ids, with the Triton scatter kernel on the compute stream (no host sync: the
+    index lists go through pinned memory, the ids never leave the device)."""
+    if not mi.placeholder_idx:
+        return
+    if previous is None:
+        raise RuntimeError("a step planned on the previous step's samples runs after a step "
+                           "that produced none (it failed): refusing stale token ids")
+    from cadence.backends.cuda.triton_kernels import scatter_sampled
+
+    scatter_sampled(input_ids, host_tensor(mi.placeholder_idx, torch.int64, be.device),
+                    host_tensor(mi.placeholder_src, torch.int64, be.device), previous)
+
+
+def sample(be: CudaBackend, logits: torch.Tensor, meta: SamplingMetadata,
+           previous: torch.Tensor | None) -> sampler.DeviceSample:
+    """Sample; rows with penalties count their token still on the device (``previous``,
+    the last step's sampled ids) as their newest output (async scheduling)."""
+    pending = sampler.pending_output_ids(meta, previous, logits.shape[1]) \
+        if logits.shape[0] else None
+    if pending is None:
+        return be.runner.sample(logits, meta)
+    return sampler.sample(logits.float(), meta, be.runner.generator, pending)
+
+
+def submit(be: CudaBackend, mi: ModelInput) -> None:
+    """Async scheduling: enqueue launch, sampling and the side-stream copy of the samples,
+    and return. Nothing here waits for the device: placeholders are filled from the
+    previous step's ids on the compute stream, and the copy's event is waited on by
+    ``collect`` (the copier's double buffer is free: the step that last used it was
+    collected before this one was submitted)."""
+    note = be.event_log.append if be.event_log is not None else _no_note
+    previous = be.last_sampled
+    logits = launch(be, mi, previous)
+    note("launch")
+    sampled = sample(be, logits, mi.sampling, previous)
+    note("sample")
+    be.in_flight.append((be.copier.start(sampled), bool(mi.placeholder_idx)))
+    note("copy")
+    be.last_sampled = sampled.token_ids
+
+
+def collect(be: CudaBackend) -> SamplerOutput:
+    """Wait for the oldest submitted step's copy (its event only) and return its samples."""
+    handle, has_placeholders = be.in_flight.popleft()
+    if has_placeholders and be.lost_samples:
+        raise RuntimeError("this step ran on the samples of a step that failed")
+    try:
+        out = be.copier.finish(handle)
+    except Exception:
+        be.lost_samples = True
+        raise
+    be.lost_samples = False
+    if be.event_log is not None:
+        be.event_log.append("sync")
+    return out
+
+
+def _no_note(_: str) -> None:
+    pass
+
+
 def shutdown(be: CudaBackend) -> None:
+    be.in_flight.clear()
+    be.last_sampled = None
     be.graphs = None
     be.runner.attn = None
     torch.cuda.empty_cache()

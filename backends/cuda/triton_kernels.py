@@ -1,4 +1,5 @@
-"""Triton kernels of the CUDA backend: the KV-cache write and paged-attention decode.
+"""Triton kernels of the CUDA backend: the KV-cache write, paged-attention decode, and the
+scatter of sampled ids into the next step's input ids (async scheduling).
 
 Imported only when a CUDA backend is built (never by ``probe`` or the plugin module), so
 ``import cadence.backends.cuda`` stays free of triton. On a CPU, set ``TRITON_INTERPRET=1``
@@ -137,3 +138,29 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
     )
     return out
+
+
+@triton.jit
+def _scatter_sampled_kernel(input_ids_ptr, idx_ptr, src_ptr, sampled_ptr, n,
+                            BLOCK: tl.constexpr):
+    # input_ids[idx[i]] = sampled[src[i]] for i < n: async scheduling's placeholders.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dst = tl.load(idx_ptr + offs, mask=mask, other=0)
+    src = tl.load(src_ptr + offs, mask=mask, other=0)
+    token = tl.load(sampled_ptr + src, mask=mask, other=0)
+    tl.store(input_ids_ptr + dst, token.to(input_ids_ptr.dtype.element_ty), mask=mask)
+
+
+def scatter_sampled(input_ids: torch.Tensor, idx: torch.Tensor, src: torch.Tensor,
+                    sampled: torch.Tensor) -> None:
+    """``input_ids[idx[i]] = sampled[src[i]]`` on the device (async scheduling fills a
+    step's placeholders from the previous step's sampled ids; the host never reads them).
+    ``idx`` has no repeats; all three index tensors are 1-D and contiguous."""
+    n = idx.numel()
+    if n == 0:
+        return
+    assert input_ids.is_contiguous() and sampled.is_contiguous()
+    block = 128
+    _scatter_sampled_kernel[(triton.cdiv(n, block),)](input_ids, idx, src, sampled, n,
+                                                     BLOCK=block)
