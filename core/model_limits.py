@@ -88,6 +88,20 @@ def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
         return [_valid_window(window)] * num_layers
     if kind == "phi3":
         return [_valid_window(cfg.get("sliding_window"))] * num_layers
+    if kind == "mixtral":  # MixtralModel windows every layer when the config sets one
+        return [_valid_window(cfg.get("sliding_window"))] * num_layers
+    if kind == "qwen3_moe":  # every layer, with use_sliding_window (Qwen3MoeConfig's rule)
+        on = cfg.get("use_sliding_window")
+        return [_valid_window(cfg.get("sliding_window")) if on else None] * num_layers
+    if kind == "qwen2_moe":  # the layers layer_types marks (Qwen2MoeAttention's rule)
+        window = _valid_window(cfg.get("sliding_window"))
+        layer_types = cfg.get("layer_types")
+        if not cfg.get("use_sliding_window") or window is None:
+            return [None] * num_layers
+        if not isinstance(layer_types, list):
+            raise ValueError("a qwen2_moe config with use_sliding_window needs layer_types "
+                             "(which layers are windowed); transformers writes it")
+        return [window if t == "sliding_attention" else None for t in layer_types]
     if kind in ("qwen2", "qwen3"):
         window = _valid_window(cfg.get("sliding_window", _DEFAULT_WINDOW))
         if not cfg.get("use_sliding_window") or window is None:

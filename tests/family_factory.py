@@ -61,6 +61,29 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "embedding_multiplier": 2.0,
         "residual_multiplier": 0.8, "attention_multiplier": 0.1, "logits_scaling": 4.0,
         "attention_bias": True}, {"norm": 1.0, "std": 0.15}),
+    # Mixture of experts: 4 experts, top 2 renormalized, on every layer.
+    "mixtral": ("mixtral", {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2}, {"norm": 1.0, "std": 0.3}),
+    # ... with a window of 16 on every layer, past which the prompts run.
+    "mixtral-window": ("mixtral", {
+        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "num_local_experts": 3,
+        "num_experts_per_tok": 2, "sliding_window": 16}, {"norm": 1.0, "std": 0.3}),
+    # A sigmoid-gated shared expert, top-2 of 4 not renormalized, layer 1 dense (mlp_only).
+    "qwen2_moe": ("qwen2_moe", {
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+        "num_experts_per_tok": 2, "norm_topk_prob": False, "mlp_only_layers": [1]},
+        {"norm": 1.0, "std": 0.3}),
+    # q/k norms, top-2 of 6 renormalized, every second layer sparse (decoder_sparse_step).
+    "qwen3_moe": ("qwen3_moe", {
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "decoder_sparse_step": 2}, {"norm": 1.0, "std": 0.3}),
 }
 
 

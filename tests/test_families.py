@@ -96,7 +96,8 @@ def _greedy(model: str, **kw) -> list[list[int]]:
 
     llm = make_llm(model, **kw)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        # min_tokens, as transformers' min_new_tokens: EOS is banned, not just ignored.
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
         outs = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import glob
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -44,6 +45,8 @@ from cadence.config import EngineConfig
 # touches torch lives in ``cadence.backends.cuda.runtime``, imported by ``CudaBackend()``.
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 #: The order ``execute`` runs things in; tests compare the recorded event log with it.
 OVERLAP_ORDER = ("launch", "post_sample", "sample", "copy", "sync")
@@ -236,6 +239,10 @@ class CudaBackend(Backend):
 
     def warmup(self) -> None:
         if self.options.enforce_eager:
+            return
+        if not getattr(self.runner.model, "graph_capturable", True):
+            logger.info("CUDA graphs off: %s routes tokens on the host (runs eagerly)",
+                        type(self.runner.model).__name__)
             return
         self._rt.warmup(self)
 

@@ -1,0 +1,105 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts, each expert is a gated
+MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+
+Tokens are grouped by expert (one sort of the token-expert pairs, then one pair of GEMMs
+per expert that received tokens): no Python loop over tokens, and each expert's weights
+are read once per step however many tokens chose it. Contributions are added to each
+token in ascending expert order, the order transformers' loop over experts adds them, so
+fp32 outputs match its forward.
+
+The experts are ordinary ``Linear`` modules (one per projection, HF's checkpoint layout),
+so a backend's GEMM swap (the CPU backend's packed oneDNN weights) and the batch-invariant
+row alignment apply to them as to any other layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cadence.layers.activation import SiluAndMul
+from cadence.layers.linear import Linear
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top ``top_k`` per token, optionally rescaled
+    to sum to one: (weights fp32 [T, k], expert ids [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``w2(silu(w1 x) * w3 x)`` (Mixtral's names; Qwen's gate/up/down map onto
+    them at load), with w1 and w3 fused into ``w13`` as the dense MLP fuses gate and up.
+
+    NOTE batch invariance: the activation runs on the two halves of one [rows, 2I] output,
+    views whose rows the elementwise kernel walks one by one. On a contiguous [rows, I]
+    tensor it would walk the flat buffer, and which elements fall in its scalar tail (a
+    different exp) would depend on how many tokens chose the expert.
+    """
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w13 = Linear(hidden, 2 * intermediate, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w13(x)))
+
+
+class SparseMoE(nn.Module):
+    """The MoE block of a decoder layer: router ``gate``, ``experts``, and for Qwen-MoE a
+    ``shared_expert`` every token goes through, scaled by ``sigmoid(shared_expert_gate)``.
+
+    ``renormalize``: rescale the top-k weights to sum to one (Mixtral always; Qwen-MoE
+    with ``norm_topk_prob``). ``weights_in_model_dtype``: round the routing weights to the
+    model's dtype before scaling (Qwen-MoE does; Mixtral scales with the fp32 weights).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool, weights_in_model_dtype: bool = False,
+                 shared_intermediate: int | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if shared_intermediate:
+            self.shared_expert = ExpertMLP(hidden, shared_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        logits = self.gate(x)  # [T, E]
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)  # pair p is token p // k, expert flat[p]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        pair_weights = weights.reshape(-1)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs, rows = order[start:start + n], tokens[start:start + n]
+            start += n
+            y = self.experts[e](x.index_select(0, rows))
+            y = y * pair_weights.index_select(0, pairs).unsqueeze(1)
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out

@@ -1,0 +1,143 @@
+"""Mixture of experts (core/layers/moe.py, core/models/moe.py): routing, grouping tokens by
+expert against a per-token reference, rows independent of the batch, both checkpoint
+layouts, and the families' window rules. Exactness against transformers for Mixtral,
+Qwen2-MoE and Qwen3-MoE is in tests/test_families.py (their entries in family_factory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadence.layers.moe import SparseMoE, route
+from cadence.model_limits import layer_windows
+
+
+def _moe(shared: int | None = None, renormalize: bool = True, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(16, 24, num_experts=5, top_k=2, renormalize=renormalize,
+                    shared_intermediate=shared)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+    return moe
+
+
+def _per_token(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The textbook definition, one token at a time."""
+    out = []
+    for row in x:
+        probs = torch.softmax(moe.gate(row[None]).float(), -1)[0]
+        w, ids = probs.topk(moe.top_k)
+        if moe.renormalize:
+            w = w / w.sum()
+        y = sum(w[j] * moe.experts[int(e)](row[None])[0] for j, e in enumerate(ids))
+        if moe.shared_expert is not None:
+            y = y + torch.sigmoid(moe.shared_expert_gate(row[None]))[0] * \
+                moe.shared_expert(row[None])[0]
+        out.append(y)
+    return torch.stack(out)
+
+
+def test_routing_picks_the_top_k_and_renormalizes_on_request():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    w, ids = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[1, 2]] and torch.allclose(w[0], probs[[1, 2]])
+    w, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(w.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("shared", [None, 20])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouping_by_expert_equals_the_per_token_definition(shared, renormalize):
+    moe = _moe(shared, renormalize)
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _per_token(moe, x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_output_does_not_depend_on_the_rest_of_the_batch():
+    moe = _moe(shared=20)
+    x = torch.randn(23, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = moe(x)
+        for r, n in ((0, 1), (4, 3), (9, 14)):
+            assert torch.equal(moe(x[r:r + n]), whole[r:r + n]), (r, n)
+
+
+def test_top_k_outside_the_experts_is_refused():
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\]"):
+        SparseMoE(8, 8, num_experts=4, top_k=5, renormalize=True)
+
+
+def test_stacked_expert_checkpoints_load_like_per_expert_ones(tokenizer_dir, tmp_path):
+    """transformers 5 holds experts as stacks (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); a checkpoint saved that way loads to the same weights."""
+    from family_factory import build_family_model
+
+    from cadence.config import ModelConfig
+    from cadence.model_loader import iterate_weights, load_model
+
+    path = build_family_model("qwen3_moe", tmp_path / "m", tokenizer_dir)
+    ours, _ = load_model(ModelConfig(model=path, max_model_len=128))
+    per_expert = dict(iterate_weights(path))
+    stacked: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in per_expert.items():
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            e, proj, _ = rest.split(".")
+            groups.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+        else:
+            stacked[name] = t
+    assert groups, "the model has no sparse layer"
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        stacked[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order])
+        stacked[f"{prefix}.mlp.experts.down_proj"] = torch.stack(
+            [experts[e]["down_proj"] for e in order])
+    again, _ = load_model(ModelConfig(model=path, max_model_len=128))
+    again.load_weights(stacked.items())
+    for (n, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(),
+                              strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_moe_families_window_rules():
+    assert layer_windows({"model_type": "mixtral", "num_hidden_layers": 2,
+                          "sliding_window": 16}) == [16, 16]
+    assert layer_windows({"model_type": "mixtral", "num_hidden_layers": 2,
+                          "sliding_window": None}) == [None, None]
+    assert layer_windows({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+                          "sliding_window": 8, "use_sliding_window": False}) == [None, None]
+    assert layer_windows({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+                          "sliding_window": 8, "use_sliding_window": True}) == [8, 8]
+    assert layer_windows({"model_type": "qwen2_moe", "num_hidden_layers": 2,
+                          "sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention"]}) == [8, None]
+    with pytest.raises(ValueError, match="needs layer_types"):
+        layer_windows({"model_type": "qwen2_moe", "num_hidden_layers": 2,
+                       "sliding_window": 8, "use_sliding_window": True})
+
+
+def test_moe_models_run_eagerly_on_cuda():
+    from cadence.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM):
+        assert cls.graph_capturable is False
+
+
+def test_expert_outputs_scale_with_the_routing_weight_in_fp32_for_mixtral():
+    """Mixtral scales an expert's output by the fp32 weight; Qwen-MoE rounds the weight to
+    the model's dtype first. In bf16 the two differ; each follows its transformers."""
+    moe = _moe()
+    moe.to(torch.bfloat16)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        fp32_weights = moe(x)
+        moe.weights_in_model_dtype = True
+        rounded = moe(x)
+    assert fp32_weights.dtype == torch.bfloat16 and not torch.equal(fp32_weights, rounded)
+    assert F.mse_loss(fp32_weights.float(), rounded.float()) < 1e-3
