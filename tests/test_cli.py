@@ -171,12 +171,12 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path, c
     from cadence.engine_args import EngineArgs
 
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": 1024}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "n_embed": 64}))
+    with pytest.raises(ValueError, match="BloomForCausalLM.*LlamaForCausalLM"):
         EngineArgs(model=str(tmp_path)).create_engine_config()
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert "unsupported architecture GPT2LMHeadModel" in err and "Qwen3ForCausalLM" in err
+    assert "unsupported architecture BloomForCausalLM" in err and "Qwen3ForCausalLM" in err
     assert "Traceback" not in err
 
 
