@@ -4,5 +4,5 @@
 ``pytest --cadence-backend NAME`` checks another one.
 """
 
-# Every check of the kit, collected as if it were written here.
+# Every check of the kit; pytest reports them as cadence/testing/conformance.py::test_...[example].
 from cadence.testing.conformance import *
