@@ -75,6 +75,9 @@ def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
       ``max_window_layers`` on (Qwen2Config's rule: the first ``max_window_layers`` are full).
     - ``phi3``: every layer attends to ``sliding_window`` tokens when the config sets one
       (Phi3Config's default is None; Phi-3-mini-4k sets 2047).
+    - ``gemma2``, ``gemma3_text``: the layers ``layer_types`` marks ``sliding_attention``
+      (transformers writes it; without it, Gemma 2 windows every other layer from the first
+      on and Gemma 3 five of every ``sliding_window_pattern`` (6) layers).
     - anything else (Llama): full attention everywhere.
 
     A window of W tokens lets the query at position i see keys j with i - W < j <= i
@@ -101,6 +104,14 @@ def layer_windows(cfg: Mapping[str, Any]) -> list[int | None]:
         if not isinstance(layer_types, list):
             raise ValueError("a qwen2_moe config with use_sliding_window needs layer_types "
                              "(which layers are windowed); transformers writes it")
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if kind in ("gemma2", "gemma3_text"):
+        window = _valid_window(cfg.get("sliding_window", _DEFAULT_WINDOW))
+        layer_types = cfg.get("layer_types")
+        if not isinstance(layer_types, list):
+            pattern = 2 if kind == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(num_layers)]
         return [window if t == "sliding_attention" else None for t in layer_types]
     if kind in ("qwen2", "qwen3"):
         window = _valid_window(cfg.get("sliding_window", _DEFAULT_WINDOW))

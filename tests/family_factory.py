@@ -61,6 +61,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, float]]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "embedding_multiplier": 2.0,
         "residual_multiplier": 0.8, "attention_multiplier": 0.1, "logits_scaling": 4.0,
         "attention_bias": True}, {"norm": 1.0, "std": 0.15}),
+    # Soft caps on the attention scores and the logits, a window of 16 on every other
+    # layer, query_pre_attn_scalar 24 (scale 24 ** -0.5, not 16 ** -0.5), GeGLU.
+    "gemma2": ("gemma2", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0}, {"norm": 0.0, "std": 0.15}),
+    # Local and global layers with their own RoPE (linear scaling on the global one), per-head
+    # q/k norms, two windowed layers out of three.
+    "gemma3": ("gemma3_text", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 16, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                               "rope_theta": 1000000.0}}}, {"norm": 0.0, "std": 0.15}),
     # Mixture of experts: 4 experts, top 2 renormalized, on every layer.
     "mixtral": ("mixtral", {
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -84,8 +84,17 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     return CpuAttentionMetadata(slot_mapping, nd, tables, lens, *fresh, chunks)
 
 
-def kernel_supports(head_dim: int, dtype: torch.dtype) -> str | None:
-    """None if the compiled kernel handles this model, else the reason it does not."""
+# Attention keywords (core/layers/attention.py) the compiled kernels implement.
+KERNEL_FEATURES = ("sliding_window", "scale")
+
+
+def kernel_supports(head_dim: int, dtype: torch.dtype,
+                    features: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """None if the compiled kernel handles this model (its head size, dtype and the attention
+    keywords its layers pass), else the reason it does not."""
+    missing = sorted(set(features) - set(KERNEL_FEATURES))
+    if missing:
+        return f"the model's attention needs {', '.join(missing)}, which the kernel lacks"
     if head_dim not in KERNEL_HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {KERNEL_HEAD_DIMS}"
     if dtype not in KERNEL_DTYPES:

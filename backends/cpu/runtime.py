@@ -14,6 +14,7 @@ import torch
 
 from cadence.config import EngineConfig
 from cadence.layers import paged_attention
+from cadence.layers.attention import attention_keywords, check_supported
 from cadence.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ class CpuRuntime:
                 "cpu_threads": str(torch.get_num_threads())}
 
 
-def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype):
-    """(kernel module or None, name) for ``requested`` in ATTENTION_CHOICES."""
+def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype,
+                      features: set[str] | frozenset[str] = frozenset()):
+    """(kernel module or None, name) for ``requested`` in ATTENTION_CHOICES; ``features``
+    are the attention keywords the model's layers pass (soft caps go to the torch path)."""
     from cadence.backends.cpu.attention import kernel_supports
     from cadence.backends.cpu.kernels import load_kernels
 
@@ -43,7 +46,7 @@ def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype):
         raise ValueError(f"cpu attention must be one of {ATTENTION_CHOICES}, got {requested!r}")
     if requested == "torch":
         return None, "torch"
-    reason = kernel_supports(head_dim, dtype)
+    reason = kernel_supports(head_dim, dtype, features)
     if reason is not None:
         if requested == "kernel":
             raise ValueError(f"cpu attention 'kernel' cannot run this model: {reason}")
@@ -107,7 +110,8 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     spec = runner.kv_cache_spec()
     scale = spec.head_dim ** -0.5
     kernels, attention = _choose_attention(str(config.backend_option("attention", "auto")),
-                                           spec.head_dim, runner.dtype)
+                                           spec.head_dim, runner.dtype,
+                                           attention_keywords(runner.model))
     if kernels is not None:
         from cadence.backends.cpu.attention import CpuPagedAttention, build_metadata
         from cadence.backends.cpu.fused import install_fused_ops
@@ -117,6 +121,7 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         install_fused_ops(runner.model, kernels)
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
+    check_supported(runner.attn, runner.model)
     rt = CpuRuntime(runner, num_blocks, attention, linear)
     logger.info("CPU backend: %s", ", ".join(f"{k}={v}" for k, v in rt.describe().items()))
     return rt

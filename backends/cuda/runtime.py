@@ -26,6 +26,7 @@ from cadence.backends.cuda.graphs import (
     pad_decode,
 )
 from cadence.layers import sampler
+from cadence.layers.attention import check_supported
 from cadence.layers.sampler import host_tensor
 from cadence.model_runner import ModelRunner, PreparedInput
 
@@ -65,8 +66,10 @@ def load_model(be: CudaBackend) -> None:
 
 def attention(be: CudaBackend, k: list[torch.Tensor],
               v: list[torch.Tensor]) -> TritonPagedAttention:
-    return TritonPagedAttention(k, v, be.runner.kv_cache_spec().head_dim ** -0.5,
+    attn = TritonPagedAttention(k, v, be.runner.kv_cache_spec().head_dim ** -0.5,
                                 be.block_size)
+    check_supported(attn, be.runner.model)  # a soft-capped model is refused here
+    return attn
 
 
 def profile_peak_bytes(be: CudaBackend) -> int:

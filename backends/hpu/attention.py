@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from cadence.backends.hpu.buckets import PaddedBatch
 from cadence.forward_context import set_forward_context
+from cadence.layers.paged_attention import capped_attention
 from torch import nn
 
 
@@ -77,12 +78,15 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [B, H, D], k/v [B, L, KVH, D], mask [B, 1, 1, L] (True = attend) -> [B, H, D]."""
+                     scale: float, soft_cap: float | None = None) -> torch.Tensor:
+    """q [B, H, D], k/v [B, L, KVH, D], mask [B, 1, 1, L] (True = attend) -> [B, H, D];
+    ``soft_cap`` C caps the scaled scores at C * tanh(score / C)."""
     b, h, d = q.shape
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k.to(q.dtype)) * scale  # [B, KVH, G, L]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.einsum("bkgl,blkd->bkgd", probs, v.to(q.dtype)).reshape(b, h, d)
 
@@ -102,8 +106,14 @@ class HpuPagedAttention:
         self.fused_sdpa = fused_sdpa
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+              mask: torch.Tensor | None, scale: float,
+              soft_cap: float | None = None) -> torch.Tensor:
         """q [B, H, Q, D], k/v [B, H, L, D]; mask None = causal, else [B, 1, Q, L] bool."""
+        if soft_cap is not None:  # neither FusedSDPA nor SDPA caps scores
+            if mask is None:
+                ql, kl = q.shape[-2], k.shape[-2]
+                mask = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
+            return capped_attention(q, k, v, mask, scale, soft_cap)
         if self.fused_sdpa is not None:
             # FusedSDPA takes an additive mask; every row attends to at least key 0, so the
             # large negative never turns a whole row into NaN.
@@ -115,7 +125,7 @@ class HpuPagedAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: HpuAttentionMetadata, sliding_window: int | None = None,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, soft_cap: float | None = None) -> torch.Tensor:
         scale = self.scale if scale is None else scale
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
@@ -124,7 +134,7 @@ class HpuPagedAttention:
         if md.is_decode:
             kb = gather_blocks(kc, md.block_tables, self.block_size)
             vb = gather_blocks(vc, md.block_tables, self.block_size)
-            return decode_attention(q, kb, vb, mask, scale)
+            return decode_attention(q, kb, vb, mask, scale, soft_cap)
         b, ql = md.batch_size, md.query_len
         _, h, d = q.shape
         if md.attn_mask is None:
@@ -136,7 +146,7 @@ class HpuPagedAttention:
         qt = q.view(b, ql, h, d).transpose(1, 2)  # [B, H, Q, D]
         kt = kb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, L, D]
         vt = vb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
-        out = self._sdpa(qt, kt, vt, mask, scale)  # [B, H, Q, D]
+        out = self._sdpa(qt, kt, vt, mask, scale, soft_cap)  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(b * ql, h, d)
 
 

@@ -125,6 +125,7 @@ class HpuBackend(Backend):
     def allocate_kv_cache(self) -> int:
         from cadence.backends.hpu.attention import GraphedForward, HpuPagedAttention
         from cadence.backends.hpu.device import fused_sdpa
+        from cadence.layers.attention import check_supported
 
         gb = float(self.config.backend_option(
             "kv_cache_gb", self.config.cache_config.kv_cache_memory_gb))
@@ -135,6 +136,7 @@ class HpuBackend(Backend):
         spec = self.runner.kv_cache_spec()
         sdpa = None if self.device.is_emulated else fused_sdpa()
         attn = HpuPagedAttention(k, v, spec.block_size, spec.head_dim ** -0.5, sdpa)
+        check_supported(attn, self.runner.model)
         self.runner.attn = attn
         self._graphs = {kind: self.device.wrap_graph(GraphedForward(self.runner.model, attn, kind),
                                                      kind)

@@ -23,14 +23,17 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The rope settings of ``config`` as one flat dict, from either config layout.
 
     transformers 5.x keeps them in ``config.rope_parameters`` (with ``rope_type`` and
     ``rope_theta``); older configs have ``rope_scaling`` (``type`` or ``rope_type``) plus a
-    top-level ``rope_theta``.
+    top-level ``rope_theta``. Models whose layer types rotate differently (Gemma 3: local
+    and global layers) key them by ``layer_type``.
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.get("type", "default"))
@@ -55,8 +58,9 @@ def _longrope_is_long(config: Any, max_len: int) -> bool:
     return max_len > original
 
 
-def _inv_freq(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
+def _inv_freq(config: Any, head_dim: int, max_len: int,
+              layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -78,7 +82,8 @@ def _inv_freq(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, f
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu",
                                                                    seq_len=seq_len)
         return inv_freq.float(), float(attention_factor)
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    by_type = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **by_type)
     return inv_freq.float(), float(attention_factor)
 
 
@@ -102,11 +107,14 @@ class RotaryEmbedding(nn.Module):
     ``head_dim`` is the rotated width (``rotary_dim``: the whole head unless the model
     rotates only part of it). ``max_model_len`` picks LongRoPE's factors (NOTE in
     ``_inv_freq``); the tables cover at least ``max_position_embeddings`` positions.
+    ``layer_type`` picks the settings of one kind of layer (``rope_parameters``).
     """
 
-    def __init__(self, config: Any, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, head_dim: int, max_len: int, dtype: torch.dtype,
+                 layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
+        self.layer_type = layer_type
         self.head_dim = head_dim
         self.max_model_len = max_len
         self.max_len = max(max_len, config.max_position_embeddings)
@@ -117,7 +125,8 @@ class RotaryEmbedding(nn.Module):
 
     def reset_cache(self) -> None:
         """(Re)compute the cos/sin tables on the CPU, e.g. after building on the meta device."""
-        inv_freq, attention_factor = _inv_freq(self.config, self.head_dim, self.max_model_len)
+        inv_freq, attention_factor = _inv_freq(self.config, self.head_dim, self.max_model_len,
+                                               self.layer_type)
         if inv_freq.numel() * 2 != self.head_dim:
             raise ValueError(f"the rope parameters give {inv_freq.numel() * 2} rotary "
                              f"dimensions, the model rotates {self.head_dim}")
@@ -125,8 +134,9 @@ class RotaryEmbedding(nn.Module):
         # Same float32 arithmetic as transformers: positions * inv_freq, then scale cos/sin.
         freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
         max_pos = self.config.max_position_embeddings
-        if rope_parameters(self.config)["rope_type"] == "dynamic" and self.max_len > max_pos:
-            params = {**rope_parameters(self.config), "max_position_embeddings": max_pos}
+        params = rope_parameters(self.config, self.layer_type)
+        if params["rope_type"] == "dynamic" and self.max_len > max_pos:
+            params = {**params, "max_position_embeddings": max_pos}
             # Position p is rotated with the frequencies for seq_len = p + 1 (module NOTE).
             long_inv_freq = _dynamic_ntk_inv_freq(params, self.head_dim, positions[max_pos:] + 1)
             freqs[max_pos:] = positions[max_pos:, None] * long_inv_freq  # [P, head_dim / 2]

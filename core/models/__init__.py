@@ -10,6 +10,8 @@ import importlib
 # architecture -> (module under cadence.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),

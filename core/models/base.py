@@ -18,6 +18,21 @@ from torch import nn
 
 from cadence.layers.linear import Linear
 from cadence.layers.logits import RefineTopLogits
+from cadence.model_limits import layer_windows
+
+
+def sliding_windows(config: Any, max_model_len: int | None) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), read from the config as
+    transformers reads it (``cadence.model_limits.layer_windows``). A window at least
+    ``max_model_len`` long never cuts a key, so it is dropped (full attention, the same
+    output) and the backend's full path runs."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    windows = layer_windows(cfg)
+    if len(windows) != config.num_hidden_layers:
+        raise ValueError(f"layer_types names {len(windows)} layers, the model has "
+                         f"{config.num_hidden_layers} (num_hidden_layers)")
+    longest = max_model_len or config.max_position_embeddings
+    return [None if w is not None and w >= longest else w for w in windows]
 
 
 def empty_embedding(num: int, dim: int) -> nn.Embedding:

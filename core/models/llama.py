@@ -25,7 +25,6 @@ from cadence.layers.attention import attend, attention_features
 from cadence.layers.linear import Linear
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
-from cadence.model_limits import layer_windows
 from cadence.models import base
 
 
@@ -168,7 +167,7 @@ class CausalLM(base.CausalLM):
             "head_dim": self.head_dim,
         }
         # Each layer's sliding window (None: full attention); see the module NOTE.
-        self.layer_windows = _layer_windows(config, max_model_len)
+        self.layer_windows = base.sliding_windows(config, max_model_len)
         self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows,
                                                  self.decoder_layer), "embed_tokens")
         self.rotary_emb = RotaryEmbedding(
@@ -189,18 +188,6 @@ class CausalLM(base.CausalLM):
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]
-
-
-def _layer_windows(config: Any, max_model_len: int | None) -> list[int | None]:
-    """Per-layer windows; one at least ``max_model_len`` long never cuts a key, so it is
-    dropped (full attention, the same output) and the backend's full path runs."""
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    windows = layer_windows(cfg)
-    if len(windows) != config.num_hidden_layers:
-        raise ValueError(f"layer_types names {len(windows)} layers, the model has "
-                         f"{config.num_hidden_layers} (num_hidden_layers)")
-    longest = max_model_len or config.max_position_embeddings
-    return [None if w is not None and w >= longest else w for w in windows]
 
 
 class LlamaForCausalLM(CausalLM):
