@@ -83,9 +83,16 @@ class AsyncSchedulingLoop:
             return e._finish_step()
         t1 = time.perf_counter()
         times.add("schedule", t1 - t0)
-        if plan.is_empty:
+        if plan.is_empty and self.in_flight:
+            # Nothing could be planned around the step in flight (its placeholders reach a
+            # length limit, or blocks it frees are awaited): commit it and plan again now.
+            # Returning empty-handed would look like a stall to AsyncLLM, which then waits
+            # for a command. The second plan has nothing in flight: no third one.
             while self.in_flight:
                 self._complete(self.in_flight[0])
+            times.add("drain", time.perf_counter() - t1)
+            return self.step()
+        if plan.is_empty:
             e._drain()
             times.add("drain", time.perf_counter() - t1)
             return e._finish_step()
