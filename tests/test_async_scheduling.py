@@ -133,6 +133,25 @@ def test_stop_ids_cost_one_planned_step_and_length_none(model):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.mark.parametrize("async_output", [True, False])
+def test_streamed_deltas_concatenate_to_the_sync_engine_text(model, async_output):
+    """DELTA outputs with stop strings and n = 2 (vLLM #8468, #9017): one final output per
+    request, and the deltas add up to the sync engine's text and token ids."""
+    from test_streaming import PROMPTS, _stream
+
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, stop=["e ", "at", "中"],
+                            n=2)
+    final = generate(make_llm(model, disable_async_output_proc=True), PROMPTS, params)
+    llm = make_llm(model, async_scheduling=True, disable_async_output_proc=not async_output)
+    _, deltas, finals = _stream(llm, params)
+    assert finals == {f"s{i}": 1 for i in range(len(PROMPTS))}
+    for i, out in enumerate(final):
+        for c in out.outputs:
+            assert "".join(deltas[(f"s{i}", c.index)]) == c.text
+    assert any(c.finish_reason == "stop" for o in final for c in o.outputs)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_request_reaching_max_model_len_exactly(model):
     llm = make_llm(model, max_model_len=64, async_scheduling=True)
     out = generate(llm, [{"prompt_token_ids": list(range(3, 53))}],
