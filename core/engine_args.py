@@ -221,4 +221,5 @@ def _max_position_embeddings(model: str) -> int | None:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"model folder {model!r} has an unreadable config.json: {e}") from e
-    return cfg.get("max_position_embeddings")
+    # GPT-2's config.json names it n_positions (transformers maps the two).
+    return cfg.get("max_position_embeddings") or cfg.get("n_positions")

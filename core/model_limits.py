@@ -45,12 +45,15 @@ def longest_context(model: str) -> tuple[int | None, str]:
     transformers does, core/layers/rotary.py).
     """
     cfg = _config(model)
-    max_pos = cfg.get("max_position_embeddings")
+    # GPT-2's config.json names it n_positions (transformers maps the two).
+    field = "n_positions" if "max_position_embeddings" not in cfg and "n_positions" in cfg \
+        else "max_position_embeddings"
+    max_pos = cfg.get(field)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type") or rope.get("type")
     factor = rope.get("factor")
     if not max_pos or kind not in ("yarn", "dynamic") or not isinstance(factor, (int, float)):
-        return max_pos, f"max_position_embeddings ({max_pos})"
+        return max_pos, f"{field} ({max_pos})"
     base = (rope.get("original_max_position_embeddings") or max_pos) if kind == "yarn" \
         else max_pos
     longest = max(max_pos, int(base * factor))
