@@ -111,7 +111,7 @@ def test_placeholders_land_in_the_padded_batch_from_the_kept_rows(monkeypatch) -
     from cadence.backends.hpu.feedback import SampledIds
 
     cfg = bk.BucketConfig((1, 4), (8,), (2, 4), (1, 2), 4, 64, 64)
-    fb = SampledIds(cfg, make_device(lazy=True))
+    fb = SampledIds(cfg, make_device(lazy=True), 4)
     # The previous step: a decode part of 2 rows (bucket 2) and a prefill part of 1 row.
     parts = [bk_part("decode", [7, 8], [1, 0]), bk_part("prefill", [9, 0, 0, 0], [2])]
     fb.keep(parts)
@@ -162,3 +162,34 @@ def test_a_step_after_a_failed_collect_fails_too(model) -> None:
     assert summarize(generate(llm, WORDS[:3], params)) == want
     assert calls[0] > 3
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def _recording(call, failures: list):
+    def spy(*args):
+        try:
+            return call(*args)
+        except Exception as e:
+            failures.append(e)
+            raise
+    return spy
+
+
+def test_bucket_ranges_narrower_than_the_batch(model) -> None:
+    """Batches past the largest bucket pad to a multiple of it (compiled at run time): the
+    buffer of kept samples must hold them too."""
+    narrow = {"prompt_bs": "1:1:2", "prompt_seq": "16:16:32", "decode_blocks": "2:2:4",
+              "decode_bs": "1:1:2", "record_events": True}
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True,
+                            repetition_penalty=1.2)
+    outs = {}
+    for on in (False, True):
+        llm = make_llm(model, backend="hpu", max_num_seqs=8, backend_options=narrow,
+                       async_scheduling=on, disable_async_output_proc=not on)
+        backend, failures = llm.engine.backend, []
+        for name in ("submit", "execute"):
+            setattr(backend, name, _recording(getattr(backend, name), failures))
+        outs[on] = [r[:6] for r in summarize(generate(llm, WORDS, params))]
+        # The engine re-runs failed steps in smaller groups, which would hide a failure.
+        assert not failures
+        assert any(p.batch_size > 2 for p in backend._unwarmed_seen)
+    assert outs[True] == outs[False]

@@ -144,7 +144,8 @@ class HpuBackend(Backend):
         if self.config.async_scheduling:
             from cadence.backends.hpu.feedback import SampledIds
 
-            self._sampled = SampledIds(self.buckets, self.device)
+            self._sampled = SampledIds(self.buckets, self.device,
+                                       self.config.scheduler_config.max_num_seqs)
         return num_blocks
 
     def warmup(self) -> None:

@@ -3,8 +3,8 @@ device, at bucket shapes.
 
 NOTE static shapes: a Gaudi compiles one graph per input shape, so nothing here may take a
 shape from the number of placeholders. Every step's samples are kept in one device buffer of
-fixed size, the decode graph's rows at offset 0 and the prefill graph's at offset
-``max(decode_bs)``; a part's input ids are filled with one ``where`` over the whole padded
+fixed size, the decode graph's rows at offset 0 and the prefill graph's after the largest
+padded decode batch; a part's input ids are filled with one ``where`` over the whole padded
 batch (mask and source rows of the bucket's token count). The warmup runs both for every
 bucket (``HpuBackend.warmup``), so async scheduling compiles nothing while serving.
 
@@ -45,10 +45,15 @@ class Fill:
 class SampledIds:
     """The device buffer of the last step's sampled ids, and where each sampled row sits."""
 
-    def __init__(self, buckets: BucketConfig, device: Any) -> None:
+    def __init__(self, buckets: BucketConfig, device: Any, max_num_seqs: int) -> None:
+        from cadence.backends.hpu.buckets import find_bucket
+
         self.device = device
-        self.offsets = {"decode": 0, "prefill": max(buckets.decode_bs)}
-        size = max(buckets.decode_bs) + max(buckets.prompt_bs)
+        # A batch past the largest bucket pads to a multiple of it (bucket ranges narrower
+        # than the scheduler's limits): size the regions for the largest padded batch.
+        num_decode = find_bucket(list(buckets.decode_bs), max_num_seqs)
+        self.offsets = {"decode": 0, "prefill": num_decode}
+        size = num_decode + find_bucket(list(buckets.prompt_bs), max_num_seqs)
         self.buf = torch.zeros(size, dtype=torch.int64, device=device.torch_device)
         # Host: buffer row of each sampled row of the last step that completed; None while
         # a step runs and after one failed, so that nothing is ever filled from stale ids.
