@@ -114,20 +114,10 @@ def _greedy(model: str, **kw) -> list[list[int]]:
         llm.shutdown()
 
 
-# Families whose attention the compiled CPU kernels cannot run (they soft-cap the scores):
-# attention="kernel" refuses them, "auto" takes the torch path.
-KERNEL_REFUSED = {"gemma2"}
-
-
 @pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_equals_transformers(family, name, attention) -> None:
     model, want = family(name)
-    if attention == "kernel" and name in KERNEL_REFUSED:
-        with pytest.raises(ValueError, match="needs soft_cap, which the kernel lacks"):
-            _greedy(model, backend_options={"overlap": "sync", "attention": "kernel"})
-        assert _greedy(model, block_size=4) == want  # auto: the torch path
-        return
     got = _greedy(model, block_size=4,
                   backend_options={"overlap": "sync", "attention": attention})
     assert got == want
@@ -247,3 +237,36 @@ def test_a_backend_without_a_feature_refuses_the_model() -> None:
         assert attend(0, q, q, q, attention_features(16)) is q
         with pytest.raises(NotImplementedError, match="scale=0.1"):
             attend(0, q, q, q, attention_features(16, scale=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_soft_cap_like_the_torch_reference(ops, dtype) -> None:
+    """The compiled decode and prefill kernels cap the scores as capped_attention does."""
+    from cadence.layers.paged_attention import capped_attention
+
+    g = torch.Generator().manual_seed(0)
+    h, kvh, d, n, bs, cap, scale = 4, 2, 16, 37, 4, 3.0, 0.4
+    q = torch.randn(n, h, d, generator=g).to(dtype) * 2
+    k = torch.randn(n, kvh, d, generator=g).to(dtype) * 2
+    v = torch.randn(n, kvh, d, generator=g).to(dtype)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    want = capped_attention(q.float().transpose(0, 1), k.float().transpose(0, 1)
+                            .repeat_interleave(2, 0), v.float().transpose(0, 1)
+                            .repeat_interleave(2, 0), mask, scale, cap).transpose(0, 1)
+    out = torch.empty_like(q)
+    ops.prefill_attention(q, k, v, out, torch.tensor([0]), torch.tensor([n]), scale, 0, cap)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    blocks = -(-n // bs)
+    kc = torch.zeros(blocks * bs, kvh, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kc[:n], vc[:n] = k, v
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    last = ops.paged_decode_attention(q[-1:], kc.view(blocks, bs, kvh, d),
+                                      vc.view(blocks, bs, kvh, d), table,
+                                      torch.tensor([n], dtype=torch.int32), scale, 0, cap)
+    torch.testing.assert_close(last.float(), want[-1:], atol=tol, rtol=tol)
+    assert not torch.allclose(last.float(), torch.nn.functional.scaled_dot_product_attention(
+        q[-1:].float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(2, 0),
+        v.float().transpose(0, 1).repeat_interleave(2, 0), scale=scale).transpose(0, 1),
+        atol=1e-3)  # the cap changed the output

@@ -1,6 +1,6 @@
 """The conformance kit and ``engine bench`` accept the model families beyond Llama: the
 kit's checks run on the CPU backend against tiny models of two families (learned positions
-and Conv1D weights; soft caps, windows and GeGLU, which take the torch attention path), and
+and Conv1D weights; soft caps, windows and GeGLU), and
 ``engine bench compare`` runs on each of them."""
 
 from __future__ import annotations

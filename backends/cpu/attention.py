@@ -85,7 +85,7 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
 
 
 # Attention keywords (core/layers/attention.py) the compiled kernels implement.
-KERNEL_FEATURES = ("sliding_window", "scale")
+KERNEL_FEATURES = ("sliding_window", "scale", "soft_cap")
 
 
 def kernel_supports(head_dim: int, dtype: torch.dtype,
@@ -117,9 +117,11 @@ class CpuPagedAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: CpuAttentionMetadata,
-                sliding_window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, scale: float | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         window = sliding_window or 0  # the kernels' "no window"
         scale = self.scale if scale is None else scale
+        cap = soft_cap or 0.0  # the kernels' "no cap"
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
         self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
@@ -127,7 +129,7 @@ class CpuPagedAttention:
         decode = None
         if nd:
             decode = self.ops.paged_decode_attention(q[:nd], kb, vb, metadata.decode_tables,
-                                                     metadata.decode_lens, scale, window)
+                                                     metadata.decode_lens, scale, window, cap)
             if metadata.prefill_starts is None and not metadata.context_chunks:
                 return decode
         out = torch.empty_like(q)
@@ -136,8 +138,8 @@ class CpuPagedAttention:
         for c in metadata.context_chunks:
             s, e = c.query_start, c.query_start + c.query_len
             out[s:e] = self.ops.paged_decode_attention(q[s:e], kb, vb, c.tables, c.lens,
-                                                       scale, window)
+                                                       scale, window, cap)
         if metadata.prefill_starts is not None:
             self.ops.prefill_attention(q, k, v, out, metadata.prefill_starts,
-                                       metadata.prefill_lens, scale, window)
+                                       metadata.prefill_lens, scale, window, cap)
         return out

@@ -77,6 +77,15 @@ inline vfloat tile_scores(const float* qh, const c10::BFloat16* qbh, const cache
   return reduce16(part);
 }
 
+// Gemma 2's soft cap on the scaled scores: cap * tanh(s / cap), tanh from the kernels' own
+// exp (tanh(x) = 1 - 2 / (exp(2x) + 1); exp's clamp saturates it at +-1). cap <= 0: none.
+// Decode and prefill both apply it here, so their rows keep one arithmetic.
+inline vfloat soft_cap_scores(vfloat s, float cap) {
+  if (cap <= 0.f) return s;
+  const vfloat e = exp(s * (2.f / cap));
+  return (1.f - 2.f / (e + 1.f)) * cap;
+}
+
 // One head's scores over a partition (`padded` of them, a multiple of 16; masked lanes are
 // -inf) -> their exponentials in place, relative to the partition's max (from the running
 // vector max `maxv`); writes that max and the exponentials' sum.

@@ -4,10 +4,10 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale,
-                                     int64_t sliding_window);
+                                     int64_t sliding_window, double soft_cap);
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        torch::Tensor starts, torch::Tensor lens, double scale,
-                       int64_t sliding_window);
+                       int64_t sliding_window, double soft_cap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -21,11 +21,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, read in place", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("sliding_window") = 0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of fresh prompts (no cached context), all prompts in one call",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("starts"),
-        py::arg("lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+        py::arg("lens"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("soft_cap") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += x, then x = RMSNorm(residual), both in place");

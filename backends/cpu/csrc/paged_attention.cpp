@@ -61,6 +61,7 @@ struct Geometry {
   // (q_bf16, [num_seqs, H, D]) and are scaled after; else null, and q is fp32, prescaled.
   const c10::BFloat16* q_bf16;
   float scale;
+  float soft_cap;  // cap * tanh(score / cap) when > 0 (attention_common.h)
 };
 
 // Pointers to the rows of tokens [t, t + count) (all KV heads of a token are one
@@ -150,8 +151,10 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
     }
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t off = (kh0 + h / G) * g.k_head_stride;
-      vfloat sc = tile_scores<cache_t, NC>(q + h * d, qb == nullptr ? nullptr : qb + h * d,
-                                           rows, off, g.scale);
+      vfloat sc = soft_cap_scores(
+          tile_scores<cache_t, NC>(q + h * d, qb == nullptr ? nullptr : qb + h * d, rows, off,
+                                   g.scale),
+          g.soft_cap);
       // Lanes past the sequence's end or before the window weigh nothing: -inf, so exp
       // gives 0 below.
       for (int64_t lane = count; lane < kVec; ++lane) sc[lane] = neg_inf[0];
@@ -294,7 +297,7 @@ void dispatch_dim(const Geometry& g, const float* q, const cache_t* k, const cac
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale,
-                                     int64_t sliding_window) {
+                                     int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -323,6 +326,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   g.v_token_stride = v_cache.stride(1);
   g.v_head_stride = v_cache.stride(2);
   g.window = sliding_window;
+  g.soft_cap = static_cast<float>(soft_cap);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == g.num_seqs && lens.dim() == 1 &&
                   lens.size(0) == g.num_seqs,
               "block_tables must be [num_seqs, max_blocks] and seq_lens [num_seqs], with "

@@ -40,7 +40,8 @@ struct Inputs {
   int64_t heads, kv_heads, group;
   float scale;
   int64_t window;  // sliding window in tokens; 0: none
-  bool dot_bf16;  // scores from the raw bf16 q through vdpbf16ps (the decode kernel's rule)
+  bool dot_bf16;
+  float soft_cap;  // cap * tanh(score / cap) when > 0 (attention_common.h)  // scores from the raw bf16 q through vdpbf16ps (the decode kernel's rule)
 };
 
 struct Scratch {
@@ -114,7 +115,8 @@ void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, i
             store(w.scores.data() + i * stride + (t - ts), neg_inf);
             continue;
           }
-          vfloat sc = tile_scores<T, NC>(qf[i], qb[i], krows, 0, in.scale);
+          vfloat sc = soft_cap_scores(tile_scores<T, NC>(qf[i], qb[i], krows, 0, in.scale),
+                                      in.soft_cap);
           for (int64_t lane = std::max<int64_t>(0, lim[i] - t); lane < kVec; ++lane)
             sc[lane] = neg_inf[0];
           for (int64_t lane = 0; lane < lo[i] - t; ++lane) sc[lane] = neg_inf[0];
@@ -204,7 +206,7 @@ void dispatch_dim(int64_t d, const Inputs& in, const T* q, const T* k, const T* 
 // position i sees keys i - W < j <= i only; 0: none. Writes those rows of out.
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        torch::Tensor starts, torch::Tensor lens, double scale,
-                       int64_t sliding_window) {
+                       int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(sliding_window >= 0, "prefill_attention: sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0),
               "prefill_attention: q must be [T, H, D] and k, v [T, KVH, D]");
@@ -233,7 +235,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
                 "prefill_attention: prompt ", i, " runs past the token batch");
   const Inputs in{q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   q.size(1), k.size(1), q.size(1) / k.size(1), static_cast<float>(scale),
-                  sliding_window, kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0};
+                  sliding_window, kHasDotBf16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0,
+                  static_cast<float>(soft_cap)};
   if (q.scalar_type() == at::kFloat)
     dispatch_dim<float>(d, in, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                         out.data_ptr<float>(), sp, lp, st.size(0));
