@@ -26,8 +26,6 @@ from cadence import LLM, SamplingParams
 
 PROMPTS = [[(7 * i + 3) % 600 + 2 for i in range(12)], [(5 * i + 11) % 600 + 2 for i in range(5)]]
 NUM_TOKENS = 6
-# Families the Triton kernels cannot run yet (attention soft-capping): refused at start-up.
-CUDA_REFUSED = {"gemma2"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests cover this on a GPU")
@@ -41,11 +39,6 @@ def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_p
 
     monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
     model = build_family_model(name, tmp_path / "m", tokenizer_dir)
-    if name in CUDA_REFUSED:
-        with pytest.raises(ValueError, match="needs soft_cap, which this backend's attention"):
-            LLM(model=model, backend="cuda", dtype="float32", max_model_len=64,
-                num_kv_blocks=32, backend_options={"device": "cpu"})
-        return
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
                         min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(p):].tolist()
@@ -58,3 +51,27 @@ def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_p
         assert [list(o.outputs[0].token_ids) for o in outs] == want
     finally:
         llm.shutdown()
+
+
+def test_triton_decode_soft_caps_like_the_torch_reference() -> None:
+    """The interpreted decode kernel caps the scores as capped_attention does (Gemma 2)."""
+    from cadence.backends.cuda.triton_kernels import paged_decode
+    from cadence.layers.paged_attention import capped_attention
+
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    g = torch.Generator().manual_seed(0)
+    h, kvh, d, n, bs, cap, scale = 4, 2, 16, 13, 4, 3.0, 0.4
+    q = torch.randn(1, h, d, generator=g) * 2
+    k = torch.randn(n, kvh, d, generator=g) * 2
+    v = torch.randn(n, kvh, d, generator=g)
+    blocks = -(-n // bs)
+    kc, vc = torch.zeros(blocks * bs, kvh, d), torch.zeros(blocks * bs, kvh, d)
+    kc[:n], vc[:n] = k, v
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    got = paged_decode(q.to(dev), kc.to(dev), vc.to(dev), table.to(dev),
+                       torch.tensor([n], dtype=torch.int32, device=dev), bs, scale,
+                       soft_cap=cap).cpu()
+    want = capped_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0),
+                            v.transpose(0, 1).repeat_interleave(2, 0),
+                            torch.ones(1, n, dtype=torch.bool), scale, cap).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

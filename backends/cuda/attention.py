@@ -87,7 +87,8 @@ class TritonPagedAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: CudaAttentionMetadata,
-                sliding_window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, scale: float | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         scale = self.scale if scale is None else scale
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         self.kernels.write_kv(kc, vc, k, v, metadata.slot_mapping)
@@ -95,13 +96,13 @@ class TritonPagedAttention:
         if not metadata.prefills:
             return self.kernels.paged_decode(q, kc, vc, metadata.block_tables, metadata.seq_lens,
                                              self.block_size, scale,
-                                             sliding_window=sliding_window)
+                                             sliding_window=sliding_window, soft_cap=soft_cap)
         out = torch.empty_like(q)
         if nd:
             self.kernels.paged_decode(q[:nd], kc, vc, metadata.block_tables, metadata.seq_lens,
                                       self.block_size, scale, out=out[:nd],
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, soft_cap=soft_cap)
         # fused_context: the math kernel's [H, Lq, Lk] scores would not fit for long contexts.
         run_prefills(q, k, v, kc, vc, metadata.prefills, scale, out, fused_context=True,
-                     sliding_window=sliding_window)
+                     sliding_window=sliding_window, soft_cap=soft_cap)
         return out

@@ -46,10 +46,11 @@ def _write_kv_kernel(
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    scale, window,
+    scale, window, soft_cap,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     # One program per (sequence, kv head): the GQA group of query heads sharing that kv head
     # is handled together, so each K/V block is loaded once per group, not once per head.
@@ -78,6 +79,9 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
         v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        if HAS_CAP:
+            # soft_cap * tanh(s / soft_cap), tanh through exp (an overflow to inf gives 1).
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)  # 0 on the first block (m = -inf)
@@ -114,12 +118,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                  scale: float, out: torch.Tensor | None = None,
-                 sliding_window: int | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] over the paged cache -> [B, H, D].
 
     ``block_tables`` [B, W] (int32/int64) must cover ``seq_lens[b]`` tokens; entries past
     that are never read. ``seq_lens[b] >= 1`` (graph padding rows point at a dummy block).
     ``sliding_window`` W: only the last W tokens are attended (and their blocks read).
+    ``soft_cap`` C: the scaled scores become C * tanh(score / C) (Gemma 2).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -132,10 +138,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert group * num_kv_heads == num_heads and block_size & (block_size - 1) == 0
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window or 0,
+        float(soft_cap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        HAS_CAP=soft_cap is not None,
     )
     return out
 
