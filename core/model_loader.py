@@ -51,6 +51,15 @@ def safetensors_files(path: str) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        pickled = sorted(p.name for p in (*folder.glob("*.bin"), *folder.glob("*.pt"),
+                                          *folder.glob("*.pth")))
+        if pickled:
+            # Unpickling a checkpoint runs whatever code it carries; safetensors cannot.
+            raise ValueError(
+                f"{path!r} holds only pickle checkpoints ({', '.join(pickled[:3])}); cadence "
+                "loads safetensors only, since loading a pickle can run arbitrary code. "
+                "Convert once with transformers: AutoModelForCausalLM.from_pretrained(path)"
+                ".save_pretrained(out) writes model.safetensors")
         raise ValueError(f"no safetensors weights (*.safetensors) found in {path!r}")
     return files
 

@@ -189,3 +189,34 @@ def test_default_model_smollm2():
     with torch.no_grad():
         expected = hf(torch.tensor([prompt_ids])).logits[0]
     torch.testing.assert_close(run_ours(ours, [prompt_ids]), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_weights_as_users_have_them(tiny_model_dir, tmp_path):
+    """Sharded safetensors with an index, fp16 and bf16 checkpoints into the chosen dtype,
+    and pickle checkpoints refused (loading one can run code) with what to do instead."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    whole, _ = load_model(ModelConfig(model=src))
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    ours, _ = load_model(ModelConfig(model=str(sharded)))
+    for (n, a), (_, b) in zip(whole.state_dict().items(), ours.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    for dtype in (torch.float16, torch.bfloat16):
+        folder = tmp_path / str(dtype).split(".")[-1]
+        AutoModelForCausalLM.from_pretrained(src, dtype=dtype).save_pretrained(str(folder))
+        model, _ = load_model(ModelConfig(model=str(folder), dtype="float32"))
+        for (n, a), (_, b) in zip(whole.state_dict().items(), model.state_dict().items(),
+                                  strict=True):
+            assert b.dtype == torch.float32 and torch.equal(a.to(dtype).float(), b), n
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((Path(src) / "config.json").read_text())
+    torch.save(hf.state_dict(), str(pickled / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match=r"only pickle checkpoints \(pytorch_model.bin\).*"
+                                         r"safetensors only"):
+        load_model(ModelConfig(model=str(pickled)))
