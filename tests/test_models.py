@@ -125,7 +125,7 @@ def test_tokenizer_roundtrips_multibyte_text(tiny_model_dir):
 
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
-        get_model_class(["GPT2LMHeadModel"])
+        get_model_class(["BloomForCausalLM"])
 
 
 def test_unsupported_architecture_in_folder(tiny_model_dir, tmp_path):
