@@ -28,7 +28,13 @@ from cadence.output_state import OutputKind, ParentRequest
 from cadence.outputs import RequestOutput
 from cadence.plugins import get_registry
 from cadence.request import Request
-from cadence.sampling_params import SamplingParams, is_valid_unicode
+from cadence.request_intake import (
+    eos_token_ids,
+    tokenize_prompt,
+    validate_request,
+    vocab_size_from_config,
+)
+from cadence.sampling_params import SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import AsyncSchedulingLoop, check_backend_supports, scheduler_class
 
@@ -60,8 +66,8 @@ class LLMEngine:
         self.backend.warmup()
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size_from_config(config.model_config.model)
-        self.eos_token_ids = _eos_token_ids(tokenizer, config.model_config.model,
-                                            self.vocab_size)
+        self.eos_token_ids = eos_token_ids(tokenizer, config.model_config.model,
+                                           self.vocab_size)
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.sliding_window)
@@ -110,8 +116,9 @@ class LLMEngine:
                              f"{self.config.scheduler_config.policy!r}, which ignores it")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        self._validate(ids, params)
+        text, ids = tokenize_prompt(self.tokenizer, prompt)
+        validate_request(ids, params, self.config.scheduler_config,
+                         self.vocab_size)
         children = []
         for i in range(params.n):
             sp = params.for_sample(i) if params.n > 1 else params
@@ -138,63 +145,6 @@ class LLMEngine:
         ``eos_token_ids`` stops generation."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def _tokenize(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            # A misspelt key ("prompt_token_id") must not leave the other one used silently.
-            unknown = sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids"))
-            if unknown:
-                raise ValueError(f"a prompt dict takes the keys 'prompt' and "
-                                 f"'prompt_token_ids', got {unknown}")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            if "prompt_token_ids" in prompt:
-                return text, _token_list(prompt["prompt_token_ids"])
-            if text is None:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = text
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if not is_valid_unicode(prompt):
-                raise ValueError("prompt must be valid Unicode text (it has a lone surrogate)")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-            raise ValueError("prompt must be a string, a list of token ids or a dict with "
-                             f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
-        return None, _token_list(prompt)
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        sc = self.config.scheduler_config
-        max_len = sc.max_model_len
-        if params.n > sc.max_num_samples:
-            raise ValueError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
-                             f"{params.n}")
-        if not ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
-                             f"max_model_len={max_len} to leave room for output")
-        # The server's words for the same mistake (serving.py), so clients that look for
-        # "maximum context length" find it either way. None means the rest of the context.
-        room = max_len - len(ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"this model's maximum context length is max_model_len={max_len} tokens; "
-                f"{len(ids)} in the prompt + max_tokens={params.max_tokens} is "
-                f"{len(ids) + params.max_tokens}; lower max_tokens to {room} or less, or "
-                "pass None for the rest of the context")
-        if params.min_tokens > room:
-            raise ValueError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
-                             f"the prompt's {len(ids)} tokens), got {params.min_tokens}")
-        vocab = self.vocab_size
-        if vocab and any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
-        params.check_against_model(vocab)
-        if params.stop and not params.detokenize:
-            raise ValueError("stop strings need detokenize=True")
-
-
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its samples); its final output has finish_reason 'abort'."""
         self.output_processor.abort(
@@ -220,15 +170,10 @@ class LLMEngine:
             return self._async_loop.step()
         self.guard.repair()
         times = self.stats.times
-        t0 = time.perf_counter()
-        try:
-            plan = self.scheduler.schedule()
-        except RequestTooLargeError as e:
-            # Only that request can never run; the next step schedules the others.
-            self.output_processor.fail(e.request.parent_id, str(e))
+        plan = self.plan()
+        if plan is None:
             return self._finish_step()
         t1 = time.perf_counter()
-        times.add("schedule", t1 - t0)
         if plan.is_empty:
             self._drain()
             times.add("drain", time.perf_counter() - t1)
@@ -264,6 +209,19 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += plan.num_batched_tokens
         return self._finish_step()
+
+    def plan(self) -> StepPlan | None:
+        """The scheduler's plan for the next step, timed (both step loops start here); None
+        when a request that can never run was failed instead (the next step plans the
+        others)."""
+        t0 = time.perf_counter()
+        try:
+            plan = self.scheduler.schedule()
+        except RequestTooLargeError as e:
+            self.output_processor.fail(e.request.parent_id, str(e))
+            return None
+        self.stats.times.add("schedule", time.perf_counter() - t0)
+        return plan
 
     def _stamp_token_times(self, touched: list[Request]) -> None:
         now = time.monotonic()
@@ -319,47 +277,3 @@ class LLMEngine:
         self._drain()
         self.backend.shutdown()
         self._registry.hook.cadence_shutdown()
-
-
-def vocab_size_from_config(model_dir: str) -> int | None:
-    """``vocab_size`` from the model folder's config.json (or its text_config)."""
-    import json
-    import os
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
-
-
-def _eos_token_ids(tokenizer: Any, model_dir: str, vocab_size: int | None
-                   ) -> tuple[int, ...]:
-    """Every EOS id generation_config.json lists (what generate() stops on; Llama 3 Instruct
-    lists three), else the tokenizer's. Ids outside the vocabulary are dropped: the model
-    can never sample them, and the sampler could not ban them below min_tokens."""
-    import json
-    import os
-
-    ids: list = []
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not ids:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        ids = [] if eos is None else [eos]
-    return tuple(t for t in dict.fromkeys(int(t) for t in ids)
-                 if vocab_size is None or 0 <= t < vocab_size)
-
-
-def _token_list(ids: object) -> list[int]:
-    """A prompt's token ids as a list of plain ints (numpy integers accepted); bytes,
-    non-sequences, floats and bools are refused (ValueError)."""
-    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
-        raise ValueError("prompt_token_ids must be a list of integers, got "
-                         f"{type(ids).__name__}")
-    for t in ids:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise ValueError(f"prompt_token_ids must be integers, got {t!r} "
-                             f"({type(t).__name__})")
-    return [int(t) for t in ids]

@@ -68,7 +68,7 @@ async def drill(ns: argparse.Namespace) -> dict:
     await engine.shutdown()
     return {
         "machine": describe(dtype=engine.engine.config.model_config.dtype), "model": args.resolve_model(), "fault": ns.fault,
-        "streams": ns.streams, "step_timeout_s": ns.step_timeout, "engine_start_s": start_s,
+        "streams": ns.streams, "step_timeout": ns.step_timeout, "engine_start_s": start_s,
         "health_503_after_s": health_503,
         "streams_failed": len(failed),
         "last_stream_error_after_s": max(failed) - t_fault if failed else None,

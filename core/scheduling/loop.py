@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from cadence.backend import ModelInput, PostSample, WorkerLostError
 from cadence.outputs import RequestOutput
 from cadence.request import Request, RequestStatus
-from cadence.scheduler import RequestTooLargeError, ScheduledRequest, StepPlan
+from cadence.scheduler import ScheduledRequest, StepPlan
 from cadence.scheduling.placeholders import build_async_input
 
 if TYPE_CHECKING:
@@ -75,14 +75,10 @@ class AsyncSchedulingLoop:
         e = self.engine
         e.guard.repair()
         times = e.stats.times
-        t0 = time.perf_counter()
-        try:
-            plan = e.scheduler.schedule()
-        except RequestTooLargeError as err:
-            e.output_processor.fail(err.request.parent_id, str(err))
+        plan = e.plan()
+        if plan is None:
             return e._finish_step()
         t1 = time.perf_counter()
-        times.add("schedule", t1 - t0)
         if plan.is_empty and self.in_flight:
             # Nothing could be planned around the step in flight (its placeholders reach a
             # length limit, or blocks it frees are awaited): commit it and plan again now.
