@@ -16,7 +16,6 @@ from model_factory import CHAT_TEMPLATE
 from cadence import SamplingParams
 from cadence.chat import render_chat
 from cadence.cli.main import main
-from cadence.engine import LLMEngine
 
 BOS_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -83,15 +82,17 @@ def test_render_chat_needs_a_template():
 
 @pytest.fixture
 def cli_prompt_ids(monkeypatch) -> list[list[int]]:
-    seen: list[list[int]] = []
-    original = LLMEngine._tokenize
+    import cadence.engine
 
-    def tokenize(self, prompt):
-        text, ids = original(self, prompt)
+    seen: list[list[int]] = []
+    original = cadence.engine.tokenize_prompt
+
+    def tokenize(tokenizer, prompt):
+        text, ids = original(tokenizer, prompt)
         seen.append(ids)
         return text, ids
 
-    monkeypatch.setattr(LLMEngine, "_tokenize", tokenize)
+    monkeypatch.setattr(cadence.engine, "tokenize_prompt", tokenize)
     return seen
 
 
