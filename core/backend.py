@@ -227,6 +227,13 @@ class Backend(ABC):
         self.config = config
         # The default submit/collect's device results, oldest first.
         self._submitted: list[Any] = []
+    #: Whether ``load_model`` builds rank ``config.parallel_config.tensor_parallel_rank``'s
+    #: shard of the model when ``tensor_parallel_size`` > 1 (core/executor/). The executors
+    #: refuse ``--tensor-parallel-size`` for a backend that does not declare it.
+    supports_tensor_parallel: ClassVar[bool] = False
+    #: The torch.distributed library of the collectives between this backend's ranks
+    #: ("gloo", "nccl", "hccl"), used by the default ``init_distributed``.
+    distributed_backend: ClassVar[str | None] = None
 
     @classmethod
     @abstractmethod
@@ -246,6 +253,33 @@ class Backend(ABC):
 
     @abstractmethod
     def forward(self, model_input: ModelInput) -> Any:
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        """Raise ValueError if this backend cannot run ``config.parallel_config`` here (too
+        few devices or cores for the ranks); called in the engine's process before any rank
+        starts. The default checks only that tensor parallel is declared."""
+        size = config.parallel_config.tensor_parallel_size
+        if size > 1 and not (cls.supports_tensor_parallel and cls.distributed_backend):
+            raise ValueError(f"--tensor-parallel-size {size}: backend {cls.name!r} does not "
+                             "support tensor parallel")
+
+    def init_distributed(self, rank: int, world_size: int, init_method: str,
+                         timeout_s: float) -> None:
+        """Join the group of ``world_size`` ranks as ``rank``, before ``load_model``.
+
+        Called by an executor in each rank's own process (core/executor/), never by the
+        uniproc path. The default joins torch.distributed's ``distributed_backend`` at
+        ``init_method`` and installs its collectives for the model layers
+        (``cadence.distributed``); a plugin whose collectives come from elsewhere overrides
+        it and calls ``cadence.distributed.set_tensor_parallel`` with its own communicator.
+        """
+        from cadence.distributed import init_torch_distributed
+
+        if world_size > 1 and not self.distributed_backend:
+            raise ValueError(f"backend {self.name!r} declares no distributed_backend")
+        init_torch_distributed(str(self.distributed_backend), rank, world_size, init_method,
+                               timeout_s)
+
         """Enqueue the forward pass; return the logits of the sampled rows (device tensor).
 
         Asynchronous where the device allows: do not wait for the result here.

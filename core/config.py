@@ -108,15 +108,27 @@ class FaultConfig:
                 f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
 
 
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Where this engine sits among replicas (core/data_parallel/): ``data_parallel_size``
-    engines serve one model side by side, this one is ``data_parallel_rank``. A backend
-    that declares ``supports_data_parallel`` uses them to take its share of the machine
-    (the CPU backend: its share of the cores)."""
+    """Where this engine sits among replicas, and how its model is split.
+
+    Data parallel (core/data_parallel/): ``data_parallel_size`` engines serve one model side
+    by side, this one is ``data_parallel_rank``. Tensor parallel (core/executor/,
+    docs/distributed.md): each engine's model is split over ``tensor_parallel_size`` ranks,
+    run by the ``distributed_executor_backend`` executor; a backend builds rank
+    ``tensor_parallel_rank``'s share. A backend that declares ``supports_data_parallel`` or
+    ``supports_tensor_parallel`` uses them to take its share of the machine (the CPU
+    backend: its share of the cores)."""
 
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    # None: "mp" when the model is split over several ranks, else "uniproc".
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -124,6 +136,32 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank must be in [0, "
+                             f"{self.tensor_parallel_size}), got {self.tensor_parallel_rank}")
+        executor = self.distributed_executor_backend
+        if executor is not None and executor not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{EXECUTOR_BACKENDS}, got {executor!r}")
+        if executor == "uniproc" and self.tensor_parallel_size > 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs one "
+                             "process per rank: use --distributed-executor-backend mp (or "
+                             "ray), not uniproc")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks one engine's model is split over."""
+        return self.tensor_parallel_size
+
+    @property
+    def executor(self) -> str:
+        """The executor that runs this engine's ranks (the default resolved)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uniproc"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any
 from cadence.backend import Backend, ModelInput, PostSample
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
+from cadence.executor import create_executor
 from cadence.faults import StepGuard
 from cadence.generation_defaults import default_sampling_params
 from cadence.input_builder import build_model_input
@@ -53,7 +54,8 @@ class LLMEngine:
         logger.info("%s", self.backend_reason)
         if config.async_scheduling:
             check_backend_supports(backend_cls, registry)
-        self.backend: Backend = backend_cls(config)
+        # The backend itself (uniproc), or an executor running its ranks (core/executor/).
+        self.backend: Backend = create_executor(backend_cls, config)
         self.backend.load_model()
         # Between load_model and allocate_kv_cache: a backend that loads in a worker process
         # returns from load_model at once, and the tokenizer loads while the worker does.

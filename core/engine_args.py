@@ -12,11 +12,13 @@ from cadence.config import (
     DEFAULT_MAX_WORKER_RESTARTS,
     DEFAULT_STEP_TIMEOUT_S,
     DTYPES,
+    EXECUTOR_BACKENDS,
     POLICIES,
     CacheConfig,
     EngineConfig,
     FaultConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
@@ -46,6 +48,8 @@ class EngineArgs:
     generation_config: str = "auto"
     backend_options: dict = field(default_factory=dict)
     revision: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -103,6 +107,9 @@ class EngineArgs:
             backend_options=tuple(sorted(args["backend_options"].items())),
             fault_config=FaultConfig(float(args["step_timeout"]),
                                      int(args["max_worker_restarts"])),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=int(args["tensor_parallel_size"]),
+                distributed_executor_backend=args["distributed_executor_backend"]),
         )
 
     @staticmethod
@@ -167,6 +174,15 @@ class EngineArgs:
                        default=DEFAULT_MAX_WORKER_RESTARTS,
                        help="restarts of a lost or frozen worker before the engine stops "
                             "serving (default: %(default)s)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many ranks, one process each "
+                            "(docs/distributed.md; default: %(default)s)")
+        p.add_argument("--distributed-executor-backend", default=None,
+                       choices=EXECUTOR_BACKENDS,
+                       help="what runs the ranks: 'uniproc' (the backend in this process), "
+                            "'mp' (one worker process per rank on this host) or 'ray' "
+                            "(default: mp when the model is split over several ranks, else "
+                            "uniproc)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

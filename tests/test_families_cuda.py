@@ -1,5 +1,6 @@
 """Model families through the whole CUDA backend on the CPU (interpreted Triton kernels,
-graph padding, the side-stream copier): greedy tokens equal transformers' ``generate``.
+graph padding, the side-stream copier, the fused MoE kernels): greedy tokens equal
+transformers' ``generate``.
 
 As in tests/test_cuda_kernels.py, ``TRITON_INTERPRET=1`` is set before triton is first
 imported when there is no GPU; one launch costs ~0.2 s there, so prompts stay short.
@@ -35,9 +36,14 @@ def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_p
     from transformers import AutoModelForCausalLM
 
     from cadence.backend import ProbeResult
+    from cadence.backends.cuda import moe_kernels
     from cadence.backends.cuda.backend import CudaBackend
 
     monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
+    fused_calls = []  # the MoE families run the fused Triton kernels, not the expert loop
+    fused = moe_kernels.fused_experts
+    monkeypatch.setattr(moe_kernels, "fused_experts",
+                        lambda *a: fused_calls.append(1) or fused(*a))
     model = build_family_model(name, tmp_path / "m", tokenizer_dir)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
@@ -49,6 +55,7 @@ def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_p
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert bool(fused_calls) == (FAMILIES[name][0] in ("mixtral", "qwen2_moe", "qwen3_moe"))
     finally:
         llm.shutdown()
 

@@ -43,6 +43,10 @@ class CpuBackend(Backend):
     supports_async_scheduling = True
     # Each replica's worker process binds to its own share of the cores (placement.py).
     supports_data_parallel = True
+    # Each rank runs in its executor's worker process on its share of the cores; the
+    # collectives between them go over gloo.
+    supports_tensor_parallel = True
+    distributed_backend = "gloo"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -55,10 +59,33 @@ class CpuBackend(Backend):
         self._worker = None
         self.runner = None
         self.runtime_info: dict[str, str] = {}
+        self._in_rank = False  # built by an executor in a rank's own process
 
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "torch CPU")
+
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        from cadence.backends.cpu.placement import rank_cpus
+
+        super().check_parallel_config(config)
+        rank_cpus(config.parallel_config)  # too few cores for the ranks: say so before spawning
+
+    def init_distributed(self, rank: int, world_size: int, init_method: str,
+                         timeout_s: float) -> None:
+        """In a rank's own process: the model runs here (``sync``: the process is the
+        worker), bound to this rank's share of the cores before torch starts its pool."""
+        import torch
+
+        from cadence.backends.cpu.placement import bind_to, rank_cpus
+
+        self._in_rank = True
+        self.overlap = "sync"
+        num_threads = bind_to(rank_cpus(self.config.parallel_config))
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        super().init_distributed(rank, world_size, init_method, timeout_s)
 
     def _kv_cache_bytes(self) -> int:
         return int(float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
@@ -67,7 +94,7 @@ class CpuBackend(Backend):
     def load_model(self) -> None:
         # The model, its packed GEMMs, the KV cache and the attention kernel are built in one
         # go (backends/cpu/runtime.py), in the worker process or here.
-        if self.config.parallel_config.data_parallel_size > 1:
+        if self.config.parallel_config.data_parallel_size > 1 and not self._in_rank:
             from cadence.backends.cpu.placement import replica_cpus
 
             if self.overlap != "process":

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cadence.cpuinfo import cpu_info
+from cadence.distributed import all_reduce
 from cadence.layers.linear import Linear, row_aligned
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,16 @@ class PackedLinear(nn.Module):
         self.weight_dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        # A row-parallel layer's partial outputs are summed over the tensor-parallel ranks.
+        self.reduce_output = bool(getattr(linear, "reduce_output", False))
         if keep_weight:
             # The plain rows stay readable for whoever recomputes a few outputs exactly (the
             # LM head's tied maxima, core/layers/logits.py); free when tied to the embeddings.
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_aligned(self._gemm, x)
+        out = row_aligned(self._gemm, x)
+        return all_reduce(out) if self.reduce_output else out
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -25,6 +25,7 @@ from cadence.backends.cuda.graphs import (
     pack_padded,
     pad_decode,
 )
+from cadence.backends.cuda.moe import install_fused_moe
 from cadence.layers import sampler
 from cadence.layers.attention import check_supported
 from cadence.layers.sampler import host_tensor
@@ -56,6 +57,9 @@ def init(be: CudaBackend) -> None:
 
 def load_model(be: CudaBackend) -> None:
     be.runner.load_model()
+    # Mixture-of-experts layers run the fused Triton kernels here (the CPU path keeps the
+    # core's expert loop).
+    install_fused_moe(be.runner.model)
     sched = be.config.scheduler_config
     be.width = -(-be.config.model_config.max_model_len // be.block_size)
     layout = InputLayout(sched.max_num_batched_tokens, sched.max_num_seqs,

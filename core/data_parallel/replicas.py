@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cadence.async_engine import AsyncLLM, EngineDeadError
 from cadence.async_stream import RequestStream
-from cadence.config import EngineConfig, ParallelConfig
+from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
@@ -148,6 +148,7 @@ class DataParallelAsyncLLM:
 
 def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
     """``config`` for each of ``size`` replicas (its rank in ``parallel_config``)."""
-    return [dataclasses.replace(config, parallel_config=ParallelConfig(size, rank))
+    return [dataclasses.replace(config, parallel_config=dataclasses.replace(
+        config.parallel_config, data_parallel_size=size, data_parallel_rank=rank))
             for rank in range(size)]
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.distributed import all_reduce, tp_rank, tp_size
+
 ROW_ALIGN = 4
 
 
@@ -42,3 +44,118 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# -- tensor parallel (docs/distributed.md) ----------------------------------------------------
+# Each layer is built at its rank's size and slices the full checkpoint tensor it is loaded
+# from (``tp_load``, called by ``CausalLM.load_weights``); with one rank they are the plain
+# layers above. They stay ``Linear``s, so a backend that swaps Linears for its own GEMM
+# (the CPU backend's packed weights) keeps the split; a row-parallel layer's sum over the
+# ranks is marked by ``reduce_output`` for such a replacement to keep too.
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks, no communication: rank r holds its slice of
+    every part of a fused projection (``part_sizes``, full widths; one part by default)."""
+
+    reduce_output = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 part_sizes: list[int] | None = None) -> None:
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.part_sizes = part_sizes or [out_features]
+        if sum(self.part_sizes) != out_features:
+            raise ValueError(f"parts {self.part_sizes} do not add up to {out_features}")
+        super().__init__(in_features, sum(self.local_rows(i) for i in
+                                          range(len(self.part_sizes))), bias=bias)
+
+    def local_rows(self, part: int) -> int:
+        """Rows of fused part ``part`` on this rank."""
+        return -(-self.part_sizes[part] // self.tp_size)
+
+    def part_start(self, part: int) -> int:
+        """Where this rank's rows of part ``part`` start in the checkpoint tensor."""
+        return self.tp_rank * self.local_rows(part)
+
+    def tp_load(self, kind: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the checkpoint tensor of ``part`` (weight or bias), zero
+        padded when the full width does not divide (a vocabulary)."""
+        if self.tp_size == 1:
+            return tensor
+        part = part or 0
+        rows, start = self.local_rows(part), self.part_start(part)
+        out = tensor[start:start + rows]
+        if out.shape[0] < rows:
+            pad = tensor.new_zeros((rows - out.shape[0],) + tuple(tensor.shape[1:]))
+            out = torch.cat([out, pad])
+        return out
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v with the heads split across ranks; KV heads replicated when there are
+    fewer than ranks (each rank then holds the one its query heads read)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False) -> None:
+        self.head_dim = head_dim
+        self.kv_replicas = max(1, tp_size() // num_kv_heads)
+        kv = num_kv_heads * head_dim * self.kv_replicas
+        super().__init__(hidden, num_heads * head_dim + 2 * kv, bias,
+                         [num_heads * head_dim, kv, kv])
+
+    def part_start(self, part: int) -> int:
+        if part == 0 or self.kv_replicas == 1:
+            return super().part_start(part)
+        return (self.tp_rank // self.kv_replicas) * self.head_dim
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the partial outputs are summed over the ranks.
+    The bias is rank 0's alone (zeros elsewhere), so the sum adds it once."""
+
+    reduce_output = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        super().__init__(in_features // self.tp_size, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x))
+
+    def tp_load(self, kind: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return tensor
+        if kind == "bias":
+            return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
+        cols = self.in_features
+        return tensor[:, self.tp_rank * cols:(self.tp_rank + 1) * cols]
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding table split by vocabulary rows across ranks (padded to divide): each
+    rank looks up the ids in its range, zeros for the others, and the sum over the ranks is
+    the full lookup."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        rows = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * rows
+        # _weight skips the random init (load_weights fills it).
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        return all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0))
+
+    def tp_load(self, kind: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return tensor
+        out = tensor[self.vocab_start:self.vocab_start + self.num_embeddings]
+        if out.shape[0] < self.num_embeddings:
+            pad = tensor.new_zeros((self.num_embeddings - out.shape[0], tensor.shape[1]))
+            out = torch.cat([out, pad])
+        return out

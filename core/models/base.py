@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cadence.layers.linear import Linear
+from cadence.distributed import all_gather, tp_size
+from cadence.layers.linear import ColumnParallelLinear
 from cadence.layers.logits import RefineTopLogits
 from cadence.model_limits import layer_windows
 
@@ -62,10 +63,16 @@ class CausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) \
+            or self.total_num_heads
         self.head_dim = head_dim or getattr(config, "head_dim", None) \
-            or config.hidden_size // self.num_heads
+            or config.hidden_size // self.total_num_heads
+        # Under tensor parallel (docs/distributed.md) this rank's heads, and so its KV cache:
+        # the query heads split evenly, the KV heads too or one each when fewer than ranks.
+        self.tp_size = tp_size()
+        self.num_heads = self.total_num_heads // self.tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // self.tp_size)
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -81,7 +88,8 @@ class CausalLM(nn.Module):
         model's dtype. A tied head shares ``self.<prefix>.<embed>``'s weight."""
         with torch.device("meta"):
             module = body()
-            lm_head = Linear(self.hidden_size, self.vocab_size, bias=head_bias)
+            # Vocabulary-parallel under tensor parallel: each rank computes its rows' logits.
+            lm_head = ColumnParallelLinear(self.hidden_size, self.vocab_size, bias=head_bias)
         setattr(self, prefix, module.to(self.dtype).to_empty(device="cpu"))
         self.lm_head = lm_head.to(self.dtype).to_empty(device="cpu")
         if self.tie_word_embeddings:
@@ -96,6 +104,10 @@ class CausalLM(nn.Module):
         head = self.lm_head
         logits = self.refine_logits(head(hidden), hidden, getattr(head, "weight", None),
                                     head.bias)
+        if self.tp_size > 1:
+            # Each rank refined its own shard's maxima (the row's maximum is one of them, so
+            # greedy picks what one process picks); padding rows past the vocabulary go.
+            logits = all_gather(logits, dim=-1)[:, :self.vocab_size]
         return self.finish_logits(logits)
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -118,7 +130,7 @@ class CausalLM(nn.Module):
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return [q, kv, kv]
         if fused == "gate_up_proj":
-            size = self.config.intermediate_size
+            size = self.config.intermediate_size // self.tp_size
             return [size, size]
         raise NotImplementedError(f"{type(self).__name__} names no shard sizes for {fused}")
 
@@ -129,6 +141,7 @@ class CausalLM(nn.Module):
         owned = dict(self.named_parameters())  # a tied head's weight counts once
         shared = set(params) - set(owned)
         fused_re = _fused_pattern(self.fused_parts)
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, ckpt_tensor in weights:
@@ -145,6 +158,10 @@ class CausalLM(nn.Module):
                     unexpected.append(ckpt_name)
                     continue
                 dest = params[target].data
+                module_name, _, kind = target.rpartition(".")
+                tp_load = getattr(modules.get(module_name), "tp_load", None)
+                if tp_load is not None:  # this rank's slice (tensor parallel)
+                    tensor = tp_load(kind, shard, tensor)
                 if shard is not None:
                     sizes = self.fused_sizes(target.split(".")[-2])
                     start = sum(sizes[:shard])

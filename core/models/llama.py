@@ -22,7 +22,12 @@ from torch import nn
 
 from cadence.layers.activation import SiluAndMul
 from cadence.layers.attention import attend, attention_features
-from cadence.layers.linear import Linear
+from cadence.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import ApplyRotary, RotaryEmbedding
 from cadence.models import base
@@ -31,7 +36,10 @@ from cadence.models import base
 class Attention(nn.Module):
     """Fused-qkv self-attention; the attention itself is the backend's (forward context).
 
-    ``sliding_window``: the layer's window in tokens, None for full attention.
+    ``sliding_window``: the layer's window in tokens, None for full attention. ``dims``
+    holds this rank's head counts (all heads on one rank) and, under tensor parallel, the
+    model's ``total_num_heads``/``total_num_kv_heads``: q/k/v are column-parallel by heads
+    and o_proj row-parallel (docs/distributed.md).
     """
 
     def __init__(self, config: Any, layer_idx: int, spec: dict[str, bool], dims: dict[str, int],
@@ -46,8 +54,12 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=spec["qkv_bias"])
-        self.o_proj = Linear(self.q_size, hidden, bias=spec["o_bias"])
+        total_heads = dims.get("total_num_heads", self.num_heads)
+        total_kv_heads = dims.get("total_num_kv_heads", self.num_kv_heads)
+        self.qkv_proj = QKVParallelLinear(hidden, total_heads, total_kv_heads, self.head_dim,
+                                          bias=spec["qkv_bias"])
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden,
+                                        bias=spec["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec["qk_norm"] else None
         self.rotary = ApplyRotary()
@@ -66,13 +78,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP with gate and up fused into one linear."""
+    """SiLU-gated MLP with gate and up fused into one linear; column-parallel gate/up and
+    row-parallel down under tensor parallel."""
 
     def __init__(self, config: Any, bias: bool) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * size, bias=bias,
+                                                 part_sizes=[size, size])
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +130,9 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int],
                  windows: list[int | None], layer_cls: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
-        # _weight skips the random init: on the meta device normal_ runs through torch's
-        # Python reference ops, whose first use imports torch._dynamo (~1-2 s of start-up).
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
+        # Uninitialized (no random init on the meta device: that imports torch._dynamo,
+        # ~1-2 s of start-up); split by vocabulary rows under tensor parallel.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             layer_cls(config, i, spec, dims, windows[i])
             for i in range(config.num_hidden_layers)
@@ -165,6 +177,8 @@ class CausalLM(base.CausalLM):
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "total_num_heads": self.total_num_heads,
+            "total_num_kv_heads": self.total_num_kv_heads,
         }
         # Each layer's sliding window (None: full attention); see the module NOTE.
         self.layer_windows = base.sliding_windows(config, max_model_len)

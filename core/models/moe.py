@@ -34,8 +34,10 @@ class _MoECausalLM(llama.CausalLM):
 
     renormalize_default = True
     weights_in_model_dtype = False
-    # The experts' token groups are sized on the host (one sync per layer), which a
-    # captured CUDA graph cannot replay; the CUDA backend runs these models eagerly.
+    # The core's expert loop sizes the token groups on the host (one sync per layer), which
+    # a captured CUDA graph cannot replay. The CUDA backend's fused kernels have no host
+    # sync and static shapes per token count, but have not yet been captured and checked
+    # on a GPU, so the CUDA backend still runs these models eagerly (docs/models.md).
     graph_capturable = False
 
     def build(self, prefix: str, body: Callable[[], nn.Module], embed: str,

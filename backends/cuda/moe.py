@@ -1,0 +1,70 @@
+"""The CUDA backend's mixture-of-experts layer: the core's ``SparseMoE`` with its expert
+loop replaced by the fused Triton kernels (``moe_kernels``).
+
+``install_fused_moe`` swaps every ``SparseMoE`` of a loaded model for a ``FusedSparseMoE``
+holding the same router, shared expert and routing rules; the per-expert weights are
+stacked into ``w13`` [E, 2I, H] and ``w2`` [E, H, I] one layer at a time, so the extra
+memory while loading is one layer's experts. The model code and the CPU path are untouched.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from cadence.layers.moe import SparseMoE, route
+
+
+def _default_kernels() -> ModuleType:
+    from cadence.backends.cuda import moe_kernels  # triton only when an MoE layer is built
+
+    return moe_kernels
+
+
+class FusedSparseMoE(nn.Module):
+    """``SparseMoE``'s contract (x [T, hidden] -> [T, hidden], same routing) run by one
+    ``fused_experts`` call instead of a GEMM pair per expert.
+
+    ``kernels``: any module with ``fused_experts`` (the Triton one by default).
+    """
+
+    def __init__(self, moe: SparseMoE, kernels: ModuleType | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.renormalize = moe.renormalize
+        self.weights_in_model_dtype = moe.weights_in_model_dtype
+        self.gate = moe.gate
+        self.shared_expert = moe.shared_expert
+        self.shared_expert_gate = moe.shared_expert_gate
+        with torch.no_grad():
+            self.w13 = nn.Parameter(torch.stack([e.w13.weight for e in moe.experts]),
+                                    requires_grad=False)
+            self.w2 = nn.Parameter(torch.stack([e.w2.weight for e in moe.experts]),
+                                   requires_grad=False)
+        self.kernels = kernels or _default_kernels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def install_fused_moe(model: nn.Module, kernels: ModuleType | None = None) -> int:
+    """Replace every ``SparseMoE`` in ``model`` with a ``FusedSparseMoE``; returns how many."""
+    count = 0
+    # Walked parent by parent (not over a list of every module, which would keep each
+    # layer's per-expert weights alive until all layers were stacked).
+    for name, child in list(model.named_children()):
+        if isinstance(child, SparseMoE):
+            setattr(model, name, FusedSparseMoE(child, kernels))
+            count += 1
+        else:
+            count += install_fused_moe(child, kernels)
+    return count

@@ -1,0 +1,44 @@
+"""Executors: what runs a backend's ranks on behalf of the single-process engine core.
+
+- ``uniproc``: the backend in the engine's own process (one rank; the path every backend
+  had before tensor parallel). No wrapper: the engine talks to the backend directly.
+- ``mp``: one worker process per rank on this host (multiproc.py). The engine sends each
+  step's ``ModelInput`` to every rank, runs the previous step's finalize while they compute,
+  and reads back rank 0's samples only.
+- ``ray``: not available yet; refused with a message (docs/distributed.md).
+
+An executor is a ``Backend`` to the engine (same lifecycle, ``execute``/``submit``/
+``collect``, ``check_health``, ``restart``), so the step loops, the fault guard and the
+server's /health work unchanged whichever runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cadence.executor.checks import check_tensor_parallel_model
+
+if TYPE_CHECKING:
+    from cadence.backend import Backend
+    from cadence.config import EngineConfig
+
+__all__ = ["check_tensor_parallel_model", "create_executor"]
+
+
+def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend:
+    """The backend, or an executor running its ranks, as ``config.parallel_config`` asks.
+    ValueError (before any process starts) for a split the backend or model cannot run."""
+    parallel = config.parallel_config
+    executor = parallel.executor
+    if executor == "ray":
+        raise ValueError("--distributed-executor-backend ray is not available yet in "
+                         "cadence; use 'mp' (one process per rank on this host) or "
+                         "'uniproc' (docs/distributed.md)")
+    backend_cls.check_parallel_config(config)
+    if parallel.tensor_parallel_size > 1:
+        check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size)
+    if executor == "uniproc":
+        return backend_cls(config)
+    from cadence.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(backend_cls, config)

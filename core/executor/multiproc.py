@@ -1,0 +1,271 @@
+"""The ``mp`` executor: one worker process per rank on this host (core/executor/worker.py).
+
+Each step's ``ModelInput`` goes down every rank's pipe; the engine runs the previous step's
+finalize (``post_sample``) while the ranks compute, then reads one reply per rank: rank 0's
+samples, an acknowledgement from the others. Reading every rank's reply is what turns a
+rank that died, hung or failed into an error at once instead of a hang in rank 0's next
+collective.
+
+NOTE failures: a rank whose pipe closes (it died) or that reports an error while another
+rank is still computing (that one is stuck in a collective waiting for it) means the group
+is gone: every rank is killed and ``WorkerLostError`` raised, so the engine fails every
+pending request and restarts the group (or stops, past its restart budget). A step that
+failed on every rank alike (a bad input seen before any collective) is a failure of that
+step only, as with one process.
+"""
+
+from __future__ import annotations
+
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from typing import Any
+
+from cadence.backend import (
+    Backend,
+    ModelInput,
+    PostSample,
+    ProbeResult,
+    SamplerOutput,
+    WorkerLostError,
+)
+from cadence.config import EngineConfig
+from cadence.executor.worker import LEN, read_exactly, send
+
+# After one rank fails a step, how long the others get to fail it too before the group
+# counts as broken (they fail at the same point when the input itself was bad).
+PEER_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+def _exit_reason(proc: subprocess.Popen) -> str:
+    code = proc.poll()
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        try:
+            return f"died (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (signal {-code})"
+    return f"exited (code {code})"
+
+
+class MultiprocExecutor(Backend):
+    """Runs ``backend_cls`` as ``tensor_parallel_size`` rank processes; a ``Backend`` to the
+    engine. ``load_model`` starts the ranks, ``allocate_kv_cache`` waits for them."""
+
+    def __init__(self, backend_cls: type[Backend], config: EngineConfig) -> None:
+        super().__init__(config)
+        self.backend_cls = backend_cls
+        self.name = backend_cls.name
+        self.supports_async_scheduling = backend_cls.supports_async_scheduling
+        self.world_size = config.parallel_config.tensor_parallel_size
+        self.step_timeout_s = config.fault_config.step_timeout_s
+        self._procs: list[subprocess.Popen] = []
+        self._in_flight = 0
+        self._finalizer = None
+        self.runtime_info: dict[str, str] = {}
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        return ProbeResult(True, "executor")
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        import dataclasses
+
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs = []
+        self._in_flight = 0
+        for rank in range(self.world_size):
+            parallel = dataclasses.replace(self.config.parallel_config,
+                                           tensor_parallel_rank=rank)
+            spec = {"config": dataclasses.replace(self.config, parallel_config=parallel),
+                    "rank": rank, "world_size": self.world_size, "init_method": init_method,
+                    "timeout_s": self.step_timeout_s}
+            proc = subprocess.Popen([sys.executable, "-m", "cadence.executor.worker"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._procs.append(proc)
+            send(proc.stdin, spec)
+        # An engine dropped without shutdown() must not leave its ranks behind.
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
+
+    def allocate_kv_cache(self) -> int:
+        replies = self._gather(timeout=None, starting=True)
+        errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
+        if errors:
+            _kill_all(self._procs)  # the others may be waiting for it in the rendezvous
+            self.shutdown()
+            rank, (_, user_error, message, tb) = errors[0]
+            if user_error:  # a bad model folder, a KV cache too small: the user's to fix
+                raise ValueError(message)
+            raise RuntimeError(f"rank {rank} of {self.world_size} failed to start: "
+                               f"{message}\n{tb}")
+        # Equal shards give equal caches; the smallest is what every rank can hold.
+        num_blocks = min(rep[1] for rep in replies)
+        self.runtime_info = {**replies[0][2], "executor": "mp",
+                             "tensor_parallel_size": str(self.world_size)}
+        return num_blocks
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _recv(self, rank: int) -> Any:
+        fd = self._procs[rank].stdout.fileno()
+        (size,) = LEN.unpack(read_exactly(fd, LEN.size))
+        return pickle.loads(read_exactly(fd, size))
+
+    def _lost(self, message: str) -> WorkerLostError:
+        _kill_all(self._procs)
+        self._in_flight = 0
+        return WorkerLostError(message)
+
+    def _gather(self, timeout: float | None, starting: bool = False) -> list[Any]:
+        """One reply from every rank, in rank order. Raises ``WorkerLostError`` (all ranks
+        killed) when one dies, or none replies within ``timeout``, or one fails while
+        another does not answer within ``PEER_GRACE_S``."""
+        what = "during start-up" if starting else ""
+        replies: dict[int, Any] = {}
+        fds = {p.stdout.fileno(): r for r, p in enumerate(self._procs)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed_at = None
+        while len(replies) < len(self._procs):
+            waiting = [fd for fd, r in fds.items() if r not in replies]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if failed_at is not None:
+                left = max(0.0, failed_at + PEER_GRACE_S - time.monotonic())
+            ready, _, _ = select.select(waiting, [], [], left)
+            if not ready:
+                late = sorted(fds[fd] for fd in waiting)
+                if failed_at is not None:
+                    raise self._lost(f"rank {min(set(replies) - set(late))} failed while "
+                                     f"rank(s) {late} still ran; every rank was stopped")
+                raise self._lost(f"rank(s) {late} of {self.world_size} gave no reply within "
+                                 f"{timeout:g} s (step_timeout); every rank was killed")
+            for fd in ready:
+                rank = fds[fd]
+                try:
+                    replies[rank] = self._recv(rank)
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    proc = self._procs[rank]
+                    try:
+                        proc.wait(timeout=2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)} "
+                                     f"{what}; every rank was stopped".replace("  ", " ")
+                                     ) from None
+                if isinstance(replies[rank], tuple) and replies[rank][0] == "error":
+                    if starting:  # the others may wait for it in the rendezvous: stop now
+                        return [replies.get(r) for r in range(len(self._procs))]
+                    if failed_at is None:
+                        failed_at = time.monotonic()
+        return [replies[r] for r in range(len(self._procs))]
+
+    def submit(self, model_input: ModelInput) -> None:
+        assert self._in_flight < 2, "at most two steps in flight"
+        for rank, proc in enumerate(self._procs):
+            try:
+                send(proc.stdin, model_input)
+            except OSError:  # a broken pipe: that rank is gone
+                raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}; "
+                                 "every rank was stopped") from None
+        self._in_flight += 1
+
+    def collect(self) -> SamplerOutput:
+        assert self._in_flight, "collect() without submit()"
+        self._in_flight -= 1
+        replies = self._gather(self.step_timeout_s)
+        errors = [r for r, rep in enumerate(replies) if isinstance(rep, tuple)]
+        if errors and len(errors) < len(replies):
+            raise self._lost(f"rank(s) {errors} failed a step the others ran, so the group's "
+                             f"state is inconsistent; every rank was stopped:\n"
+                             f"{replies[errors[0]][1]}")
+        if errors:
+            raise RuntimeError(f"the step failed on every rank:\n{replies[0][1]}")
+        return replies[0]
+
+    def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
+        self.submit(model_input)
+        try:
+            post_sample()
+        finally:
+            # Never leave the ranks running while the caller raises: the next step would
+            # race them for the KV cache.
+            out = self.collect()
+        return out
+
+    def forward(self, model_input: ModelInput) -> Any:
+        self.submit(model_input)
+
+    def sample(self, logits: Any, sampling: Any) -> Any:
+        return None
+
+    def to_host(self, sampled: Any) -> SamplerOutput:
+        return self.collect()
+
+    # -- health and shutdown ----------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The ranks' process ids, rank 0 first (for operators and tests)."""
+        return [p.pid for p in self._procs]
+
+    def check_health(self, deep: bool = False) -> None:
+        procs = list(self._procs)  # read once: the engine thread may be restarting them
+        for rank, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise WorkerLostError(f"rank {rank} of {self.world_size} "
+                                      f"{_exit_reason(proc)}")
+        if deep and procs and not self._in_flight:
+            for proc in procs:
+                try:
+                    send(proc.stdin, "ping")
+                except OSError:
+                    raise self._lost(f"a rank {_exit_reason(proc)}") from None
+            self._gather(self.step_timeout_s)
+
+    def shutdown(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            try:
+                if proc.poll() is None:
+                    send(proc.stdin, None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._in_flight = 0
+
+    def env_info(self) -> dict[str, str]:
+        return dict(self.runtime_info)
