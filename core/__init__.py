@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.hookspecs import hookimpl
 from cadence.sampling_params import SamplingParams
+from cadence.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
 
 _LAZY = {
     "LLM": "cadence.llm",

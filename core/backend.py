@@ -60,6 +60,11 @@ class SamplingMetadata:
     # output token, which ``output_token_ids`` lacks (it is not on the host yet). The
     # backend counts it from its device-side copy (docs/async_scheduling.md).
     output_placeholder_src: list[int] = field(default_factory=list)
+    # Structured output: a ``GrammarBitmask`` (core/structured_output/bitmask.py) for the
+    # rows that follow a grammar, or None. Its bitmask is computed by the engine inside
+    # ``post_sample`` (while the device runs the forward), or by ``get()`` at sampling time
+    # if that comes first. Backends apply it before sampling, through the shared sampler.
+    grammar: Any = None
 
     @property
     def has_penalties(self) -> bool:

@@ -38,6 +38,7 @@ from cadence.request_intake import (
 from cadence.sampling_params import SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import AsyncSchedulingLoop, check_backend_supports, scheduler_class
+from cadence.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class LLMEngine:
         self.scheduler = scheduler_class(config.async_scheduling)(
             sc, self.block_manager, settle=self._settle)
         self.stats = EngineStats()
+        # Structured output; compiles nothing and imports no xgrammar until a request asks.
+        self.structured = StructuredOutputManager(
+            tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))
         hook = registry.hook.cadence_post_sample if registry.has_impl(
             "cadence_post_sample") else None
         self.output_processor = OutputProcessor(
@@ -121,6 +125,13 @@ class LLMEngine:
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         validate_request(ids, params, self.config.scheduler_config,
                          self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.config.async_scheduling:
+                raise ValueError(
+                    "structured_outputs is not supported with async_scheduling (the bitmask "
+                    "of a step needs the tokens of the step before it on the host); turn "
+                    "async_scheduling off, the default step keeps the overlap")
+            self.structured.check(params)
         children = []
         for i in range(params.n):
             sp = params.for_sample(i) if params.n > 1 else params
@@ -136,8 +147,11 @@ class LLMEngine:
                              "samples is in use by another request (the samples of n > 1 "
                              "are named '<index>_<request_id>')")
         self.output_processor.add(ParentRequest(request_id, text, ids, children, output_kind))
-        for child in children:
-            self.scheduler.add_request(child)
+        if params.structured_outputs is not None:
+            self.structured.hold(children)  # to the scheduler once its grammar compiled
+        else:
+            for child in children:
+                self.scheduler.add_request(child)
         self.stats.num_requests_added += 1
         self.stats.num_prompt_tokens += len(ids)
 
@@ -192,7 +206,18 @@ class LLMEngine:
                 self.output_processor.finalize(pending)
             post_time[0] = time.perf_counter() - ts
 
-        post_sample = PostSample(finalize_previous if self.async_output else None)
+        grammar = mi.sampling.grammar
+
+        def post() -> None:
+            if grammar is not None:
+                # First: the bitmask is what the device waits for before sampling.
+                ts = time.perf_counter()
+                grammar.get()
+                times.add("bitmask", time.perf_counter() - ts)
+            if self.async_output:
+                finalize_previous()
+
+        post_sample = PostSample(post if self.async_output or grammar is not None else None)
         ran = self.guard.run(plan, mi, post_sample)
         t3 = time.perf_counter()
         times.add("execute", t3 - t2)
@@ -217,6 +242,11 @@ class LLMEngine:
         when a request that can never run was failed instead (the next step plans the
         others)."""
         t0 = time.perf_counter()
+        if self.structured.num_waiting:
+            # Requests whose grammar compiled join the scheduler; wait for one only when
+            # nothing else could run meanwhile.
+            self.structured.admit(self.scheduler.add_request, self.output_processor.fail,
+                                  block=not self.scheduler.has_unfinished_requests())
         try:
             plan = self.scheduler.schedule()
         except RequestTooLargeError as e:
@@ -239,8 +269,11 @@ class LLMEngine:
             req.last_token_time = now
 
     def _build_input(self, plan: StepPlan) -> ModelInput:
-        return build_model_input(plan, self.block_manager.get_block_table,
-                                 self.config.cache_config.block_size)
+        mi = build_model_input(plan, self.block_manager.get_block_table,
+                               self.config.cache_config.block_size)
+        mi.sampling.grammar = self.structured.bitmask_for(
+            [plan.scheduled[i].request for i in mi.sample_seq_indices])
+        return mi
 
     def _fail_all(self, message: str) -> None:
         if self._async_loop is not None:
@@ -277,5 +310,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self._drain()
+        self.structured.shutdown()
         self.backend.shutdown()
         self._registry.hook.cadence_shutdown()

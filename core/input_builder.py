@@ -77,6 +77,10 @@ def _banned(req: Request) -> list[int]:
     sp = req.sampling_params
     if len(req.output_token_ids) + req.num_output_placeholders >= sp.min_tokens:
         return []
+    if req.grammar is not None:
+        # The grammar decides where a constrained output ends: banning EOS where it is the
+        # only token the grammar allows would leave nothing to sample.
+        return []
     ids = list(sp.stop_token_ids)
     if not sp.ignore_eos:
         ids.extend(req.eos_token_ids)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from cadence.request import Request
 
-STEP_PHASES = ("schedule", "prepare", "execute", "post_sample", "commit", "drain")
+# "bitmask": structured output's grammar bitmasks, computed inside post_sample (docs/structured_output.md).
+STEP_PHASES = ("schedule", "prepare", "execute", "post_sample", "commit", "drain", "bitmask")
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
 from cadence.outputs import Logprob, RequestOutput
 from cadence.request import Request, RequestStatus
+from cadence.structured_output.manager import advance as advance_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class OutputProcessor:
                ) -> list[Request]:
         """Append sampled tokens and run O(1) stop checks; return the requests touched."""
         touched = []
+        refused: list[Request] = []
         logprobs = out.logprobs
         for k, seq_idx in enumerate(sample_seq_indices):
             req: Request = scheduled[seq_idx].request
@@ -66,9 +68,26 @@ class OutputProcessor:
             token = out.sampled_token_ids[k]
             req.output_token_ids.append(token)
             req.output_logprobs.append(logprobs[k] if logprobs is not None else None)
-            self._check_stop(req, token)
             touched.append(req)
+            if req.grammar is not None and self._advance_grammar(req, token, refused):
+                continue
+            self._check_stop(req, token)
+        for req in refused:
+            self.fail(req.parent_id, f"structured output: the grammar refused token "
+                      f"{req.output_token_ids[-1]} (an engine bug, please report it)")
         return touched
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int, refused: list[Request]) -> bool:
+        """Feed ``token`` to the request's grammar; True if that ended the request (the
+        grammar terminated: finish reason ``stop``)."""
+        if not advance_grammar(req, token):
+            refused.append(req)
+            return True
+        if req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, req: Request, token: int) -> None:
         sp = req.sampling_params

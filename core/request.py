@@ -86,6 +86,9 @@ class Request:
     # (so the scheduler plans the next step around them) but not yet in ``output_token_ids``
     # (so nothing host-side ever sees them). Always 0 without async scheduling.
     num_output_placeholders: int = 0
+    # Structured output: this sample's grammar matcher, fed each committed token
+    # (core/structured_output/manager.py); None when the output is unconstrained.
+    grammar: object = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

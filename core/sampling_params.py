@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from cadence.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Seeds are 64-bit signed, as in vLLM's server: a backend may hold them in an int64 tensor.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -44,6 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Constrains the output to a JSON schema, regex, choice or grammar
+    # (docs/structured_output.md).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.
     output_text_buffer_length: int = field(default=0, repr=False)
 
@@ -114,6 +119,12 @@ class SamplingParams:
                for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if not isinstance(so, dict):
+                raise bad("structured_outputs", "a StructuredOutputsParams, a dict of its "
+                          "fields, or None")
+            self.structured_outputs = StructuredOutputsParams.from_dict(so)
 
     def check_against_model(self, vocab_size: int | None) -> None:
         """The checks that need the model: token ids and counts against its vocabulary."""

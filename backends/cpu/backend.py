@@ -148,8 +148,14 @@ class CpuBackend(Backend):
         if self.overlap == "sync":
             return super().execute(model_input, post_sample)
         if self._worker is not None:
+            grammar = model_input.sampling.grammar
+            # Structured output: the worker runs the forward while the bitmask is computed
+            # here, and waits for it before sampling.
+            late = grammar is not None and not grammar.is_ready
             self._worker.submit(model_input)
             try:
+                if late:
+                    self._worker.send_bitmask(grammar)
                 post_sample()
             finally:
                 out = self._worker.result()

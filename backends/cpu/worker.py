@@ -104,7 +104,10 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         try:
             mi: ModelInput = msg
             t0 = time.perf_counter()
-            result = runner.to_host(runner.sample(runner.forward(mi), mi.sampling))
+            logits = runner.forward(mi)
+            if mi.sampling.grammar is not None and not mi.sampling.grammar.is_ready:
+                _receive_bitmask(inbox, mi.sampling.grammar)
+            result = runner.to_host(runner.sample(logits, mi.sampling))
             result.device_seconds = time.perf_counter() - t0
             result.device_done_at = time.monotonic()
         except BaseException:
@@ -112,6 +115,17 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             # would pickle under a name the engine process cannot import.
             result = ("error", traceback.format_exc())
         _reply(out, result)
+
+
+def _receive_bitmask(inbox: queue.SimpleQueue, grammar: Any) -> None:
+    """The step's grammar bitmask, which the engine sends after the step (it computes it
+    while this process runs the forward)."""
+    msg = inbox.get()
+    if msg is None:
+        inbox.put(None)  # the engine is closing: the main loop sees it next
+    if not (isinstance(msg, tuple) and msg[0] == "bitmask" and msg[1] is not None):
+        raise RuntimeError("the engine sent no grammar bitmask for a step that needs one")
+    grammar.set(msg[1])
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -227,6 +241,20 @@ class ForwardWorker:
         except OSError:  # a broken pipe: the worker is gone
             raise WorkerLostError(self._exit_message()) from None
         self._in_flight += 1
+
+    def send_bitmask(self, grammar: Any) -> None:
+        """Compute the grammar bitmask of the step just submitted and send it; the worker
+        waits for it before sampling. If computing it fails the worker is told, so the step
+        fails there too instead of waiting for a bitmask that never comes."""
+        try:
+            value = grammar.get()
+        except BaseException:
+            _send(self._out, ("bitmask", None))
+            raise
+        try:
+            _send(self._out, ("bitmask", value))
+        except OSError:
+            raise WorkerLostError(self._exit_message()) from None
 
     def result(self) -> SamplerOutput:
         """The oldest step's samples (steps are answered in the order they were sent)."""

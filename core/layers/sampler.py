@@ -1,8 +1,9 @@
 """Batched sampling on tensors: no Python loop over the vocabulary, and a loop over rows
 only for seeded rows (each needs its own generator).
 
-Order, as in vLLM: raw logprobs (if asked) -> penalties -> banned ids (min_tokens) ->
-greedy argmax, or temperature -> min_p -> top_k -> top_p -> inverse-CDF sampling.
+Order, as in vLLM: grammar bitmask (structured output) -> raw logprobs (if asked) ->
+penalties -> banned ids (min_tokens) -> greedy argmax, or temperature -> min_p -> top_k ->
+top_p -> inverse-CDF sampling.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
            pending_ids: torch.Tensor | None = None) -> DeviceSample:
     """Sample one token per row of ``logits`` [B, V] (float32). ``pending_ids``: see
     ``apply_penalties``."""
+    if meta.grammar is not None:
+        # Before the logprobs, as vLLM V1 applies it to the logits its sampler receives.
+        from cadence.layers.token_bitmask import apply_grammar_bitmask
+
+        logits = apply_grammar_bitmask(logits, meta.grammar)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
     if meta.has_penalties:
         logits = apply_penalties(logits, meta, pending_ids)

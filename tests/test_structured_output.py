@@ -1,0 +1,218 @@
+"""Structured output (docs/structured_output.md): sampled outputs of a tiny random model at
+temperature 1 always follow their JSON schema, regex, choice or grammar; async output on ==
+off and preempted == unpreempted for seeded requests; every sampling feature combines with
+it; a bad constraint is refused without harming others."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine_helpers import generate, make_llm, summarize
+from cadence import SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]},
+                         "ok": {"type": "boolean"}},
+          "required": ["name", "age", "role", "ok"]}
+POINTS = {"type": "array", "minItems": 1, "maxItems": 3,
+          "items": {"type": "object", "additionalProperties": False,
+                    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                   "tag": {"enum": ["a", "b"]}},
+                    "required": ["x", "tag"]}}
+REGEX = r"[a-c]{2,5}-\d{1,3}"
+CHOICES = ["yes", "no", "maybe so", "naïve"]
+# Sums of one-digit numbers, at most three terms.
+EBNF = 'root ::= num (" + " num){0,2} " = ?"\nnum ::= [0-9]'
+EBNF_RE = r"[0-9]( \+ [0-9]){0,2} = \?"
+
+
+def so(**kw) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kw)
+
+
+def _mixed(count: int, seed0: int = 0, **extra) -> list[SamplingParams]:
+    """``count`` requests per constraint, seeded, at temperature 1."""
+    kinds = [so(json=PERSON, disable_any_whitespace=True), so(json=json.dumps(POINTS),
+             disable_any_whitespace=True), so(regex=REGEX), so(choice=CHOICES),
+             so(grammar=EBNF), so(json_object=True, disable_any_whitespace=True)]
+    extra.setdefault("max_tokens", 64)
+    return [SamplingParams(temperature=1.0, seed=seed0 + i, structured_outputs=k, **extra)
+            for i in range(count) for k in kinds]
+
+
+def _check(text: str, constraint: StructuredOutputsParams) -> None:
+    kind = constraint.kind
+    if kind == "json":
+        schema = constraint.json if isinstance(constraint.json, dict) \
+            else json.loads(constraint.json)
+        jsonschema.validate(json.loads(text), schema)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    else:
+        assert re.fullmatch(EBNF_RE, text), text
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    llm = make_llm(model, max_num_seqs=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_hundreds_of_samples_follow_their_constraint(llm):
+    params = _mixed(50)  # 300 requests, one generate call
+    outs = generate(llm, ["the cat sat on"] * len(params), params)
+    json_object_ok = 0
+    for o, p in zip(outs, params):
+        c = o.outputs[0]
+        if p.structured_outputs.kind == "json_object" and c.finish_reason == "length":
+            continue  # any JSON object may be deeper than max_tokens; the rest must stop
+        assert c.finish_reason == "stop", (c.text, p.structured_outputs.kind)
+        _check(c.text, p.structured_outputs)
+        json_object_ok += p.structured_outputs.kind == "json_object"
+    assert json_object_ok >= 5
+    eng = llm.engine
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    # Distinct seeds give distinct outputs: the mask constrains, it does not determine.
+    assert len({o.outputs[0].text for o, p in zip(outs, params)
+                if p.structured_outputs.kind == "json"}) > 20
+
+
+def test_every_sampling_feature_with_n(llm):
+    params = [
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8, seed=1, n=3, max_tokens=64,
+                       logprobs=3, structured_outputs=so(json=PERSON,
+                                                         disable_any_whitespace=True)),
+        SamplingParams(temperature=0.7, min_p=0.05, presence_penalty=1.5,
+                       frequency_penalty=1.0, repetition_penalty=1.3, seed=2, n=2,
+                       max_tokens=32, structured_outputs=so(regex=REGEX)),
+        SamplingParams(temperature=0.0, max_tokens=16, min_tokens=3, logprobs=2,
+                       structured_outputs=so(choice=CHOICES)),
+        SamplingParams(temperature=1.0, max_tokens=32, n=4,
+                       structured_outputs=so(grammar=EBNF)),
+    ]
+    outs = generate(llm, ["hello there", "a dog ran", "why", "one two"], params)
+    for o, p in zip(outs, params):
+        assert len(o.outputs) == p.n
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            _check(c.text, p.structured_outputs)
+            if p.logprobs is not None:
+                # Logprobs are of the masked distribution: the sampled token is finite,
+                # and no listed token has probability the grammar did not allow.
+                for tok, d in zip(c.token_ids, c.logprobs):
+                    assert d[tok].logprob > float("-inf")
+    assert len({c.text for c in outs[0].outputs}) > 1  # seed + i per sample
+
+
+def _seeded() -> list[SamplingParams]:
+    return _mixed(2, seed0=100, max_tokens=48)[:10] + [
+        SamplingParams(temperature=0.9, top_k=20, seed=7, n=2, logprobs=2, max_tokens=40,
+                       presence_penalty=0.5, structured_outputs=so(json=PERSON)),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=30, stop=["-"],
+                       structured_outputs=so(regex=REGEX)),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=30)]
+
+
+PROMPTS = ["the cat sat on the mat", "a dog ran in the park today", "café résumé naïve",
+           "hello", "she said that the weather was fine and warm", "why"]
+
+
+def _run(model: str, **kw):
+    llm = make_llm(model, **kw)
+    params = _seeded()
+    outs = generate(llm, [PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+    eng = llm.engine
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    for o, p in zip(outs, params):
+        for c in o.outputs:
+            if c.finish_reason == "stop" and p.structured_outputs is not None \
+                    and c.stop_reason is None and p.structured_outputs.kind != "json_object":
+                _check(c.text, p.structured_outputs)
+    result = summarize(outs), eng.stats.num_preemptions
+    llm.shutdown()
+    return result
+
+
+def test_async_equals_sync_with_preemption_and_process_worker(model):
+    ref, _ = _run(model, disable_async_output_proc=True)
+    got, _ = _run(model)
+    assert got == ref
+    small = {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 128}
+    preempted, num_preemptions = _run(model, **small)
+    assert num_preemptions > 0
+    assert preempted == ref
+    # The default CPU strategy: the bitmask is computed here while the worker runs the
+    # forward, and sent to it before it samples.
+    worker, _ = _run(model, backend_options={"overlap": "process"})
+    assert worker == ref
+
+
+def test_bad_constraint_is_refused_and_others_run(llm):
+    eng = llm.engine
+    good = SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                          structured_outputs=so(choice=CHOICES))
+    eng.add_request("good", "hello", good)
+    for bad, needle in [(so(json={"type": "objectx"}), "objectx"),
+                        (so(regex="(ab"), "parenthesis"),
+                        (so(grammar="root ::= foo"), "foo")]:
+        with pytest.raises(ValueError, match=needle):
+            eng.add_request("bad", "hello", SamplingParams(structured_outputs=bad))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    assert outs[-1].outputs[0].text in CHOICES
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"json": 3}, "JSON schema"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": ["a", 1]}, "non-empty list"),
+    ({"json_object": "yes"}, "json_object"),
+    ({"grammar": ""}, "non-empty string"),
+])
+def test_params_validation(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        StructuredOutputsParams(**kw)
+
+
+def test_params_from_dict_and_sampling_params():
+    sp = SamplingParams(structured_outputs={"regex": "a+"})
+    assert sp.structured_outputs.kind == "regex"
+    with pytest.raises(ValueError, match="unknown fields"):
+        SamplingParams(structured_outputs={"regexp": "a+"})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs="a+")
+    assert sp.for_sample(1).structured_outputs is sp.structured_outputs
+
+
+def test_async_scheduling_is_refused(model):
+    llm = make_llm(model, async_scheduling=True)
+    try:
+        with pytest.raises(ValueError, match="async_scheduling"):
+            llm.engine.add_request("x", "hi", SamplingParams(structured_outputs=so(regex="a")))
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
