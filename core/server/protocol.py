@@ -1,8 +1,10 @@
 """OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
-OpenAI fields cadence does not implement (``echo``, ``suffix``, ``logit_bias``, tools,
-structured output) are rejected with a message naming them, never ignored.
+OpenAI fields cadence does not implement (``echo``, ``suffix``, ``logit_bias``, tools) are
+rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
+``response_format`` (chat) or vLLM's ``structured_outputs`` object and older ``guided_*``
+fields (both endpoints); see docs/structured_output.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
 from cadence.sampling_params import SamplingParams
+from cadence.structured_output.params import StructuredOutputsParams
+
+# vLLM's older request fields -> StructuredOutputsParams fields.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 
 
 class RequestError(ValueError):
@@ -59,6 +66,35 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured(self, response_format: dict[str, Any] | None = None
+                    ) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the body asks for, from whichever field."""
+        asked: dict[str, StructuredOutputsParams] = {}
+        name = "structured_outputs"
+        try:
+            if self.structured_outputs is not None:
+                asked[name] = StructuredOutputsParams.from_dict(self.structured_outputs)
+            for name, kind in _GUIDED.items():  # the loop variable names the field in errors
+                if getattr(self, name) is not None:
+                    asked[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
+            name = "response_format"
+            if response_format is not None:
+                fmt = _response_format(response_format)
+                if fmt is not None:
+                    asked[name] = fmt
+        except ValueError as e:
+            message = str(e) if name in str(e) else f"{name}: {e}"
+            raise RequestError(message, name) from None
+        if len(asked) > 1:
+            raise RequestError(f"only one of {sorted(asked)} may be given",
+                               sorted(asked)[1])
+        return next(iter(asked.values()), None)
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -68,7 +104,8 @@ class _Common(BaseModel):
                                "stream_options")
 
     def _sampling(self, max_tokens: int, logprobs: int | None,
-                  defaults: dict[str, Any] | None) -> SamplingParams:
+                  defaults: dict[str, Any] | None,
+                  structured: StructuredOutputsParams | None = None) -> SamplingParams:
         # A field left out or sent as null takes the model's default (generation_config.json)
         # and then SamplingParams' own, as in vLLM; a value the body sends always wins.
         chosen = {**(defaults or {}), **{k: getattr(self, k) for k in GENERATION_DEFAULT_FIELDS
@@ -81,7 +118,7 @@ class _Common(BaseModel):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured)
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -127,7 +164,7 @@ class CompletionRequest(_Common):
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
-        return self._sampling(max_tokens, self.logprobs, defaults)
+        return self._sampling(max_tokens, self.logprobs, defaults, self._structured())
 
 
 class ContentPart(BaseModel):
@@ -169,9 +206,7 @@ class ChatCompletionRequest(_Common):
                                f"{self.max_completion_tokens}", "max_completion_tokens")
         if self.tools or self.tool_choice not in (None, "none"):
             raise RequestError("tools and tool_choice are not supported by cadence", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError("response_format other than {'type': 'text'} is not "
-                               "supported by cadence", "response_format")
+        self._structured(self.response_format)  # a bad response_format is a 400 now
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -188,4 +223,23 @@ class ChatCompletionRequest(_Common):
                         ) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults)
+        return self._sampling(max_tokens, logprobs, defaults,
+                              self._structured(self.response_format))
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:
+            raise ValueError("response_format json_schema needs "
+                             "{'json_schema': {'name': ..., 'schema': {...}}}")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                     f"got {kind!r}")
