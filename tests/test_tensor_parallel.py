@@ -67,6 +67,37 @@ def test_tp2_async_output_on_equals_off(tp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_a_rank_killed_mid_run_fails_every_pending_request(tp_pair, request):
+    """Runs last on its engine (it kills it): every request ends with an error naming the
+    rank, the blocks come back, and /health's check reports it."""
+    if "qwen2" not in request.node.callspec.id:
+        pytest.skip("one architecture is enough")
+    import os
+    import signal
+
+    from cadence.faults import EngineFailedError
+
+    _, llm = tp_pair
+    engine = llm.engine
+    engine.guard.max_restarts = 0  # a restart is tested elsewhere; it costs a new group
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"k{i}", prompt, long)
+    for _ in range(3):
+        engine.step()
+    os.kill(engine.backend.worker_pids[1], signal.SIGKILL)
+    with pytest.raises(EngineFailedError, match=r"rank 1 of 2 died \(killed by SIGKILL\)"):
+        for _ in range(50):
+            engine.step()
+    failed = [o for o in engine.output_processor.take_ready() if o.finished]
+    assert sorted(o.request_id for o in failed) == ["k0", "k1", "k2"]
+    assert all("rank 1 of 2 died" in o.error for o in failed)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    with pytest.raises(Exception, match="rank 1 of 2"):
+        engine.backend.check_health()
+
+
 # -- refusals: checked before any rank starts -------------------------------------------------
 
 def _config_dir(tmp_path, **fields) -> str:

@@ -82,6 +82,7 @@ class MultiprocExecutor(Backend):
         self._procs: list[subprocess.Popen] = []
         self._in_flight = 0
         self._finalizer = None
+        self._failure: str | None = None
         self.runtime_info: dict[str, str] = {}
 
     @classmethod
@@ -96,6 +97,7 @@ class MultiprocExecutor(Backend):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = []
         self._in_flight = 0
+        self._failure = None
         for rank in range(self.world_size):
             parallel = dataclasses.replace(self.config.parallel_config,
                                            tensor_parallel_rank=rank)
@@ -117,7 +119,7 @@ class MultiprocExecutor(Backend):
             self.shutdown()
             rank, (_, user_error, message, tb) = errors[0]
             if user_error:  # a bad model folder, a KV cache too small: the user's to fix
-                raise ValueError(message)
+                raise ValueError(f"rank {rank} of {self.world_size}: {message}")
             raise RuntimeError(f"rank {rank} of {self.world_size} failed to start: "
                                f"{message}\n{tb}")
         # Equal shards give equal caches; the smallest is what every rank can hold.
@@ -136,13 +138,13 @@ class MultiprocExecutor(Backend):
     def _lost(self, message: str) -> WorkerLostError:
         _kill_all(self._procs)
         self._in_flight = 0
+        self._failure = message  # what /health reports until a restart
         return WorkerLostError(message)
 
     def _gather(self, timeout: float | None, starting: bool = False) -> list[Any]:
         """One reply from every rank, in rank order. Raises ``WorkerLostError`` (all ranks
         killed) when one dies, or none replies within ``timeout``, or one fails while
         another does not answer within ``PEER_GRACE_S``."""
-        what = "during start-up" if starting else ""
         replies: dict[int, Any] = {}
         fds = {p.stdout.fileno(): r for r, p in enumerate(self._procs)}
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -170,9 +172,9 @@ class MultiprocExecutor(Backend):
                         proc.wait(timeout=2)
                     except subprocess.TimeoutExpired:
                         pass
-                    raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)} "
-                                     f"{what}; every rank was stopped".replace("  ", " ")
-                                     ) from None
+                    where = " during start-up" if starting else ""
+                    raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}"
+                                     f"{where}; every rank was stopped") from None
                 if isinstance(replies[rank], tuple) and replies[rank][0] == "error":
                     if starting:  # the others may wait for it in the rendezvous: stop now
                         return [replies.get(r) for r in range(len(self._procs))]
@@ -231,6 +233,8 @@ class MultiprocExecutor(Backend):
 
     def check_health(self, deep: bool = False) -> None:
         procs = list(self._procs)  # read once: the engine thread may be restarting them
+        if self._failure is not None:
+            raise WorkerLostError(self._failure)
         for rank, proc in enumerate(procs):
             if proc.poll() is not None:
                 raise WorkerLostError(f"rank {rank} of {self.world_size} "
