@@ -66,6 +66,17 @@ def test_a_rows_output_does_not_depend_on_the_rest_of_the_batch():
             assert torch.equal(moe(x[r:r + n]), whole[r:r + n]), (r, n)
 
 
+def test_the_shared_experts_scale_does_not_depend_on_the_batch():
+    """The sigmoid of the shared expert's [T, 1] gate: on a flat buffer its scalar tail
+    would move with T (shared_expert_scale's NOTE); slices of a larger batch show it."""
+    moe = _moe(shared=20)
+    x = torch.randn(150, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = moe(x)
+        for r, n in ((0, 13), (7, 31), (40, 100), (3, 129), (149, 1)):
+            assert torch.equal(moe(x[r:r + n]), whole[r:r + n]), (r, n)
+
+
 def test_top_k_outside_the_experts_is_refused():
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\]"):
         SparseMoE(8, 8, num_experts=4, top_k=5, renormalize=True)

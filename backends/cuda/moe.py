@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from cadence.layers.moe import SparseMoE, route
+from cadence.layers.moe import SparseMoE, route, shared_expert_scale
 
 
 def _default_kernels() -> ModuleType:
@@ -52,7 +52,7 @@ class FusedSparseMoE(nn.Module):
             weights = weights.to(logits.dtype)
         out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + shared_expert_scale(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

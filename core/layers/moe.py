@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from cadence.layers.activation import SiluAndMul
 from cadence.layers.linear import Linear
@@ -30,6 +31,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def shared_expert_scale(gate_logits: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(gate_logits)`` [T, 1], the shared expert's per-token scale (Qwen2-MoE).
+
+    NOTE batch invariance: on a contiguous [T, 1] tensor the elementwise kernel walks the T
+    values as one flat buffer, and which of them fall in its scalar tail (a different exp)
+    depends on T; a token's output would then change with the batch. Through a strided
+    view (one column of [T, 2]) every value takes the same scalar path.
+    """
+    return torch.sigmoid(F.pad(gate_logits, (0, 1))[:, :1])
 
 
 class ExpertMLP(nn.Module):
@@ -101,5 +113,5 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y.to(out.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared_expert_scale(self.shared_expert_gate(x)) * shared
         return out
