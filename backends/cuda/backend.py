@@ -194,6 +194,10 @@ class CudaBackend(Backend):
     name = "cuda"
     # Placeholders are scattered from the last sampled ids on the device (runtime.submit).
     supports_async_scheduling = True
+    # The collective library its ranks would use (Backend.init_distributed). Tensor
+    # parallel is not declared: a rank per GPU is not written or tested yet
+    # (docs/distributed.md), so --tensor-parallel-size is refused.
+    distributed_backend = "nccl"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -76,6 +76,10 @@ class HpuBackend(Backend):
     # Placeholders are filled on the device from a fixed-size buffer of the last step's
     # samples, at bucket shapes (feedback.py).
     supports_async_scheduling = True
+    # The collective library its ranks would use (Backend.init_distributed). Tensor
+    # parallel is not declared: a rank per Gaudi card is not written or tested yet
+    # (docs/distributed.md), so --tensor-parallel-size is refused.
+    distributed_backend = "hccl"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
