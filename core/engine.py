@@ -210,10 +210,7 @@ class LLMEngine:
 
         def post() -> None:
             if grammar is not None:
-                # First: the bitmask is what the device waits for before sampling.
-                ts = time.perf_counter()
-                grammar.get()
-                times.add("bitmask", time.perf_counter() - ts)
+                grammar.get()  # first: the device waits for it before sampling
             if self.async_output:
                 finalize_previous()
 
@@ -222,6 +219,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         times.add("execute", t3 - t2)
         times.add("post_sample", post_time[0])
+        if grammar is not None:
+            times.add("bitmask", grammar.seconds)
         touched = []
         for r in ran:
             touched += self.output_processor.commit(r.plan.scheduled,

@@ -52,7 +52,7 @@ def test_sampler_only_samples_allowed_tokens_and_logprobs_are_of_the_masked_logi
     out = sampler.to_host(sampler.sample(logits, meta))
     for r, tok in enumerate(out.sampled_token_ids):
         assert tok in allowed[r]
-        sampled_lp, rank, top_ids, top_lps = out.logprobs[r]
+        _, rank, top_ids, top_lps = out.logprobs[r]
         assert set(top_ids) == allowed[r] and rank <= 2
         assert abs(sum(np.exp(top_lps)) - 1.0) < 1e-5  # the mass of the allowed tokens
 

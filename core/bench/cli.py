@@ -45,6 +45,9 @@ def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False)
                    help="light: no stop strings, no logprobs; heavy: ten stop strings that "
                         "never match + logprobs=5" +
                         ("; a comma list sweeps both" if host_work_list else ""))
+    g.add_argument("--structured-output", default="none", choices=("none", "json", "regex"),
+                   help="constrain every request (a fixed JSON schema of records, or a regex) "
+                        "to measure the grammar bitmask's cost; 'bitmask' in --breakdown")
     g.add_argument("--disable-detokenize", action="store_true",
                    help="skip detokenization (token ids only)")
     g.add_argument("--breakdown", action="store_true",

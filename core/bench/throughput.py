@@ -23,6 +23,16 @@ HOST_WORK = ("light", "heavy")
 # of them) plus the top-5 logprobs of every token.
 HEAVY_STOP = [f"<<cadence-never-{i}>>" for i in range(10)]
 HEAVY_LOGPROBS = 5
+# --structured-output: constraints that never force an early end (records of any count and
+# length), so the run measures the cost of the bitmask at the workload's usual lengths.
+STRUCTURED = ("none", "json", "regex")
+BENCH_SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
+    "type": "array", "items": {"type": "object", "required": ["id", "name", "tags"],
+                               "properties": {"id": {"type": "integer"},
+                                              "name": {"type": "string"},
+                                              "tags": {"type": "array",
+                                                       "items": {"type": "string"}}}}}}}
+BENCH_REGEX = r"([A-Za-z0-9]+[ ,.]){1,100000}"
 
 
 @dataclass(slots=True)
@@ -37,6 +47,7 @@ class Workload:
     host_work: str = "light"
     detokenize: bool = True
     temperature: float = 1.0
+    structured_output: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_prompts"):
@@ -47,6 +58,9 @@ class Workload:
         if self.host_work == "heavy" and not self.detokenize:
             raise ValueError("host_work='heavy' uses stop strings, which need detokenization;"
                              " drop --disable-detokenize")
+        if self.structured_output not in STRUCTURED:
+            raise ValueError(f"structured_output must be one of {STRUCTURED}, got "
+                             f"{self.structured_output!r}")
         r = self.output_len_range
         if r is not None and not 1 <= r[0] <= r[1]:
             raise ValueError(f"output_len_range must be A:B with 1 <= A <= B, got {r}")
@@ -66,11 +80,18 @@ class Workload:
     def sampling_params(self, max_tokens: int) -> Any:
         from cadence.sampling_params import SamplingParams
 
+        from cadence.structured_output.params import StructuredOutputsParams
+
         heavy = self.host_work == "heavy"
+        so = None
+        if self.structured_output == "json":
+            so = StructuredOutputsParams(json=BENCH_SCHEMA)
+        elif self.structured_output == "regex":
+            so = StructuredOutputsParams(regex=BENCH_REGEX)
         return SamplingParams(
             temperature=self.temperature, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
             detokenize=self.detokenize, stop=HEAVY_STOP if heavy else None,
-            logprobs=HEAVY_LOGPROBS if heavy else None)
+            logprobs=HEAVY_LOGPROBS if heavy else None, structured_outputs=so)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -92,7 +113,8 @@ def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
                        host_work: str | None = None) -> Workload:
     return Workload(ns.input_len, ns.output_len, num_prompts or ns.num_prompts,
                     parse_len_range(ns.output_len_range), ns.seed,
-                    host_work or ns.host_work, not ns.disable_detokenize, ns.temperature)
+                    host_work or ns.host_work, not ns.disable_detokenize, ns.temperature,
+                    getattr(ns, "structured_output", "none"))
 
 
 def workload_tokens(ns: argparse.Namespace, workload: Workload

@@ -16,6 +16,7 @@ separately (backends/cpu/worker.py) and ``set`` fills it in.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ class GrammarBitmask:
     ``t % 32`` of word ``t // 32`` set means token t is allowed (xgrammar's layout).
     """
 
-    __slots__ = ("_fn", "_lock", "_value", "rows")
+    __slots__ = ("_fn", "_lock", "_value", "rows", "seconds")
 
     def __init__(self, rows: list[int], fn: Callable[[], Any] | None = None,
                  value: Any = None) -> None:
@@ -36,6 +37,8 @@ class GrammarBitmask:
         self._fn = fn
         self._value = value
         self._lock = threading.Lock()
+        #: How long computing the bitmask took (the bench breakdown's "bitmask" phase).
+        self.seconds = 0.0
 
     @property
     def is_ready(self) -> bool:
@@ -48,7 +51,9 @@ class GrammarBitmask:
                 if self._fn is None:
                     raise RuntimeError("this step's grammar bitmask was never delivered "
                                        "(a backend that ships steps elsewhere must send it)")
+                t0 = time.perf_counter()
                 self._value = self._fn()
+                self.seconds = time.perf_counter() - t0
                 self._fn = None
             return self._value
 
@@ -72,6 +77,7 @@ class GrammarBitmask:
         self.rows, self._value = state
         self._fn = None
         self._lock = threading.Lock()
+        self.seconds = 0.0
 
 
 def _padded(bitmask: Any, order: list[int | None]) -> Any:
