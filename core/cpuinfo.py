@@ -3,6 +3,12 @@ choice depend on, and torch's own view of it. Bench JSON headers record this, be
 from machines of one name but different CPUs are not comparable.
 
 Reading /proc/cpuinfo needs no torch; ``torch_capability`` imports torch only when asked.
+
+torch's own ``ATEN_CPU_CAPABILITY`` (``default``, ``avx2``) caps the instruction set: set, it
+makes cadence see the CPU as one without the wider vectors too (its kernels are compiled for
+that level, ``--dtype auto`` decides without AVX-512 BF16), so an AVX-512 machine can run and
+check the code an AVX2-only CPU (Zen 3) runs. oneDNN's GEMMs follow ``ONEDNN_MAX_CPU_ISA``
+(``AVX2``), which the user sets beside it (docs/backends/cpu.md, scripts/isa_check.sh).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class CpuInfo:
     flags: frozenset[str] = field(default_factory=frozenset)
     family: str | None = None
     cpu_model: str | None = None
+    #: The ``ATEN_CPU_CAPABILITY`` level the flags were capped to, or None.
+    isa_limit: str | None = None
 
     @property
     def relevant_flags(self) -> list[str]:
@@ -55,7 +63,21 @@ def cpu_info() -> CpuInfo:
                     break
     except OSError:
         pass
-    return CpuInfo(model, frozenset(flags), family, cpu_model)
+    limit = isa_limit()
+    if limit is not None:
+        flags = {f for f in flags if not f.startswith(_ABOVE[limit])}
+    return CpuInfo(model, frozenset(flags), family, cpu_model, limit)
+
+
+# Per capped level, the flag prefixes it hides. "default" is torch's scalar-plus-SSE build.
+_ABOVE = {"avx2": ("avx512", "amx"), "default": ("avx", "fma", "f16c", "amx")}
+
+
+def isa_limit() -> str | None:
+    """torch's ``ATEN_CPU_CAPABILITY`` when it lowers the instruction set (``avx2`` or
+    ``default``); None when unset or ``avx512`` (which hides nothing cadence picks by)."""
+    value = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return value if value in _ABOVE else None
 
 
 def torch_capability() -> str:
@@ -79,6 +101,9 @@ def describe(num_threads: int | None = None, dtype: str | None = None) -> dict[s
         "native_bf16": info.has_native_bf16,
         "cpu_count": os.cpu_count(),
     }
+    if info.isa_limit is not None:
+        out["isa_limit"] = info.isa_limit
+        out["onednn_max_cpu_isa"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if num_threads is not None:
         out["threads"] = num_threads
     if dtype is not None:

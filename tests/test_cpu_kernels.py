@@ -631,6 +631,14 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias) -> N
     # 1536 -> 576: a shape where oneDNN's unpadded single-row GEMM was measured to differ in
     # the last bits from the same row in a batch (fp32); the ROW_ALIGN padding must hide it.
     lin = _linear(1536, 576, bias, dtype, seed=int(bias))
+    if dtype == torch.bfloat16 and not cpu_linear.packed_bf16_available():
+        # An AVX2-only CPU (or ATEN_CPU_CAPABILITY=avx2): refused by name, not by oneDNN.
+        with pytest.raises(ValueError, match="needs AVX-512"):
+            cpu_linear.PackedLinear(lin)
+        with pytest.raises(ValueError, match="--cpu-linear torch"):
+            cpu_linear.choose_linear("packed", torch.nn.Sequential(lin), dtype)
+        assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype) == "torch"
+        return
     packed = cpu_linear.PackedLinear(lin)
     assert (packed.in_features, packed.out_features) == (1536, 576)
     x = torch.randn(333, 1536, generator=torch.Generator().manual_seed(9)).to(dtype)

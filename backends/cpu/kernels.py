@@ -29,6 +29,9 @@ _HEADERS = ("vec.h", "attention_common.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the loop runs on one thread.
 # The extension then shares torch's own libgomp (same soname, already loaded).
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+# Under an ISA cap (cadence.cpuinfo.isa_limit) the build targets that level instead of
+# this CPU: the x86-64 micro-architecture levels, tuned for the CPU at hand.
+_MARCH_FOR_LIMIT = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64-v2"}
 _loaded: dict[str, ModuleType | None] = {}
 
 
@@ -38,6 +41,15 @@ def cache_root() -> Path:
     return cache_dir("kernels")
 
 
+def cflags() -> list[str]:
+    """The compiler flags for this CPU, or for the level ``ATEN_CPU_CAPABILITY`` caps it to."""
+    limit = cpu_info().isa_limit
+    if limit is None:
+        return list(_CFLAGS)
+    return [_MARCH_FOR_LIMIT[limit] if f == "-march=native" else f for f in _CFLAGS] + \
+        ["-mtune=native"]
+
+
 def _build_dir(sources: list[Path]) -> Path:
     import torch
 
@@ -45,7 +57,7 @@ def _build_dir(sources: list[Path]) -> Path:
     for src in [*sources, *(sources[0].parent / n for n in _HEADERS)]:
         h.update(src.read_bytes())
     info = cpu_info()
-    h.update(repr((_CFLAGS, torch.__version__, info.model, sorted(info.flags))).encode())
+    h.update(repr((cflags(), torch.__version__, info.model, sorted(info.flags))).encode())
     return cache_root() / f"cpu_kernels_{h.hexdigest()[:16]}"
 
 
@@ -79,14 +91,16 @@ def _build() -> ModuleType | None:
     first = not any(build_dir.glob("*.so"))
     if first:
         build_dir.mkdir(parents=True, exist_ok=True)
+        target = "this CPU" if cpu_info().isa_limit is None else \
+            f"ATEN_CPU_CAPABILITY={cpu_info().isa_limit}"
         print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits) "
-              f"for this CPU (once, ~30-60 s); cached in {build_dir}", file=sys.stderr,
+              f"for {target} (once, ~30-60 s); cached in {build_dir}", file=sys.stderr,
               flush=True)
     try:
         from torch.utils.cpp_extension import load
 
         return load(name="cadence_cpu_kernels", sources=[str(s) for s in sources],
-                    build_directory=str(build_dir), extra_cflags=list(_CFLAGS),
+                    build_directory=str(build_dir), extra_cflags=cflags(),
                     extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down

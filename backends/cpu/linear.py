@@ -39,6 +39,21 @@ def packed_available() -> bool:
                                                             "_reorder_linear_weight")
 
 
+# oneDNN's bf16 weight reorder refuses a CPU without these (torch's own check): an AVX2-only
+# CPU such as Zen 3 has neither, and would fail at load with a message about oneDNN.
+_PACKED_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+def packed_bf16_available() -> bool:
+    flags = cpu_info().flags
+    return any(need <= flags for need in _PACKED_BF16_FLAGS)
+
+
+_NO_PACKED_BF16 = ("cpu linear 'packed' in bfloat16 needs AVX-512 (avx512bw, avx512vl, "
+                   "avx512dq) or AVX-NE-CONVERT, which this CPU lacks; use --cpu-linear torch "
+                   "or auto, or --dtype float32")
+
+
 class PackedLinear(nn.Module):
     """A ``Linear`` whose weight lives in oneDNN's packed layout; same maths, same rows."""
 
@@ -47,6 +62,8 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
+        if w.dtype == torch.bfloat16 and not packed_bf16_available():
+            raise ValueError(_NO_PACKED_BF16)
         self.weight_dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -122,6 +139,8 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
         return "torch"
     if requested == "packed":
+        if dtype == torch.bfloat16 and not packed_bf16_available():
+            raise ValueError(_NO_PACKED_BF16)
         return "packed"
     if dtype == torch.bfloat16 and not cpu_info().has_native_bf16:
         return "torch"  # oneDNN has no fast bf16 path without AVX-512 BF16/AMX
