@@ -155,10 +155,6 @@ def test_bad_executor_choices_are_refused(tiny_model_dir):
     split = dataclasses.replace(config, parallel_config=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="backend 'nosplit' does not support tensor parallel"):
         create_executor(NoSplit, split)
-    ray = dataclasses.replace(config, parallel_config=ParallelConfig(
-        distributed_executor_backend="ray"))
-    with pytest.raises(ValueError, match="ray is not available yet.*'mp'"):
-        create_executor(NoSplit, ray)
 
 
 def test_layers_slice_the_checkpoint_for_their_rank():

@@ -5,7 +5,7 @@
 - ``mp``: one worker process per rank on this host (multiproc.py). The engine sends each
   step's ``ModelInput`` to every rank, runs the previous step's finalize while they compute,
   and reads back rank 0's samples only.
-- ``ray``: not available yet; refused with a message (docs/distributed.md).
+- ``ray``: each rank a Ray actor, on this host or across a cluster (ray_executor.py).
 
 An executor is a ``Backend`` to the engine (same lifecycle, ``execute``/``submit``/
 ``collect``, ``check_health``, ``restart``), so the step loops, the fault guard and the
@@ -30,15 +30,15 @@ def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend
     ValueError (before any process starts) for a split the backend or model cannot run."""
     parallel = config.parallel_config
     executor = parallel.executor
-    if executor == "ray":
-        raise ValueError("--distributed-executor-backend ray is not available yet in "
-                         "cadence; use 'mp' (one process per rank on this host) or "
-                         "'uniproc' (docs/distributed.md)")
     backend_cls.check_parallel_config(config)
     if parallel.tensor_parallel_size > 1:
         check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size)
     if executor == "uniproc":
         return backend_cls(config)
+    if executor == "ray":
+        from cadence.executor.ray_executor import RayExecutor
+
+        return RayExecutor(backend_cls, config)
     from cadence.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(backend_cls, config)

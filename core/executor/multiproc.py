@@ -68,6 +68,10 @@ def _exit_reason(proc: subprocess.Popen) -> str:
     return f"exited (code {code})"
 
 
+class _RankGone(Exception):
+    """A rank's reply cannot come: it died (the message says how)."""
+
+
 class MultiprocExecutor(Backend):
     """Runs ``backend_cls`` as ``tensor_parallel_size`` rank processes; a ``Backend`` to the
     engine. ``load_model`` starts the ranks, ``allocate_kv_cache`` waits for them."""
@@ -91,19 +95,24 @@ class MultiprocExecutor(Backend):
 
     # -- start-up ---------------------------------------------------------------------------
 
-    def load_model(self) -> None:
+    executor_name = "mp"
+
+    def rank_spec(self, rank: int, init_method: str) -> dict:
+        """What rank ``rank`` is started with (core/executor/worker.py's ``RankRunner``)."""
         import dataclasses
 
+        parallel = dataclasses.replace(self.config.parallel_config, tensor_parallel_rank=rank)
+        return {"config": dataclasses.replace(self.config, parallel_config=parallel),
+                "rank": rank, "world_size": self.world_size, "init_method": init_method,
+                "timeout_s": self.step_timeout_s}
+
+    def load_model(self) -> None:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = []
         self._in_flight = 0
         self._failure = None
         for rank in range(self.world_size):
-            parallel = dataclasses.replace(self.config.parallel_config,
-                                           tensor_parallel_rank=rank)
-            spec = {"config": dataclasses.replace(self.config, parallel_config=parallel),
-                    "rank": rank, "world_size": self.world_size, "init_method": init_method,
-                    "timeout_s": self.step_timeout_s}
+            spec = self.rank_spec(rank, init_method)
             proc = subprocess.Popen([sys.executable, "-m", "cadence.executor.worker"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self._procs.append(proc)
@@ -115,7 +124,7 @@ class MultiprocExecutor(Backend):
         replies = self._gather(timeout=None, starting=True)
         errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
         if errors:
-            _kill_all(self._procs)  # the others may be waiting for it in the rendezvous
+            self._kill_ranks()  # the others may be waiting for it in the rendezvous
             self.shutdown()
             rank, (_, user_error, message, tb) = errors[0]
             if user_error:  # a bad model folder, a KV cache too small: the user's to fix
@@ -124,19 +133,47 @@ class MultiprocExecutor(Backend):
                                f"{message}\n{tb}")
         # Equal shards give equal caches; the smallest is what every rank can hold.
         num_blocks = min(rep[1] for rep in replies)
-        self.runtime_info = {**replies[0][2], "executor": "mp",
+        self.runtime_info = {**replies[0][2], "executor": self.executor_name,
                              "tensor_parallel_size": str(self.world_size)}
         return num_blocks
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _recv(self, rank: int) -> Any:
+    # The transport, which the ray executor replaces: send to every rank, wait for some of
+    # them to have a reply, read one rank's next reply, kill them all.
+
+    def _send_all(self, msg: Any) -> None:
+        for rank, proc in enumerate(self._procs):
+            try:
+                send(proc.stdin, msg)
+            except OSError:  # a broken pipe: that rank is gone
+                raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}; "
+                                 "every rank was stopped") from None
+
+    def _wait(self, ranks: list[int], timeout: float | None) -> list[int]:
+        fds = {self._procs[r].stdout.fileno(): r for r in ranks}
+        ready, _, _ = select.select(list(fds), [], [], timeout)
+        return [fds[fd] for fd in ready]
+
+    def _read(self, rank: int) -> Any:
+        """The rank's next reply; ``_RankGone`` with the reason when it died."""
         fd = self._procs[rank].stdout.fileno()
-        (size,) = LEN.unpack(read_exactly(fd, LEN.size))
-        return pickle.loads(read_exactly(fd, size))
+        try:
+            (size,) = LEN.unpack(read_exactly(fd, LEN.size))
+            return pickle.loads(read_exactly(fd, size))
+        except (EOFError, OSError, pickle.UnpicklingError):
+            proc = self._procs[rank]
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            raise _RankGone(_exit_reason(proc)) from None
+
+    def _kill_ranks(self) -> None:
+        _kill_all(self._procs)
 
     def _lost(self, message: str) -> WorkerLostError:
-        _kill_all(self._procs)
+        self._kill_ranks()
         self._in_flight = 0
         self._failure = message  # what /health reports until a restart
         return WorkerLostError(message)
@@ -146,50 +183,38 @@ class MultiprocExecutor(Backend):
         killed) when one dies, or none replies within ``timeout``, or one fails while
         another does not answer within ``PEER_GRACE_S``."""
         replies: dict[int, Any] = {}
-        fds = {p.stdout.fileno(): r for r, p in enumerate(self._procs)}
         deadline = None if timeout is None else time.monotonic() + timeout
         failed_at = None
-        while len(replies) < len(self._procs):
-            waiting = [fd for fd, r in fds.items() if r not in replies]
+        while len(replies) < self.world_size:
+            waiting = [r for r in range(self.world_size) if r not in replies]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failed_at is not None:
                 left = max(0.0, failed_at + PEER_GRACE_S - time.monotonic())
-            ready, _, _ = select.select(waiting, [], [], left)
+            ready = self._wait(waiting, left)
             if not ready:
-                late = sorted(fds[fd] for fd in waiting)
+                late = waiting
                 if failed_at is not None:
                     raise self._lost(f"rank {min(set(replies) - set(late))} failed while "
                                      f"rank(s) {late} still ran; every rank was stopped")
                 raise self._lost(f"rank(s) {late} of {self.world_size} gave no reply within "
                                  f"{timeout:g} s (step_timeout); every rank was killed")
-            for fd in ready:
-                rank = fds[fd]
+            for rank in ready:
                 try:
-                    replies[rank] = self._recv(rank)
-                except (EOFError, OSError, pickle.UnpicklingError):
-                    proc = self._procs[rank]
-                    try:
-                        proc.wait(timeout=2)
-                    except subprocess.TimeoutExpired:
-                        pass
+                    replies[rank] = self._read(rank)
+                except _RankGone as gone:
                     where = " during start-up" if starting else ""
-                    raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}"
-                                     f"{where}; every rank was stopped") from None
+                    raise self._lost(f"rank {rank} of {self.world_size} {gone}{where}; every "
+                                     "rank was stopped") from None
                 if isinstance(replies[rank], tuple) and replies[rank][0] == "error":
                     if starting:  # the others may wait for it in the rendezvous: stop now
-                        return [replies.get(r) for r in range(len(self._procs))]
+                        return [replies.get(r) for r in range(self.world_size)]
                     if failed_at is None:
                         failed_at = time.monotonic()
-        return [replies[r] for r in range(len(self._procs))]
+        return [replies[r] for r in range(self.world_size)]
 
     def submit(self, model_input: ModelInput) -> None:
         assert self._in_flight < 2, "at most two steps in flight"
-        for rank, proc in enumerate(self._procs):
-            try:
-                send(proc.stdin, model_input)
-            except OSError:  # a broken pipe: that rank is gone
-                raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}; "
-                                 "every rank was stopped") from None
+        self._send_all(model_input)
         self._in_flight += 1
 
     def collect(self) -> SamplerOutput:
@@ -240,11 +265,7 @@ class MultiprocExecutor(Backend):
                 raise WorkerLostError(f"rank {rank} of {self.world_size} "
                                       f"{_exit_reason(proc)}")
         if deep and procs and not self._in_flight:
-            for proc in procs:
-                try:
-                    send(proc.stdin, "ping")
-                except OSError:
-                    raise self._lost(f"a rank {_exit_reason(proc)}") from None
+            self._send_all("ping")
             self._gather(self.step_timeout_s)
 
     def shutdown(self) -> None:

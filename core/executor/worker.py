@@ -61,52 +61,75 @@ def _read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
             return
 
 
-def _start(spec: dict) -> Any:
-    from cadence.plugins import get_registry
+class RankRunner:
+    """One rank's backend, built from the executor's start-up spec (config, rank,
+    world_size, init_method, timeout_s); runs steps one after the other. Shared by the
+    ``mp`` worker loop below and the ``ray`` executor's actors."""
 
-    config = spec["config"]
-    backend_cls, _ = get_registry().select(config.backend)
-    backend = backend_cls(config)
-    backend.init_distributed(spec["rank"], spec["world_size"], spec["init_method"],
-                             spec["timeout_s"])
-    backend.load_model()
-    num_blocks = backend.allocate_kv_cache()
-    backend.warmup()
-    return backend, num_blocks
+    def __init__(self, spec: dict) -> None:
+        self.rank = spec["rank"]
+        self.backend = None
+        self.spec = spec
+
+    def start(self, init_method: str | None = None) -> tuple:
+        """("ready", num_blocks, env_info) or ("error", is_user_error, message, traceback).
+        ``init_method`` replaces the spec's (an address known only once ranks are placed)."""
+        from cadence.plugins import get_registry
+
+        spec = self.spec
+        if init_method is not None:
+            spec["init_method"] = init_method
+        try:
+            config = spec["config"]
+            backend_cls, _ = get_registry().select(config.backend)
+            self.backend = backend_cls(config)
+            self.backend.init_distributed(self.rank, spec["world_size"], spec["init_method"],
+                                          spec["timeout_s"])
+            self.backend.load_model()
+            num_blocks = self.backend.allocate_kv_cache()
+            self.backend.warmup()
+        except BaseException as e:
+            return ("error", isinstance(e, ValueError), str(e), traceback.format_exc())
+        return ("ready", num_blocks, self.backend.env_info())
+
+    def step(self, model_input: Any) -> Any:
+        """Rank 0's ``SamplerOutput``, None from the others, or ("error", traceback)."""
+        from cadence.backend import PostSample
+
+        try:
+            t0 = time.perf_counter()
+            result = self.backend.execute(model_input, PostSample(None))
+            result.device_seconds = time.perf_counter() - t0
+            result.device_done_at = time.monotonic()
+        except BaseException:
+            # A plain tuple: this module runs as ``__main__`` in a worker, so a class
+            # defined in it would pickle under a name the engine process cannot import.
+            return ("error", traceback.format_exc())
+        return result if self.rank == 0 else None
+
+    def ping(self) -> str:
+        return "pong"
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    spec = pickle.load(inp)
-    rank = spec["rank"]
-    try:
-        backend, num_blocks = _start(spec)
-        reply(out, ("ready", num_blocks, backend.env_info()))
-    except BaseException as e:
-        reply(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
+    runner = RankRunner(pickle.load(inp))
+    started = runner.start()
+    reply(out, started)
+    if started[0] == "error":
         return
-    from cadence.backend import PostSample
-
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(inp, inbox), daemon=True,
-                     name=f"cadence-rank{rank}-inputs").start()
+                     name=f"cadence-rank{runner.rank}-inputs").start()
     while True:
         msg = inbox.get()
         if msg is None:
             break
-        if msg == "ping":
-            reply(out, "pong")
-            continue
-        try:
-            t0 = time.perf_counter()
-            result = backend.execute(msg, PostSample(None))
-            result.device_seconds = time.perf_counter() - t0
-            result.device_done_at = time.monotonic()
-        except BaseException:
-            # A plain tuple: this module runs as ``__main__`` here, so a class defined in it
-            # would pickle under a name the engine process cannot import.
-            result = ("error", traceback.format_exc())
-        reply(out, result if rank == 0 or isinstance(result, tuple) else None)
-    backend.shutdown()
+        reply(out, runner.ping() if msg == "ping" else runner.step(msg))
+    runner.shutdown()
 
 
 def main() -> None:
