@@ -126,11 +126,6 @@ class LLMEngine:
         validate_request(ids, params, self.config.scheduler_config,
                          self.vocab_size)
         if params.structured_outputs is not None:
-            if self.config.async_scheduling:
-                raise ValueError(
-                    "structured_outputs is not supported with async_scheduling (the bitmask "
-                    "of a step needs the tokens of the step before it on the host); turn "
-                    "async_scheduling off, the default step keeps the overlap")
             self.structured.check(params)
         children = []
         for i in range(params.n):

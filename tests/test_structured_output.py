@@ -76,27 +76,9 @@ def llm(model):
     llm.shutdown()
 
 
-def test_hundreds_of_samples_follow_their_constraint(llm):
-    params = _mixed(50)  # 300 requests, one generate call
-    outs = generate(llm, ["the cat sat on"] * len(params), params)
-    json_object_ok = 0
-    for o, p in zip(outs, params):
-        c = o.outputs[0]
-        if p.structured_outputs.kind == "json_object" and c.finish_reason == "length":
-            continue  # any JSON object may be deeper than max_tokens; the rest must stop
-        assert c.finish_reason == "stop", (c.text, p.structured_outputs.kind)
-        _check(c.text, p.structured_outputs)
-        json_object_ok += p.structured_outputs.kind == "json_object"
-    assert json_object_ok >= 5
-    eng = llm.engine
-    assert eng.block_manager.num_free_blocks == eng.num_blocks
-    # Distinct seeds give distinct outputs: the mask constrains, it does not determine.
-    assert len({o.outputs[0].text for o, p in zip(outs, params)
-                if p.structured_outputs.kind == "json"}) > 20
-
-
-def test_every_sampling_feature_with_n(llm):
-    params = [
+def _features() -> list[SamplingParams]:
+    """Every sampling feature beside a constraint, with n > 1."""
+    return [
         SamplingParams(temperature=1.0, top_k=5, top_p=0.8, seed=1, n=3, max_tokens=64,
                        logprobs=3, structured_outputs=so(json=PERSON,
                                                          disable_any_whitespace=True)),
@@ -108,22 +90,38 @@ def test_every_sampling_feature_with_n(llm):
         SamplingParams(temperature=1.0, max_tokens=32, n=4,
                        structured_outputs=so(grammar=EBNF)),
     ]
-    outs = generate(llm, ["hello there", "a dog ran", "why", "one two"], params)
+
+
+def test_hundreds_of_samples_follow_their_constraint_with_every_feature(llm):
+    features = _features()
+    params = _mixed(50) + features  # 300 requests + 10 samples, one generate call
+    prompts = ["the cat sat on"] * (len(params) - len(features)) + \
+        ["hello there", "a dog ran", "why", "one two"]
+    outs = generate(llm, prompts, params)
+    json_object_ok = 0
     for o, p in zip(outs, params):
         assert len(o.outputs) == p.n
         for c in o.outputs:
-            assert c.finish_reason == "stop", c.text
+            if p.structured_outputs.kind == "json_object" and c.finish_reason == "length":
+                continue  # any JSON object may be deeper than max_tokens; the rest must stop
+            assert c.finish_reason == "stop", (c.text, p.structured_outputs.kind)
             _check(c.text, p.structured_outputs)
+            json_object_ok += p.structured_outputs.kind == "json_object"
             if p.logprobs is not None:
-                # Logprobs are of the masked distribution: the sampled token is finite,
-                # and no listed token has probability the grammar did not allow.
+                # Logprobs are of the masked logits: the sampled token's is finite.
                 for tok, d in zip(c.token_ids, c.logprobs):
                     assert d[tok].logprob > float("-inf")
-    assert len({c.text for c in outs[0].outputs}) > 1  # seed + i per sample
+    assert json_object_ok >= 5
+    eng = llm.engine
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    # Distinct seeds give distinct outputs: the mask constrains, it does not determine.
+    assert len({o.outputs[0].text for o, p in zip(outs, params)
+                if p.structured_outputs.kind == "json"}) > 20
+    assert len({c.text for c in outs[-4].outputs}) > 1  # seed + i per sample
 
 
 def _seeded() -> list[SamplingParams]:
-    return _mixed(2, seed0=100, max_tokens=48)[:10] + [
+    return _mixed(1, seed0=100, max_tokens=40) + [
         SamplingParams(temperature=0.9, top_k=20, seed=7, n=2, logprobs=2, max_tokens=40,
                        presence_penalty=0.5, structured_outputs=so(json=PERSON)),
         SamplingParams(temperature=1.0, seed=8, max_tokens=30, stop=["-"],
@@ -151,18 +149,30 @@ def _run(model: str, **kw):
     return result
 
 
-def test_async_equals_sync_with_preemption_and_process_worker(model):
-    ref, _ = _run(model, disable_async_output_proc=True)
-    got, _ = _run(model)
-    assert got == ref
-    small = {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 128}
-    preempted, num_preemptions = _run(model, **small)
-    assert num_preemptions > 0
-    assert preempted == ref
+@pytest.fixture(scope="module")
+def reference(model):
+    """Seeded constrained requests, async output processing off: what every other way of
+    running them must reproduce token for token."""
+    return _run(model, disable_async_output_proc=True)[0]
+
+
+def test_async_output_on_equals_off_under_preemption(model, reference):
+    got, num_preemptions = _run(model, num_kv_blocks=20, block_size=8, max_model_len=128)
+    assert num_preemptions > 0  # recomputed requests keep their grammar state
+    assert got == reference
+
+
+def test_process_worker_equals_the_reference(model, reference):
     # The default CPU strategy: the bitmask is computed here while the worker runs the
     # forward, and sent to it before it samples.
-    worker, _ = _run(model, backend_options={"overlap": "process"})
-    assert worker == ref
+    got, _ = _run(model, backend_options={"overlap": "process"})
+    assert got == reference
+
+
+def test_async_scheduling_equals_the_reference(model, reference):
+    # Constrained requests sit out the step planned while their token is in flight.
+    got, _ = _run(model, async_scheduling=True)
+    assert got == reference
 
 
 def test_bad_constraint_is_refused_and_others_run(llm):
@@ -206,13 +216,3 @@ def test_params_from_dict_and_sampling_params():
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs="a+")
     assert sp.for_sample(1).structured_outputs is sp.structured_outputs
-
-
-def test_async_scheduling_is_refused(model):
-    llm = make_llm(model, async_scheduling=True)
-    try:
-        with pytest.raises(ValueError, match="async_scheduling"):
-            llm.engine.add_request("x", "hi", SamplingParams(structured_outputs=so(regex="a")))
-        assert not llm.engine.has_unfinished_requests()
-    finally:
-        llm.shutdown()

@@ -177,6 +177,9 @@ class CpuBackend(Backend):
         forward thread; ``sync``: forward and sample run now (the base class)."""
         if self._worker is not None:
             self._worker.submit(model_input)
+            grammar = model_input.sampling.grammar
+            if grammar is not None and not grammar.is_ready:
+                self._worker.send_bitmask(grammar)  # the worker may be computing meanwhile
         elif self.overlap == "thread":
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")

@@ -79,7 +79,6 @@ class Workload:
 
     def sampling_params(self, max_tokens: int) -> Any:
         from cadence.sampling_params import SamplingParams
-
         from cadence.structured_output.params import StructuredOutputsParams
 
         heavy = self.host_work == "heavy"

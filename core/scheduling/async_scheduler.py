@@ -20,6 +20,10 @@ class AsyncScheduler(Scheduler):
     step and no extra block. EOS, stop ids and stop strings depend on the token's value: such
     a request is planned once more and that step's token is discarded at commit.
 
+    Structured output: a constrained request with a placeholder is left out too. Its next
+    bitmask depends on the token in flight, so it runs every other step while the others run
+    every step (docs/structured_output.md).
+
     NOTE sliding windows: the blocks that fall behind the window in the step in flight are
     freed when it is committed (``BlockManager.cache_full_blocks``), after this plan. A
     running request that fits once they are free waits for them instead of preempting:
@@ -36,7 +40,10 @@ class AsyncScheduler(Scheduler):
         return super().schedule()
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        if request.num_output_placeholders and self._finishes_on_length(request):
+        if request.num_output_placeholders and (
+                request.grammar is not None or self._finishes_on_length(request)):
+            # Structured output: the grammar bitmask of the next token needs this one on
+            # the host, so the request sits out the step planned while it is in flight.
             return 0
         return super()._num_new_tokens(request, budget)
 

@@ -23,6 +23,10 @@ def build_async_input(plan: StepPlan, in_flight: Sequence[InFlightStep], engine:
                       ) -> ModelInput:
     mi = build_model_input(plan, engine.block_manager.get_block_table,
                            engine.config.cache_config.block_size)
+    # A constrained request is never planned around a placeholder (AsyncScheduler), so its
+    # grammar has seen every token it had when this step is sampled.
+    mi.sampling.grammar = engine.structured.bitmask_for(
+        [plan.scheduled[i].request for i in mi.sample_seq_indices])
     if not in_flight:
         return mi
     # Only the newest step in flight can have placeholders: the one before it was committed
