@@ -214,6 +214,11 @@ class MultiprocExecutor(Backend):
 
     def submit(self, model_input: ModelInput) -> None:
         assert self._in_flight < 2, "at most two steps in flight"
+        grammar = model_input.sampling.grammar
+        if grammar is not None:
+            # Structured output: the ranks get the bitmask inside the step (no message for a
+            # late one), so it is computed before sending, outside the overlap.
+            grammar.get()
         self._send_all(model_input)
         self._in_flight += 1
 
