@@ -23,7 +23,7 @@ BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
                   "device_source", "device_per_step_ms", "finalize_s", "finalize_in_execute_s",
                   "hidden_finalize_s", "hidden_source", "exposed_finalize_s", "hidden_fraction",
                   "host_critical_s", "other_s", "device_idle_fraction"}
-PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain"}
+PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain", "bitmask"}
 MACHINE_KEYS = {"cpu_model", "cpu_family", "cpu_model_id", "cpu_flags", "torch_cpu_capability",
                 "native_bf16", "cpu_count", "threads", "dtype"}
 

@@ -65,6 +65,8 @@ class StructuredOutputManager:
         """Pass the samples whose grammar is ready to ``add`` (the scheduler), each with its
         own matcher; ``fail(parent_id, message)`` those whose grammar did not compile.
         ``block``: wait for at least one grammar (nothing else can run meanwhile)."""
+        # Aborted while their grammar compiled: nothing to wait for.
+        self._waiting = [(f, s) for f, s in self._waiting if not any(x.is_finished for x in s)]
         if not self._waiting:
             return
         if block:
@@ -74,8 +76,6 @@ class StructuredOutputManager:
         for fut, samples in self._waiting:
             if not fut.done():
                 still.append((fut, samples))
-                continue
-            if any(s.is_finished for s in samples):  # aborted while it compiled
                 continue
             try:
                 compiled = fut.result()
