@@ -193,6 +193,41 @@ def test_bad_constraint_is_refused_and_others_run(llm):
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
+def test_compile_failure_and_abort_while_compiling_touch_only_their_request(llm, monkeypatch):
+    import threading
+
+    eng = llm.engine
+    compiler = eng.structured.compiler
+    real = compiler._compile
+    release = threading.Event()
+
+    def compile_(params):
+        if params.kind == "regex" and params.regex == "x+":
+            raise ValueError("structured_outputs.regex does not compile: (test)")
+        if params.kind == "regex" and params.regex == "y+":
+            release.wait(30)
+        return real(params)
+
+    monkeypatch.setattr(compiler, "_compile", compile_)
+    good = SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                          structured_outputs=so(choice=CHOICES))
+    eng.add_request("good", "hello", good)
+    eng.add_request("fails", "hello", SamplingParams(structured_outputs=so(regex="x+")))
+    eng.add_request("aborted", "hello", SamplingParams(n=2, structured_outputs=so(regex="y+")))
+    outs = eng.step() + eng.step()
+    eng.abort_request("aborted")
+    release.set()
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final["good"].outputs[0].text in CHOICES
+    assert final["fails"].outputs[0].finish_reason == "error"
+    assert "(test)" in final["fails"].error
+    assert [c.finish_reason for c in final["aborted"].outputs] == ["abort", "abort"]
+    assert eng.structured.num_waiting == 0
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({}, "exactly one"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
