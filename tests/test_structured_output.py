@@ -251,3 +251,13 @@ def test_params_from_dict_and_sampling_params():
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs="a+")
     assert sp.for_sample(1).structured_outputs is sp.structured_outputs
+
+
+def test_missing_xgrammar_is_a_clear_error(monkeypatch):
+    import sys
+
+    from cadence.structured_output.compiler import import_xgrammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if not installed
+    with pytest.raises(ValueError, match="pip install xgrammar"):
+        import_xgrammar()
