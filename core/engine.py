@@ -192,22 +192,18 @@ class LLMEngine:
         mi = self._build_input(plan)
         t2 = time.perf_counter()
         times.add("prepare", t2 - t1)
+        # Empty with async output processing off: each step drained its own.
         pending, self._pending = self._pending, []
         post_time = [0.0]
-
-        def finalize_previous() -> None:
-            ts = time.perf_counter()
-            if pending:
-                self.output_processor.finalize(pending)
-            post_time[0] = time.perf_counter() - ts
-
         grammar = mi.sampling.grammar
 
         def post() -> None:
             if grammar is not None:
                 grammar.get()  # first: the device waits for it before sampling
-            if self.async_output:
-                finalize_previous()
+            ts = time.perf_counter()
+            if pending:
+                self.output_processor.finalize(pending)
+            post_time[0] = time.perf_counter() - ts
 
         post_sample = PostSample(post if self.async_output or grammar is not None else None)
         ran = self.guard.run(plan, mi, post_sample)
