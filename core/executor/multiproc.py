@@ -184,7 +184,7 @@ class MultiprocExecutor(Backend):
         another does not answer within ``PEER_GRACE_S``."""
         replies: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
-        failed_at = None
+        failed_at, failed_rank = None, None
         while len(replies) < self.world_size:
             waiting = [r for r in range(self.world_size) if r not in replies]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -194,8 +194,9 @@ class MultiprocExecutor(Backend):
             if not ready:
                 late = waiting
                 if failed_at is not None:
-                    raise self._lost(f"rank {min(set(replies) - set(late))} failed while "
-                                     f"rank(s) {late} still ran; every rank was stopped")
+                    raise self._lost(f"rank {failed_rank} of {self.world_size} failed a step "
+                                     f"while rank(s) {late} still ran it; every rank was "
+                                     f"stopped:\n{replies[failed_rank][1]}")
                 raise self._lost(f"rank(s) {late} of {self.world_size} gave no reply within "
                                  f"{timeout:g} s (step_timeout); every rank was killed")
             for rank in ready:
@@ -209,7 +210,7 @@ class MultiprocExecutor(Backend):
                     if starting:  # the others may wait for it in the rendezvous: stop now
                         return [replies.get(r) for r in range(self.world_size)]
                     if failed_at is None:
-                        failed_at = time.monotonic()
+                        failed_at, failed_rank = time.monotonic(), rank
         return [replies[r] for r in range(self.world_size)]
 
     def submit(self, model_input: ModelInput) -> None:
