@@ -227,11 +227,6 @@ class Backend(ABC):
     #: ``data_parallel_size`` replicas; core/data_parallel/). ``engine serve
     #: --data-parallel-size`` refuses a backend that does not declare it.
     supports_data_parallel: ClassVar[bool] = False
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        # The default submit/collect's device results, oldest first.
-        self._submitted: list[Any] = []
     #: Whether ``load_model`` builds rank ``config.parallel_config.tensor_parallel_rank``'s
     #: shard of the model when ``tensor_parallel_size`` > 1 (core/executor/). The executors
     #: refuse ``--tensor-parallel-size`` for a backend that does not declare it.
@@ -239,6 +234,11 @@ class Backend(ABC):
     #: The torch.distributed library of the collectives between this backend's ranks
     #: ("gloo", "nccl", "hccl"), used by the default ``init_distributed``.
     distributed_backend: ClassVar[str | None] = None
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        # The default submit/collect's device results, oldest first.
+        self._submitted: list[Any] = []
 
     @classmethod
     @abstractmethod
@@ -253,11 +253,6 @@ class Backend(ABC):
     def allocate_kv_cache(self) -> int:
         """Allocate the paged KV cache; return the number of blocks it holds."""
 
-    def warmup(self) -> None:
-        """Run whatever must happen before serving (graph capture, bucket compilation)."""
-
-    @abstractmethod
-    def forward(self, model_input: ModelInput) -> Any:
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
         """Raise ValueError if this backend cannot run ``config.parallel_config`` here (too
@@ -285,6 +280,11 @@ class Backend(ABC):
         init_torch_distributed(str(self.distributed_backend), rank, world_size, init_method,
                                timeout_s)
 
+    def warmup(self) -> None:
+        """Run whatever must happen before serving (graph capture, bucket compilation)."""
+
+    @abstractmethod
+    def forward(self, model_input: ModelInput) -> Any:
         """Enqueue the forward pass; return the logits of the sampled rows (device tensor).
 
         Asynchronous where the device allows: do not wait for the result here.
