@@ -4,12 +4,13 @@
 # cadence's own kernels compiled for x86-64-v3 (docs/backends/cpu.md, "Checking another
 # instruction set"). First the exactness tests of the CPU kernels and the engine, then,
 # unless --tests-only, the headline workload at the capped level and at the machine's own,
-# alternated, fp32 both.
+# alternated, fp32 both (--bench-only skips the tests).
 #
-#   bash scripts/isa_check.sh [--tests-only] [OUT_DIR]
+#   bash scripts/isa_check.sh [--tests-only|--bench-only] [OUT_DIR]
 set -euo pipefail
-tests_only=0
+tests_only=0 bench_only=0
 if [[ "${1:-}" == "--tests-only" ]]; then tests_only=1; shift; fi
+if [[ "${1:-}" == "--bench-only" ]]; then bench_only=1; shift; fi
 out=${1:-isa-check}
 mkdir -p "$out"
 capped=(env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
@@ -19,9 +20,11 @@ d = describe()
 assert d.get("isa_limit") == "avx2" and not any(f.startswith("avx512") for f in d["cpu_flags"]), d
 print("capped machine block:", d)
 PY
-"${capped[@]}" python -m pytest -q -p no:cacheprovider tests/test_cpu_kernels.py \
-    tests/test_cpu_prefill_attention.py tests/test_sliding_window_kernels.py \
-    tests/test_logits_precision.py tests/test_engine_parity.py | tee "$out/tests_avx2.txt"
+if [[ $bench_only == 0 ]]; then
+    "${capped[@]}" python -m pytest -q -p no:cacheprovider tests/test_cpu_kernels.py \
+        tests/test_cpu_prefill_attention.py tests/test_sliding_window_kernels.py \
+        tests/test_logits_precision.py tests/test_engine_parity.py | tee "$out/tests_avx2.txt"
+fi
 [[ $tests_only == 1 ]] && exit 0
 for round in 1 2; do
     for level in avx2 native; do
