@@ -12,11 +12,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from cadence.step_io import ModelInput, SamplerOutput, SamplingMetadata
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
+
+# Re-exported: the step's data types are part of the contract (cadence.step_io).
+__all__ = ["Backend", "ModelInput", "PostSample", "ProbeResult", "SamplerOutput",
+           "SamplingMetadata", "WorkerLostError", "raise_if_device_lost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,106 +33,6 @@ class ProbeResult:
     reason: str = ""
 
 
-@dataclass(slots=True)
-class SamplingMetadata:
-    """Per sampled row (one per entry of ``ModelInput.sample_seq_indices``), host data.
-
-    Seeded rows are reproducible without generator state: the sampler seeds the row's
-    generator from ``(seeds[i], output_lens[i])``, i.e. from the request's seed and how many
-    tokens it has generated, so the draw is the same whatever the batch, after a preemption,
-    and with async output processing on or off.
-    """
-
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    min_p: list[float]
-    seeds: list[int | None]
-    output_lens: list[int]
-    all_greedy: bool
-    # Penalties: filled only when some row uses one (otherwise empty lists).
-    presence_penalty: list[float] = field(default_factory=list)
-    frequency_penalty: list[float] = field(default_factory=list)
-    repetition_penalty: list[float] = field(default_factory=list)
-    prompt_token_ids: list[list[int]] = field(default_factory=list)
-    output_token_ids: list[list[int]] = field(default_factory=list)
-    # Token ids each row may not sample yet (EOS and stop ids while below min_tokens).
-    banned_token_ids: list[list[int]] = field(default_factory=list)
-    # Top-k logprobs wanted per row (-1: none); max_num_logprobs < 0 when no row wants any.
-    num_logprobs: list[int] = field(default_factory=list)
-    max_num_logprobs: int = -1
-    # Async scheduling, filled only when some row uses penalties and has a placeholder: per
-    # row, -1 or the row of the previous step's sampled ids that holds this row's newest
-    # output token, which ``output_token_ids`` lacks (it is not on the host yet). The
-    # backend counts it from its device-side copy (docs/async_scheduling.md).
-    output_placeholder_src: list[int] = field(default_factory=list)
-    # Structured output: a ``GrammarBitmask`` (core/structured_output/bitmask.py) for the
-    # rows that follow a grammar, or None. Its bitmask is computed by the engine inside
-    # ``post_sample`` (while the device runs the forward), or by ``get()`` at sampling time
-    # if that comes first. Backends apply it before sampling, through the shared sampler.
-    grammar: Any = None
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.repetition_penalty)
-
-
-@dataclass(slots=True)
-class ModelInput:
-    """One forward pass, described with host data.
-
-    Sequences are ordered decodes first (``num_decodes`` of them, one query token each),
-    then prefill chunks. Token-level lists are flattened over sequences in that order.
-    ``slot_mapping[t]`` is where token ``t``'s K/V goes in the paged cache
-    (``block * block_size + offset``).
-    """
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    num_decodes: int
-    sample_seq_indices: list[int]
-    sampling: SamplingMetadata
-    request_ids: list[str] = field(default_factory=list)
-    # Async scheduling: ``input_ids[placeholder_idx[i]]`` is PLACEHOLDER_TOKEN_ID and must
-    # become ``sampled_token_ids[placeholder_src[i]]`` of the step submitted just before this
-    # one, on the device, before the forward. Empty otherwise.
-    placeholder_idx: list[int] = field(default_factory=list)
-    placeholder_src: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decodes == len(self.query_lens)
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    """Host copy of one step's samples, one entry per sampled row.
-
-    ``logprobs[i]`` is ``None`` or ``(sampled_logprob, sampled_rank, top_ids, top_logprobs)``.
-    """
-
-    sampled_token_ids: list[int]
-    logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
-    #: Seconds the device spent on this step's forward + sampling, when the backend measures
-    #: it where the host cannot (a worker process); 0.0 otherwise. For the bench breakdown.
-    device_seconds: float = 0.0
-    #: ``time.monotonic()`` when this step's results were ready on the host side of the
-    #: device (a worker process's clock is the same system-wide monotonic clock); 0.0 when
-    #: the backend does not know. With ``PostSample``'s own timestamps it tells how much of
-    #: post_sample ran while the device was still busy. For the bench breakdown.
-    device_done_at: float = 0.0
 
 
 class PostSample:
