@@ -22,7 +22,6 @@ import pickle
 import queue
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -33,42 +32,7 @@ from typing import Any, BinaryIO
 
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
-
-_LEN = struct.Struct("<Q")
-
-
-def _send(f: BinaryIO, obj: Any) -> None:
-    pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-    f.flush()
-
-
-def _reply(f: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    f.write(_LEN.pack(len(data)))
-    f.write(data)
-    f.flush()
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise EOFError
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def _read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
-    while True:
-        try:
-            msg = pickle.load(inp)
-        except (EOFError, OSError, pickle.UnpicklingError):
-            msg = None
-        inbox.put(msg)
-        if msg is None:
-            return
+from cadence.executor.pipes import read_inputs, read_reply, reply, send
 
 
 def _serve(inp: BinaryIO, out: BinaryIO) -> None:
@@ -87,19 +51,19 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
 
         rt = build_runtime(config, kv_cache_bytes)
         runner = rt.runner
-        _reply(out, ("ready", rt.num_blocks, rt.describe()))
+        reply(out, ("ready", rt.num_blocks, rt.describe()))
     except BaseException as e:
-        _reply(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
+        reply(out, ("error", isinstance(e, ValueError), str(e), traceback.format_exc()))
         return
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_inputs, args=(inp, inbox), daemon=True,
+    threading.Thread(target=read_inputs, args=(inp, inbox), daemon=True,
                      name="cadence-cpu-worker-inputs").start()
     while True:
         msg = inbox.get()
         if msg is None:
             return
         if msg == "ping":
-            _reply(out, "pong")
+            reply(out, "pong")
             continue
         if isinstance(msg, tuple) and msg and msg[0] == "bitmask":
             continue  # for a step that failed before it needed its bitmask
@@ -116,7 +80,7 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             # A plain tuple: this module runs as ``__main__`` here, so a class defined in it
             # would pickle under a name the engine process cannot import.
             result = ("error", traceback.format_exc())
-        _reply(out, result)
+        reply(out, result)
 
 
 def _receive_bitmask(inbox: queue.SimpleQueue, grammar: Any) -> None:
@@ -158,7 +122,7 @@ class ForwardWorker:
         # behind for the rest of the process.
         self._finalizer = weakref.finalize(self, _kill, self._proc)
         self._ready = False
-        _send(self._out, (config, kv_cache_bytes, num_threads))
+        send(self._out, (config, kv_cache_bytes, num_threads))
 
     def wait_ready(self) -> None:
         """Wait until the worker has built the model and its KV cache (``num_blocks`` and
@@ -192,8 +156,7 @@ class ForwardWorker:
                     "(step_timeout); it was killed")
         try:
             fd = self._in.fileno()
-            (size,) = _LEN.unpack(_read_exactly(fd, _LEN.size))
-            return pickle.loads(_read_exactly(fd, size))
+            return read_reply(fd)
         except (EOFError, OSError, pickle.UnpicklingError):
             raise WorkerLostError(self._exit_message()) from None
 
@@ -228,7 +191,7 @@ class ForwardWorker:
         (it is killed, and ``WorkerLostError`` raised)."""
         assert not self._in_flight, "ping() while a step is in flight"
         try:
-            _send(self._out, "ping")
+            send(self._out, "ping")
         except OSError:
             raise WorkerLostError(self._exit_message()) from None
         if self._recv(self.step_timeout_s) != "pong":
@@ -239,7 +202,7 @@ class ForwardWorker:
     def submit(self, model_input: ModelInput) -> None:
         assert self._in_flight < 2, "at most two steps in flight"
         try:
-            _send(self._out, model_input)
+            send(self._out, model_input)
         except OSError:  # a broken pipe: the worker is gone
             raise WorkerLostError(self._exit_message()) from None
         self._in_flight += 1
@@ -251,10 +214,10 @@ class ForwardWorker:
         try:
             value = grammar.get()
         except BaseException:
-            _send(self._out, ("bitmask", None))
+            send(self._out, ("bitmask", None))
             raise
         try:
-            _send(self._out, ("bitmask", value))
+            send(self._out, ("bitmask", value))
         except OSError:
             raise WorkerLostError(self._exit_message()) from None
 
@@ -278,7 +241,7 @@ class ForwardWorker:
                         raise
                     except RuntimeError:  # that step failed; the later one still answers
                         pass
-                _send(self._out, None)
+                send(self._out, None)
             except (OSError, RuntimeError):  # WorkerLostError included
                 pass
             try:

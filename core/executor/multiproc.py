@@ -35,7 +35,7 @@ from cadence.backend import (
     WorkerLostError,
 )
 from cadence.config import EngineConfig
-from cadence.executor.worker import LEN, read_exactly, send
+from cadence.executor.pipes import read_reply, send
 
 # After one rank fails a step, how long the others get to fail it too before the group
 # counts as broken (they fail at the same point when the input itself was bad).
@@ -159,8 +159,7 @@ class MultiprocExecutor(Backend):
         """The rank's next reply; ``_RankGone`` with the reason when it died."""
         fd = self._procs[rank].stdout.fileno()
         try:
-            (size,) = LEN.unpack(read_exactly(fd, LEN.size))
-            return pickle.loads(read_exactly(fd, size))
+            return read_reply(fd)
         except (EOFError, OSError, pickle.UnpicklingError):
             proc = self._procs[rank]
             try:

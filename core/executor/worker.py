@@ -7,10 +7,7 @@ spec, then ``ModelInput``s (or "ping", or None to stop). Replies are length-pref
 then one reply per step, in order: rank 0's ``SamplerOutput``, None from the other ranks
 (their samples are identical, so only one crosses the pipe), or ("error", traceback).
 
-NOTE pipes: a reader thread takes inputs off stdin as they come, so the engine never blocks
-writing step N+1 while this process blocks writing step N's reply (async scheduling keeps
-two in flight); replies are read exactly by the engine, never buffered where ``select``
-would not see them. The same rules as the CPU backend's forward worker.
+NOTE pipes: the framing and the input thread are the CPU forward worker's too (pipes.py).
 """
 
 from __future__ import annotations
@@ -18,47 +15,13 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import struct
 import sys
 import threading
 import time
 import traceback
 from typing import Any, BinaryIO
 
-LEN = struct.Struct("<Q")
-
-
-def send(f: BinaryIO, obj: Any) -> None:
-    pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-    f.flush()
-
-
-def reply(f: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    f.write(LEN.pack(len(data)) + data)
-    f.flush()
-
-
-def read_exactly(fd: int, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise EOFError
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def _read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
-    while True:
-        try:
-            msg = pickle.load(inp)
-        except (EOFError, OSError, pickle.UnpicklingError):
-            msg = None
-        inbox.put(msg)
-        if msg is None:
-            return
+from cadence.executor.pipes import read_inputs, reply
 
 
 class RankRunner:
@@ -122,7 +85,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
     if started[0] == "error":
         return
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_inputs, args=(inp, inbox), daemon=True,
+    threading.Thread(target=read_inputs, args=(inp, inbox), daemon=True,
                      name=f"cadence-rank{runner.rank}-inputs").start()
     while True:
         msg = inbox.get()

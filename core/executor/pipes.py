@@ -1,0 +1,59 @@
+"""The framing both kinds of worker process speak over their stdin/stdout: the CPU backend's
+forward worker (backends/cpu/worker.py) and the ``mp`` executor's ranks (worker.py here).
+
+The engine writes plain pickles (``send``); a worker writes length-prefixed pickles
+(``reply``) that the engine reads exactly (``read_reply``), so nothing sits in a Python
+buffer where ``select`` on the pipe would not see it. A worker takes its inputs off stdin on
+a thread (``read_inputs``), so the engine never blocks writing step N+1 while the worker
+blocks writing step N's reply.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+from typing import Any, BinaryIO
+
+LEN = struct.Struct("<Q")
+
+
+def send(f: BinaryIO, obj: Any) -> None:
+    pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+    f.flush()
+
+
+def reply(f: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(LEN.pack(len(data)) + data)
+    f.flush()
+
+
+def read_exactly(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def read_reply(fd: int) -> Any:
+    """One ``reply`` from the pipe ``fd``; EOFError when the writer is gone."""
+    (size,) = LEN.unpack(read_exactly(fd, LEN.size))
+    return pickle.loads(read_exactly(fd, size))
+
+
+def read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
+    """Move every pickle from ``inp`` to ``inbox``; None last (end of input or a broken pipe)."""
+    while True:
+        try:
+            msg = pickle.load(inp)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            msg = None
+        inbox.put(msg)
+        if msg is None:
+            return
