@@ -170,12 +170,12 @@ class Backend(ABC):
                              "support tensor parallel")
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
-                         timeout_s: float) -> None:
+                         join_timeout: float) -> None:
         """Join the group of ``world_size`` ranks as ``rank``, before ``load_model``.
 
         Called by an executor in each rank's own process (core/executor/), never by the
         uniproc path. The default joins torch.distributed's ``distributed_backend`` at
-        ``init_method`` and installs its collectives for the model layers
+        ``init_method``, giving up after ``join_timeout`` seconds, and installs its collectives for the model layers
         (``cadence.distributed``); a plugin whose collectives come from elsewhere overrides
         it and calls ``cadence.distributed.set_tensor_parallel`` with its own communicator.
         """
@@ -184,7 +184,7 @@ class Backend(ABC):
         if world_size > 1 and not self.distributed_backend:
             raise ValueError(f"backend {self.name!r} declares no distributed_backend")
         init_torch_distributed(str(self.distributed_backend), rank, world_size, init_method,
-                               timeout_s)
+                               join_timeout)
 
     def warmup(self) -> None:
         """Run whatever must happen before serving (graph capture, bucket compilation)."""

@@ -22,7 +22,7 @@ def test_a_rank_that_cannot_join_the_group_says_which_and_why():
     address = f"tcp://127.0.0.1:{_free_port()}"
     with pytest.raises(RuntimeError, match=rf"rank 1 of 2 could not join the gloo group at "
                                            rf"{address}: \w+"):
-        distributed.init_torch_distributed("gloo", 1, 2, address, timeout_s=0.5)
+        distributed.init_torch_distributed("gloo", 1, 2, address, join_timeout=0.5)
     assert distributed.tp_size() == 1  # nothing half-installed
 
 
@@ -30,7 +30,7 @@ class _ScriptedRanks:
     """An ``mp`` executor whose ranks answer from a script (no processes): each rank's
     replies in order, "hang" for none, "gone" for a rank that died."""
 
-    def __new__(cls, script: dict[int, list], timeout_s: float = 0.05):
+    def __new__(cls, script: dict[int, list], step_timeout: float = 0.05):
         from cadence.config import (
             CacheConfig,
             EngineConfig,
@@ -69,7 +69,7 @@ class _ScriptedRanks:
             supports_async_scheduling = True
 
         config = EngineConfig(ModelConfig("unused"), CacheConfig(), SchedulerConfig(),
-                              fault_config=FaultConfig(step_timeout_s=timeout_s),
+                              fault_config=FaultConfig(step_timeout_s=step_timeout),
                               parallel_config=ParallelConfig(tensor_parallel_size=2))
         executor = Scripted(Named, config)
         executor._in_flight = 1

@@ -73,7 +73,7 @@ class CpuBackend(Backend):
         rank_cpus(config.parallel_config)  # too few cores for the ranks: say so before spawning
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
-                         timeout_s: float) -> None:
+                         join_timeout: float) -> None:
         """In a rank's own process: the model runs here (``sync``: the process is the
         worker), bound to this rank's share of the cores before torch starts its pool."""
         import torch
@@ -85,7 +85,7 @@ class CpuBackend(Backend):
         num_threads = bind_to(rank_cpus(self.config.parallel_config))
         if num_threads:
             torch.set_num_threads(num_threads)
-        super().init_distributed(rank, world_size, init_method, timeout_s)
+        super().init_distributed(rank, world_size, init_method, join_timeout)
 
     def _kv_cache_bytes(self) -> int:
         return int(float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))

@@ -89,7 +89,7 @@ def all_gather(x: Any, dim: int = -1) -> Any:
 
 
 def init_torch_distributed(library: str, rank: int, world_size: int, init_method: str,
-                           timeout_s: float) -> None:
+                           join_timeout: float) -> None:
     """Join the torch.distributed group ``library`` (gloo, nccl, hccl...) at
     ``init_method`` as ``rank`` and install it as the tensor-parallel group. The default
     ``Backend.init_distributed``. Raises RuntimeError naming the rank and the cause."""
@@ -102,7 +102,7 @@ def init_torch_distributed(library: str, rank: int, world_size: int, init_method
 
     try:
         dist.init_process_group(library, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=world_size, timeout=timedelta(seconds=join_timeout))
     except Exception as e:
         raise RuntimeError(f"rank {rank} of {world_size} could not join the {library} group "
                            f"at {init_method}: {type(e).__name__}: {e}") from e

@@ -104,7 +104,7 @@ class MultiprocExecutor(Backend):
         parallel = dataclasses.replace(self.config.parallel_config, tensor_parallel_rank=rank)
         return {"config": dataclasses.replace(self.config, parallel_config=parallel),
                 "rank": rank, "world_size": self.world_size, "init_method": init_method,
-                "timeout_s": self.step_timeout_s}
+                "join_timeout": self.step_timeout_s}
 
     def load_model(self) -> None:
         init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -26,7 +26,7 @@ from cadence.executor.pipes import read_inputs, reply
 
 class RankRunner:
     """One rank's backend, built from the executor's start-up spec (config, rank,
-    world_size, init_method, timeout_s); runs steps one after the other. Shared by the
+    world_size, init_method, join_timeout); runs steps one after the other. Shared by the
     ``mp`` worker loop below and the ``ray`` executor's actors."""
 
     def __init__(self, spec: dict) -> None:
@@ -47,7 +47,7 @@ class RankRunner:
             backend_cls, _ = get_registry().select(config.backend)
             self.backend = backend_cls(config)
             self.backend.init_distributed(self.rank, spec["world_size"], spec["init_method"],
-                                          spec["timeout_s"])
+                                          spec["join_timeout"])
             self.backend.load_model()
             num_blocks = self.backend.allocate_kv_cache()
             self.backend.warmup()
