@@ -137,6 +137,11 @@ class Backend(ABC):
     #: shard of the model when ``tensor_parallel_size`` > 1 (core/executor/). The executors
     #: refuse ``--tensor-parallel-size`` for a backend that does not declare it.
     supports_tensor_parallel: ClassVar[bool] = False
+    #: Whether ``load_model`` builds stage ``config.parallel_config.pipeline_parallel_rank``'s
+    #: layers when ``pipeline_parallel_size`` > 1, and ``execute`` on a stage that is not the
+    #: last returns a ``SamplerOutput`` with no ids (the model hands its activations on
+    #: through ``cadence.distributed``). Refused otherwise.
+    supports_pipeline_parallel: ClassVar[bool] = False
     #: The torch.distributed library of the collectives between this backend's ranks
     #: ("gloo", "nccl", "hccl"), used by the default ``init_distributed``.
     distributed_backend: ClassVar[str | None] = None
@@ -163,11 +168,15 @@ class Backend(ABC):
     def check_parallel_config(cls, config: EngineConfig) -> None:
         """Raise ValueError if this backend cannot run ``config.parallel_config`` here (too
         few devices or cores for the ranks); called in the engine's process before any rank
-        starts. The default checks only that tensor parallel is declared."""
+        starts. The default checks only that tensor and pipeline parallel are declared."""
         size = config.parallel_config.tensor_parallel_size
         if size > 1 and not (cls.supports_tensor_parallel and cls.distributed_backend):
             raise ValueError(f"--tensor-parallel-size {size}: backend {cls.name!r} does not "
                              "support tensor parallel")
+        stages = config.parallel_config.pipeline_parallel_size
+        if stages > 1 and not (cls.supports_pipeline_parallel and cls.distributed_backend):
+            raise ValueError(f"--pipeline-parallel-size {stages}: backend {cls.name!r} does "
+                             "not support pipeline parallel")
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
                          join_timeout: float) -> None:
@@ -177,14 +186,16 @@ class Backend(ABC):
         uniproc path. The default joins torch.distributed's ``distributed_backend`` at
         ``init_method``, giving up after ``join_timeout`` seconds, and installs its collectives for the model layers
         (``cadence.distributed``); a plugin whose collectives come from elsewhere overrides
-        it and calls ``cadence.distributed.set_tensor_parallel`` with its own communicator.
+        it and calls ``cadence.distributed.set_tensor_parallel`` (or ``set_pipeline_parallel``)
+        with its own communicator.
         """
         from cadence.distributed import init_torch_distributed
 
         if world_size > 1 and not self.distributed_backend:
             raise ValueError(f"backend {self.name!r} declares no distributed_backend")
         init_torch_distributed(str(self.distributed_backend), rank, world_size, init_method,
-                               join_timeout)
+                               join_timeout,
+                               self.config.parallel_config.pipeline_parallel_size)
 
     def warmup(self) -> None:
         """Run whatever must happen before serving (graph capture, bucket compilation)."""

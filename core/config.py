@@ -119,7 +119,9 @@ class ParallelConfig:
     by side, this one is ``data_parallel_rank``. Tensor parallel (core/executor/,
     docs/distributed.md): each engine's model is split over ``tensor_parallel_size`` ranks,
     run by the ``distributed_executor_backend`` executor; a backend builds rank
-    ``tensor_parallel_rank``'s share. A backend that declares ``supports_data_parallel`` or
+    ``tensor_parallel_rank``'s share. Pipeline parallel: the layers are split over
+    ``pipeline_parallel_size`` stages, one rank each; a backend builds stage
+    ``pipeline_parallel_rank``'s layers. A backend that declares ``supports_data_parallel`` or
     ``supports_tensor_parallel`` uses them to take its share of the machine (the CPU
     backend: its share of the cores)."""
 
@@ -127,6 +129,8 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_rank: int = 0
     # None: "mp" when the model is split over several ranks, else "uniproc".
     distributed_executor_backend: str | None = None
 
@@ -142,19 +146,47 @@ class ParallelConfig:
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank must be in [0, "
                              f"{self.tensor_parallel_size}), got {self.tensor_parallel_rank}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if not 0 <= self.pipeline_parallel_rank < self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_rank must be in [0, "
+                             f"{self.pipeline_parallel_size}), got "
+                             f"{self.pipeline_parallel_rank}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} with "
+                             f"--pipeline-parallel-size {self.pipeline_parallel_size}: tensor "
+                             "parallel inside pipeline stages is not supported yet; use one "
+                             "of the two")
         executor = self.distributed_executor_backend
         if executor is not None and executor not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{EXECUTOR_BACKENDS}, got {executor!r}")
-        if executor == "uniproc" and self.tensor_parallel_size > 1:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs one "
-                             "process per rank: use --distributed-executor-backend mp (or "
-                             "ray), not uniproc")
+        if executor == "uniproc" and self.world_size > 1:
+            flag = ("--tensor-parallel-size" if self.tensor_parallel_size > 1
+                    else "--pipeline-parallel-size")
+            raise ValueError(f"{flag} {self.world_size} needs one process per rank: use "
+                             "--distributed-executor-backend mp (or ray), not uniproc")
 
     @property
     def world_size(self) -> int:
         """Ranks one engine's model is split over."""
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among ``world_size``: stage-major, as torch.distributed sees
+        it (stage s's tensor-parallel rank t is s * tensor_parallel_size + t)."""
+        return self.pipeline_parallel_rank * self.tensor_parallel_size + \
+            self.tensor_parallel_rank
+
+    def with_rank(self, rank: int) -> ParallelConfig:
+        """This config as global rank ``rank`` of ``world_size`` sees it."""
+        import dataclasses
+
+        stage, tp_rank = divmod(rank, self.tensor_parallel_size)
+        return dataclasses.replace(self, tensor_parallel_rank=tp_rank,
+                                   pipeline_parallel_rank=stage)
 
     @property
     def executor(self) -> str:
@@ -178,6 +210,13 @@ class EngineConfig:
     backend_options: tuple[tuple[str, object], ...] = ()
     fault_config: FaultConfig = FaultConfig()
     parallel_config: ParallelConfig = ParallelConfig()
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.parallel_config.pipeline_parallel_size > 1:
+            # Placeholders are filled by the first stage from samples the last stage draws.
+            raise ValueError("async_scheduling does not combine with --pipeline-parallel-size "
+                             "yet: a pipeline already keeps one micro-batch in flight per "
+                             "stage; turn async_scheduling off")
 
     def backend_option(self, name: str, default: object = None) -> object:
         return dict(self.backend_options).get(name, default)

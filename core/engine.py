@@ -37,7 +37,7 @@ from cadence.request_intake import (
 )
 from cadence.sampling_params import SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
-from cadence.scheduling import AsyncSchedulingLoop, check_backend_supports, scheduler_class
+from cadence.scheduling import check_backend_supports, make_scheduler, make_step_loop
 from cadence.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ class LLMEngine:
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.sliding_window)
-        self.scheduler = scheduler_class(config.async_scheduling)(
-            sc, self.block_manager, settle=self._settle)
+        self.scheduler = make_scheduler(config, self.block_manager, self._settle)
         self.stats = EngineStats()
         # Structured output; compiles nothing and imports no xgrammar until a request asks.
         self.structured = StructuredOutputManager(
@@ -92,8 +91,9 @@ class LLMEngine:
         self._pending: list[Request] = []
         self._arrival = itertools.count()
         self._registry = registry
-        # The step strategy: None runs the loop below; async scheduling runs its own.
-        self._async_loop = AsyncSchedulingLoop(self) if config.async_scheduling else None
+        # The step strategy: None runs the loop below; async scheduling and pipeline
+        # parallel run their own (core/scheduling/).
+        self._loop = make_step_loop(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, extra: dict | None = None) -> LLMEngine:
@@ -164,7 +164,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return (bool(self.output_processor.parents) or bool(self._pending)
                 or bool(self.output_processor.ready)
-                or (self._async_loop is not None and self._async_loop.has_in_flight))
+                or (self._loop is not None and self._loop.has_in_flight))
 
     # ---- the step ---------------------------------------------------------------------
     def _settle(self, req: Request) -> None:
@@ -177,8 +177,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that became ready during it."""
-        if self._async_loop is not None:
-            return self._async_loop.step()
+        if self._loop is not None:
+            return self._loop.step()
         self.guard.repair()
         times = self.stats.times
         plan = self.plan()
@@ -266,8 +266,8 @@ class LLMEngine:
         return mi
 
     def _fail_all(self, message: str) -> None:
-        if self._async_loop is not None:
-            self._async_loop.discard()  # the device state those steps ran on is gone
+        if self._loop is not None:
+            self._loop.discard()  # the device state those steps ran on is gone
         self._drain()
         self.output_processor.fail_all(message)
 

@@ -49,6 +49,7 @@ class EngineArgs:
     backend_options: dict = field(default_factory=dict)
     revision: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
 
     def resolve_model(self) -> str:
@@ -109,6 +110,7 @@ class EngineArgs:
                                      int(args["max_worker_restarts"])),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=int(args["tensor_parallel_size"]),
+                pipeline_parallel_size=int(args["pipeline_parallel_size"]),
                 distributed_executor_backend=args["distributed_executor_backend"]),
         )
 
@@ -176,6 +178,10 @@ class EngineArgs:
                             "serving (default: %(default)s)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over this many ranks, one process each "
+                            "(docs/distributed.md; default: %(default)s)")
+        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split the model's layers over this many stages, one process "
+                            "each, with as many micro-batches in flight "
                             "(docs/distributed.md; default: %(default)s)")
         p.add_argument("--distributed-executor-backend", default=None,
                        choices=EXECUTOR_BACKENDS,

@@ -144,10 +144,13 @@ class ModelRunner:
                              build(mi, self.block_size, self.device))
 
     @torch.inference_mode()
-    def run_model(self, prepared: PreparedInput) -> torch.Tensor:
-        """Forward + logits of the sampled rows ([num_sampled, vocab] float32)."""
+    def run_model(self, prepared: PreparedInput) -> torch.Tensor | None:
+        """Forward + logits of the sampled rows ([num_sampled, vocab] float32); None on a
+        pipeline stage before the last (it computes no logits)."""
         with set_forward_context(self.attn, prepared.metadata):
             hidden = self.model(prepared.input_ids, prepared.positions)
+        if hidden is None:
+            return None
         if prepared.sample_token_idx.numel() == 0:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, prepared.sample_token_idx))
@@ -173,8 +176,9 @@ class ModelRunner:
         input_ids.index_copy_(0, idx, previous.index_select(0, src))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> sampler.DeviceSample:
-        if logits.shape[0] == 0:
+    def sample(self, logits: torch.Tensor | None, meta: SamplingMetadata
+               ) -> sampler.DeviceSample:
+        if logits is None or logits.shape[0] == 0:
             out = sampler.DeviceSample(torch.empty(0, dtype=torch.int64))
         else:
             pending = sampler.pending_output_ids(meta, self._previous, logits.shape[1])

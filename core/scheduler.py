@@ -192,6 +192,11 @@ class Scheduler:
         # A budget below one block (a config that small) must still make progress.
         return budget if self.config.max_num_batched_tokens < block_size else 0
 
+    def _batch_full(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether this step takes no more requests (beyond the token budget and
+        ``max_num_seqs``); a pipeline's micro-batches are capped here."""
+        return False
+
     def _check_fits(self, request: Request, num_new_tokens: int) -> None:
         bm = self.block_manager
         needed = bm.num_blocks_needed(request, num_new_tokens)
@@ -207,7 +212,7 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
     ) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and not self._batch_full(scheduled):
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
@@ -250,7 +255,8 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not self._batch_full(scheduled):
             request = self.waiting.peek()
             if request.is_finished:
                 self.waiting.pop()

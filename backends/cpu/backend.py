@@ -46,6 +46,8 @@ class CpuBackend(Backend):
     # Each rank runs in its executor's worker process on its share of the cores; the
     # collectives between them go over gloo.
     supports_tensor_parallel = True
+    # Each stage runs its layers in its own worker process; activations go over gloo.
+    supports_pipeline_parallel = True
     distributed_backend = "gloo"
 
     def __init__(self, config: EngineConfig) -> None:

@@ -40,17 +40,19 @@ def replica_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> lis
 
 
 def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> list[int] | None:
-    """The cores of tensor-parallel rank ``tensor_parallel_rank``: its contiguous share of
-    its replica's cores (of all of them for a lone engine), so the ranks' thread pools never
-    share a core. None for an unsplit model (it keeps the replica's share). ValueError when
-    there are fewer cores than ranks."""
-    size, rank = parallel.tensor_parallel_size, parallel.tensor_parallel_rank
+    """The cores of rank ``parallel.rank`` (a tensor-parallel rank or a pipeline stage): its
+    contiguous share of its replica's cores (of all of them for a lone engine), so the
+    ranks' thread pools never share a core. None for an unsplit model (it keeps the
+    replica's share). ValueError when there are fewer cores than ranks."""
+    size, rank = parallel.world_size, parallel.rank
     if size == 1:
         return replica_cpus(parallel, cpus)
     share = replica_cpus(parallel, cpus) or (available_cpus() if cpus is None else cpus)
     if len(share) < size:
-        raise ValueError(f"--tensor-parallel-size {size} needs at least {size} CPU cores, one "
-                         f"per rank; this engine may use {len(share)} ({share})")
+        flag = ("--pipeline-parallel-size" if parallel.pipeline_parallel_size > 1
+                else "--tensor-parallel-size")
+        raise ValueError(f"{flag} {size} needs at least {size} CPU cores, one per rank; "
+                         f"this engine may use {len(share)} ({share})")
     base, extra = divmod(len(share), size)
     start = rank * base + min(rank, extra)
     return share[start:start + base + (1 if rank < extra else 0)]

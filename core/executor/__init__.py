@@ -4,7 +4,8 @@
   had before tensor parallel). No wrapper: the engine talks to the backend directly.
 - ``mp``: one worker process per rank on this host (multiproc.py). The engine sends each
   step's ``ModelInput`` to every rank, runs the previous step's finalize while they compute,
-  and reads back rank 0's samples only.
+  and reads back one rank's samples only (rank 0's; the last stage's under pipeline
+  parallel, with one micro-batch in flight per stage).
 - ``ray``: each rank a Ray actor, on this host or across a cluster (ray_executor.py).
 
 An executor is a ``Backend`` to the engine (same lifecycle, ``execute``/``submit``/
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cadence.executor.checks import check_tensor_parallel_model
+from cadence.executor.checks import check_pipeline_parallel_model, check_tensor_parallel_model
 
 if TYPE_CHECKING:
     from cadence.backend import Backend
     from cadence.config import EngineConfig
 
-__all__ = ["check_tensor_parallel_model", "create_executor"]
+__all__ = ["check_pipeline_parallel_model", "check_tensor_parallel_model", "create_executor"]
 
 
 def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend:
@@ -33,6 +34,9 @@ def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend
     backend_cls.check_parallel_config(config)
     if parallel.tensor_parallel_size > 1:
         check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size)
+    if parallel.pipeline_parallel_size > 1:
+        check_pipeline_parallel_model(config.model_config.model,
+                                      parallel.pipeline_parallel_size)
     if executor == "uniproc":
         return backend_cls(config)
     if executor == "ray":

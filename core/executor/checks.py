@@ -1,5 +1,5 @@
-"""Whether a model can be split over tensor-parallel ranks, read from its config.json
-(no torch), so a bad split is refused before any rank starts."""
+"""Whether a model can be split over tensor-parallel ranks or pipeline stages, read from
+its config.json (no torch), so a bad split is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -11,14 +11,37 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
                                  "Qwen3ForCausalLM")
 
 
+# The families whose layers split into stages (core/models/llama.py).
+PIPELINE_PARALLEL_ARCHITECTURES = TENSOR_PARALLEL_ARCHITECTURES
+
+
+def _read_config(model: str) -> dict:
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model folder {model!r}: unreadable config.json ({e})") from e
+
+
+def check_pipeline_parallel_model(model: str, size: int) -> None:
+    """ValueError naming the problem when ``model`` cannot be split into ``size`` stages:
+    an architecture without stage support, or fewer decoder layers than stages."""
+    cfg = _read_config(model)
+    archs = cfg.get("architectures") or []
+    if not any(a in PIPELINE_PARALLEL_ARCHITECTURES for a in archs):
+        raise ValueError(f"--pipeline-parallel-size {size}: architecture {archs} has no "
+                         f"pipeline parallel support yet; supported: "
+                         f"{list(PIPELINE_PARALLEL_ARCHITECTURES)}")
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    if layers < size:
+        raise ValueError(f"--pipeline-parallel-size {size} needs at least one decoder layer "
+                         f"per stage; the model has {layers} (num_hidden_layers)")
+
+
 def check_tensor_parallel_model(model: str, size: int) -> None:
     """ValueError naming the problem when ``model`` cannot be split over ``size`` ranks: an
     architecture without tensor parallel layers, or heads/MLP columns that do not divide."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model folder {model!r}: unreadable config.json ({e})") from e
+    cfg = _read_config(model)
     archs = cfg.get("architectures") or []
     if not any(a in TENSOR_PARALLEL_ARCHITECTURES for a in archs):
         raise ValueError(f"--tensor-parallel-size {size}: architecture {archs} has no tensor "

@@ -73,15 +73,26 @@ class _RankGone(Exception):
 
 
 class MultiprocExecutor(Backend):
-    """Runs ``backend_cls`` as ``tensor_parallel_size`` rank processes; a ``Backend`` to the
-    engine. ``load_model`` starts the ranks, ``allocate_kv_cache`` waits for them."""
+    """Runs ``backend_cls`` as ``world_size`` rank processes (tensor-parallel ranks or
+    pipeline stages); a ``Backend`` to the engine. ``load_model`` starts the ranks,
+    ``allocate_kv_cache`` waits for them.
+
+    Steps in flight: two under async scheduling; one per stage under pipeline parallel
+    (each a micro-batch of other requests; a stage takes them in the order they were sent).
+    """
 
     def __init__(self, backend_cls: type[Backend], config: EngineConfig) -> None:
         super().__init__(config)
         self.backend_cls = backend_cls
         self.name = backend_cls.name
         self.supports_async_scheduling = backend_cls.supports_async_scheduling
-        self.world_size = config.parallel_config.tensor_parallel_size
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        # The rank whose samples come back: rank 0, or the last stage's first rank (the
+        # stage that computes the logits).
+        self.output_rank = self.world_size - parallel.tensor_parallel_size \
+            if parallel.pipeline_parallel_size > 1 else 0
+        self.max_in_flight = max(2, parallel.pipeline_parallel_size)
         self.step_timeout_s = config.fault_config.step_timeout_s
         self._procs: list[subprocess.Popen] = []
         self._in_flight = 0
@@ -101,10 +112,10 @@ class MultiprocExecutor(Backend):
         """What rank ``rank`` is started with (core/executor/worker.py's ``RankRunner``)."""
         import dataclasses
 
-        parallel = dataclasses.replace(self.config.parallel_config, tensor_parallel_rank=rank)
+        parallel = self.config.parallel_config.with_rank(rank)
         return {"config": dataclasses.replace(self.config, parallel_config=parallel),
                 "rank": rank, "world_size": self.world_size, "init_method": init_method,
-                "join_timeout": self.step_timeout_s}
+                "join_timeout": self.step_timeout_s, "output_rank": self.output_rank}
 
     def load_model(self) -> None:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -133,8 +144,10 @@ class MultiprocExecutor(Backend):
                                f"{message}\n{tb}")
         # Equal shards give equal caches; the smallest is what every rank can hold.
         num_blocks = min(rep[1] for rep in replies)
+        parallel = self.config.parallel_config
         self.runtime_info = {**replies[0][2], "executor": self.executor_name,
-                             "tensor_parallel_size": str(self.world_size)}
+                             "tensor_parallel_size": str(parallel.tensor_parallel_size),
+                             "pipeline_parallel_size": str(parallel.pipeline_parallel_size)}
         return num_blocks
 
     # -- steps ------------------------------------------------------------------------------
@@ -213,7 +226,8 @@ class MultiprocExecutor(Backend):
         return [replies[r] for r in range(self.world_size)]
 
     def submit(self, model_input: ModelInput) -> None:
-        assert self._in_flight < 2, "at most two steps in flight"
+        assert self._in_flight < self.max_in_flight, \
+            f"at most {self.max_in_flight} steps in flight"
         grammar = model_input.sampling.grammar
         if grammar is not None:
             # Structured output: the ranks get the bitmask inside the step (no message for a
@@ -233,7 +247,7 @@ class MultiprocExecutor(Backend):
                              f"{replies[errors[0]][1]}")
         if errors:
             raise RuntimeError(f"the step failed on every rank:\n{replies[0][1]}")
-        return replies[0]
+        return replies[self.output_rank]
 
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         self.submit(model_input)

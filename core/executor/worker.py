@@ -4,8 +4,10 @@ and runs every step the engine sends.
 Protocol over the process's stdin/stdout: the engine sends one pickle with the start-up
 spec, then ``ModelInput``s (or "ping", or None to stop). Replies are length-prefixed pickles:
 ("ready", num_blocks, env_info) or ("error", is_user_error, message, traceback) at start-up,
-then one reply per step, in order: rank 0's ``SamplerOutput``, None from the other ranks
-(their samples are identical, so only one crosses the pipe), or ("error", traceback).
+then one reply per step, in order: the output rank's ``SamplerOutput`` (rank 0, or the
+last pipeline stage), None from the other ranks (tensor parallel: their samples are
+identical, so only one crosses the pipe; pipeline parallel: earlier stages draw none), or
+("error", traceback).
 
 NOTE pipes: the framing and the input thread are the CPU forward worker's too (pipes.py).
 """
@@ -26,7 +28,7 @@ from cadence.executor.pipes import read_inputs, reply
 
 class RankRunner:
     """One rank's backend, built from the executor's start-up spec (config, rank,
-    world_size, init_method, join_timeout); runs steps one after the other. Shared by the
+    world_size, init_method, join_timeout, output_rank); runs steps one after the other. Shared by the
     ``mp`` worker loop below and the ``ray`` executor's actors."""
 
     def __init__(self, spec: dict) -> None:
@@ -56,7 +58,8 @@ class RankRunner:
         return ("ready", num_blocks, self.backend.env_info())
 
     def step(self, model_input: Any) -> Any:
-        """Rank 0's ``SamplerOutput``, None from the others, or ("error", traceback)."""
+        """The output rank's ``SamplerOutput``, None from the others, or ("error",
+        traceback)."""
         from cadence.backend import PostSample
 
         try:
@@ -68,7 +71,7 @@ class RankRunner:
             # A plain tuple: this module runs as ``__main__`` in a worker, so a class
             # defined in it would pickle under a name the engine process cannot import.
             return ("error", traceback.format_exc())
-        return result if self.rank == 0 else None
+        return result if self.rank == self.spec.get("output_rank", 0) else None
 
     def ping(self) -> str:
         return "pong"

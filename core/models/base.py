@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cadence.distributed import all_gather, tp_size
+from cadence.distributed import all_gather, pp_layer_range, pp_rank, pp_size, tp_size
 from cadence.layers.linear import ColumnParallelLinear
 from cadence.layers.logits import RefineTopLogits
 from cadence.model_limits import layer_windows
@@ -36,6 +36,14 @@ def sliding_windows(config: Any, max_model_len: int | None) -> list[int | None]:
     return [None if w is not None and w >= longest else w for w in windows]
 
 
+class NotOnThisStage(nn.Module):
+    """Stands where a module of another pipeline stage would be (vLLM's ``PPMissingLayer``):
+    it holds no weights, so the checkpoint's are skipped, and running it is a bug."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module belongs to another pipeline stage")
+
+
 def empty_embedding(num: int, dim: int) -> nn.Embedding:
     """An embedding table left uninitialized (``load_weights`` fills it)."""
     # _weight skips the random init: on the meta device normal_ runs through torch's Python
@@ -50,6 +58,11 @@ class CausalLM(nn.Module):
     ``vocab_size`` and ``hidden_size``, calls ``forward(input_ids, positions)`` -> hidden
     states [T, hidden] and ``compute_logits(hidden)`` -> fp32 logits, and ``load_weights``.
 
+    Under pipeline parallel (docs/distributed.md) the model holds its stage's decoder
+    layers only (``layer_range``; ``num_layers`` counts them, so the KV cache holds them
+    only), the embeddings on the first stage and the final norm and LM head on the last;
+    ``forward`` on a stage before the last hands its activations on and returns None.
+
     Class data a family sets (read-only):
     - ``fused_parts``: checkpoint projection name -> (our fused module, shard index), for
       projections the model runs as one GEMM (q/k/v, gate/up); ``fused_sizes`` gives each
@@ -62,7 +75,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.num_layers = config.num_hidden_layers
+        # Pipeline parallel: this stage's decoder layers (all of them on one stage).
+        self.is_first_stage = pp_rank() == 0
+        self.is_last_stage = pp_rank() == pp_size() - 1
+        self.layer_range = pp_layer_range(config.num_hidden_layers) if pp_size() > 1 \
+            else range(config.num_hidden_layers)
+        self.num_layers = len(self.layer_range)
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) \
             or self.total_num_heads
@@ -86,13 +104,15 @@ class CausalLM(nn.Module):
         directly) and the LM head, on the meta device first (no time spent on random init of
         weights that ``load_weights`` overwrites), then materialize them uninitialized in the
         model's dtype. A tied head shares ``self.<prefix>.<embed>``'s weight."""
+        self._body, self._embed = prefix, embed
         with torch.device("meta"):
             module = body()
             # Vocabulary-parallel under tensor parallel: each rank computes its rows' logits.
-            lm_head = ColumnParallelLinear(self.hidden_size, self.vocab_size, bias=head_bias)
+            lm_head = ColumnParallelLinear(self.hidden_size, self.vocab_size, bias=head_bias) \
+                if self.is_last_stage else NotOnThisStage()
         setattr(self, prefix, module.to(self.dtype).to_empty(device="cpu"))
         self.lm_head = lm_head.to(self.dtype).to_empty(device="cpu")
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.is_first_stage and self.is_last_stage:
             self.lm_head.weight = module.get_submodule(embed).weight
 
     # -- logits -----------------------------------------------------------------------------
@@ -145,7 +165,10 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, ckpt_tensor in weights:
-            for name, tensor in self.convert_weight(ckpt_name, ckpt_tensor):
+            for converted, tensor in self.convert_weight(ckpt_name, ckpt_tensor):
+                name = self.stage_weight_name(converted)
+                if name is None:
+                    continue  # another pipeline stage's weight
                 if name in shared:
                     continue  # the head tied to the embeddings: loaded under their name
                 target, shard = name, None
@@ -177,6 +200,30 @@ class CausalLM(nn.Module):
         missing = [n for n in owned if not self._is_loaded(n, loaded)]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+
+    #: The final norm's name inside the body (HF's): the last pipeline stage holds it.
+    final_norm: ClassVar[str] = "norm"
+
+    def stage_weight_name(self, name: str) -> str | None:
+        """Our name for checkpoint weight ``name`` on this pipeline stage, None when
+        another stage holds it: decoder layers outside ``layer_range``, the embeddings past
+        the first stage, the final norm and the LM head before the last. A last stage that
+        has no embeddings loads a tied head from the embeddings' weight."""
+        if pp_size() == 1:
+            return name
+        body = self._body
+        if name.startswith(f"{body}.layers."):
+            index = int(name.split(".", 3)[2])
+            return name if index in self.layer_range else None
+        if name.startswith(f"{body}.{self._embed}."):
+            if self.is_first_stage:
+                return name
+            if self.is_last_stage and self.tie_word_embeddings:
+                return "lm_head." + name.rsplit(".", 1)[1]
+            return None
+        if name.startswith((f"{body}.{self.final_norm}.", "lm_head.")):
+            return name if self.is_last_stage else None
+        return name
 
     def _is_loaded(self, name: str, loaded: set[str]) -> bool:
         if name in loaded:

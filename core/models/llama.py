@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.distributed import recv_from_previous_stage, send_to_next_stage
 from cadence.layers.activation import SiluAndMul
 from cadence.layers.attention import attend, attention_features
 from cadence.layers.linear import (
@@ -125,19 +126,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (HF's ``model.*`` weights)."""
+    """Embeddings, decoder layers and the final norm (HF's ``model.*`` weights).
+
+    Under pipeline parallel only ``stage``'s parts are built (``base.CausalLM``); the
+    others are ``NotOnThisStage``, so HF's names and layer indices stay as they are. A
+    layer's ``layer_idx`` is its slot in this stage's KV cache: its index among the
+    stage's layers."""
 
     def __init__(self, config: Any, spec: dict[str, bool], dims: dict[str, int],
-                 windows: list[int | None], layer_cls: type[nn.Module] = DecoderLayer) -> None:
+                 windows: list[int | None], layer_cls: type[nn.Module] = DecoderLayer,
+                 stage: base.CausalLM | None = None) -> None:
         super().__init__()
+        held = stage.layer_range if stage is not None else range(config.num_hidden_layers)
+        first = stage is None or stage.is_first_stage
+        last = stage is None or stage.is_last_stage
         # Uninitialized (no random init on the meta device: that imports torch._dynamo,
         # ~1-2 s of start-up); split by vocabulary rows under tensor parallel.
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
+            if first else base.NotOnThisStage()
         self.layers = nn.ModuleList(
-            layer_cls(config, i, spec, dims, windows[i])
+            layer_cls(config, i - held.start, spec, dims, windows[i]) if i in held
+            else base.NotOnThisStage()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last \
+            else base.NotOnThisStage()
 
 
 # HF checkpoint names of the projections we fuse -> (our fused name, shard index).
@@ -183,7 +196,7 @@ class CausalLM(base.CausalLM):
         # Each layer's sliding window (None: full attention); see the module NOTE.
         self.layer_windows = base.sliding_windows(config, max_model_len)
         self.build("model", lambda: DecoderModel(config, spec, dims, self.layer_windows,
-                                                 self.decoder_layer), "embed_tokens")
+                                                 self.decoder_layer, self), "embed_tokens")
         self.rotary_emb = RotaryEmbedding(
             config, self.rotary_dim(), max_model_len or config.max_position_embeddings, dtype
         )
@@ -192,13 +205,21 @@ class CausalLM(base.CausalLM):
         """How many leading dimensions of each head RoPE rotates: all of them here."""
         return self.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; None on
+        a pipeline stage before the last (its activations went to the next stage)."""
         cos_sin = self.rotary_emb(positions)  # 2 x [T, 1, head_dim]
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos_sin)
+        if self.is_first_stage:
+            x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            # The previous stage's branch output and residual stream, stacked.
+            x, residual = recv_from_previous_stage(
+                (2, input_ids.shape[0], self.hidden_size), self.dtype).unbind(0)
+        for i in self.layer_range:
+            x, residual = self.model.layers[i](x, residual, cos_sin)
+        if not self.is_last_stage:
+            send_to_next_stage(torch.stack((x, residual)))
+            return None
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]

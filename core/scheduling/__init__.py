@@ -4,22 +4,49 @@ The default loop lives in ``cadence.engine`` (schedule -> execute -> commit, wit
 the previous step inside ``execute``). ``async_scheduling=True`` swaps in
 ``AsyncSchedulingLoop`` (loop.py) and ``AsyncScheduler`` (async_scheduler.py): step N+1 is
 planned and submitted while step N computes, with placeholders for the tokens step N has not
-returned yet (docs/async_scheduling.md).
+returned yet (docs/async_scheduling.md). ``pipeline_parallel_size`` > 1 swaps in
+``PipelineLoop`` and ``PipelineScheduler`` (pipeline.py): one micro-batch of other requests
+in flight per stage (docs/distributed.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from cadence.block_manager import BlockManager
+from cadence.config import EngineConfig
+from cadence.request import Request
 from cadence.scheduler import Scheduler
 from cadence.scheduling.async_scheduler import AsyncScheduler
 from cadence.scheduling.loop import AsyncSchedulingLoop
+from cadence.scheduling.pipeline import PipelineLoop, PipelineScheduler
 
-__all__ = ["AsyncScheduler", "AsyncSchedulingLoop", "check_backend_supports", "scheduler_class"]
+if TYPE_CHECKING:
+    from cadence.engine import LLMEngine
+
+__all__ = ["AsyncScheduler", "AsyncSchedulingLoop", "PipelineLoop", "PipelineScheduler",
+           "check_backend_supports", "make_scheduler", "make_step_loop"]
 
 
-def scheduler_class(async_scheduling: bool) -> type[Scheduler]:
-    return AsyncScheduler if async_scheduling else Scheduler
+def make_scheduler(config: EngineConfig, block_manager: BlockManager,
+                   settle: Callable[[Request], None]) -> Scheduler:
+    """The scheduler the configured step strategy plans with."""
+    sc = config.scheduler_config
+    stages = config.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        return PipelineScheduler(sc, block_manager, settle=settle, num_stages=stages)
+    cls = AsyncScheduler if config.async_scheduling else Scheduler
+    return cls(sc, block_manager, settle=settle)
+
+
+def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | None:
+    """The configured step strategy; None for the engine's own loop."""
+    config = engine.config
+    stages = config.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        return PipelineLoop(engine, stages)
+    return AsyncSchedulingLoop(engine) if config.async_scheduling else None
 
 
 def check_backend_supports(backend_cls: type, registry: Any) -> None:

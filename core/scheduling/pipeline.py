@@ -1,0 +1,215 @@
+"""Pipeline parallel's step loop: one micro-batch in flight per stage. No torch here.
+
+With the layers split over S stages (docs/distributed.md), one batch at a time would leave
+S - 1 stages idle. So the engine keeps up to S micro-batches in flight, each of other
+requests: a request is in at most one, and is scheduled again only once its micro-batch is
+committed, so nothing is planned on a token the host does not have (no placeholders, unlike
+async scheduling). With S = 2::
+
+    host:    plan A | submit A | plan B | submit B | finalize | collect A | commit A | plan A'...
+    stage 0: ==== A ====|==== B ====|            |==== A' ====
+    stage 1:            |==== A ====|==== B ====|           |==== A' ====
+
+NOTE the invariants that keep it exact:
+- A request in flight is never scheduled, preempted or counted in another micro-batch
+  (``PipelineScheduler``): each request sees exactly the steps a single batch would give it.
+- Every stage runs micro-batches in the order they were submitted, so blocks freed while a
+  micro-batch is in flight (an abort, a stop string found in finalize) are written by
+  their next owner only after it, on every stage.
+- Finalize of committed outputs runs while the stages compute (async output processing),
+  and after each commit when it is off; the output lag rules are those of the sync loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cadence.backend import ModelInput, PostSample, WorkerLostError
+from cadence.outputs import RequestOutput
+from cadence.request import Request, RequestStatus
+from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
+
+if TYPE_CHECKING:
+    from cadence.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineScheduler(Scheduler):
+    """``Scheduler`` for micro-batches: requests in flight sit out, and each micro-batch
+    takes its share (1/S) of the active requests so the stages get balanced work.
+
+    Preemption picks its victim from the tail among requests not in flight (the blocks of
+    one in flight are in use on the device): at worst the request that needs room gives up
+    its own place, as the tail does in one batch.
+    """
+
+    def __init__(self, *args, num_stages: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_stages = num_stages
+        self.in_flight: set[str] = set()  # request ids of submitted micro-batches
+        self._cap = 1
+
+    def hold(self, plan: StepPlan) -> None:
+        self.in_flight.update(sr.request.request_id for sr in plan.scheduled)
+
+    def release(self, plan: StepPlan) -> None:
+        self.in_flight.difference_update(sr.request.request_id for sr in plan.scheduled)
+
+    def schedule(self) -> StepPlan:
+        active = sum(1 for r in self.running if not r.is_finished) + len(self.waiting)
+        concurrent = min(active, self.config.max_num_seqs)
+        self._cap = max(1, -(-concurrent // self.num_stages))
+        return super().schedule()
+
+    def _batch_full(self, scheduled: list[ScheduledRequest]) -> bool:
+        return len(scheduled) >= self._cap
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.request_id in self.in_flight:
+            return 0
+        return super()._num_new_tokens(request, budget)
+
+    def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        self._check_fits(request, num_new)
+        bm = self.block_manager
+        while not bm.can_allocate(request, num_new):
+            # From the tail, as the base rule; ``request`` itself is not in flight, so the
+            # victim is never one scheduled earlier in this micro-batch.
+            victim = next(r for r in reversed(self.running)
+                          if r.request_id not in self.in_flight)
+            self._preempt(victim, preempted)
+            if victim is request:
+                return False
+        bm.allocate(request, num_new)
+        return True
+
+
+@dataclass(eq=False, slots=True)
+class MicroBatch:
+    plan: StepPlan
+    model_input: ModelInput
+
+
+class PipelineLoop:
+    """The engine's step under pipeline parallel; uses ``Backend.submit``/``collect``.
+
+    One ``step()``: plan and submit a micro-batch of requests not in flight, finalize the
+    outputs committed before (the stages compute meanwhile), then, once S micro-batches are
+    in flight (or nothing else can be planned), collect and commit the oldest.
+    """
+
+    def __init__(self, engine: LLMEngine, num_stages: int) -> None:
+        self.engine = engine
+        self.depth = num_stages
+        self.in_flight: deque[MicroBatch] = deque()
+
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        e = self.engine
+        e.guard.repair()
+        times = e.stats.times
+        plan = e.plan()
+        if plan is None:
+            return e._finish_step()
+        t1 = time.perf_counter()
+        if plan.is_empty and not self.in_flight:
+            e._drain()
+            times.add("drain", time.perf_counter() - t1)
+            return e._finish_step()
+        if not plan.is_empty:
+            mi = e._build_input(plan)
+            times.add("prepare", time.perf_counter() - t1)
+            try:
+                e.backend.submit(mi)
+            except WorkerLostError as err:
+                self._lost(err)
+                return e._finish_step()
+            except Exception:
+                # Nothing was sent: the micro-batches before it finish first (the ranks
+                # answer in order), then it runs on its own through the step guard.
+                logger.warning("submitting a micro-batch failed; it is run again on its "
+                               "own", exc_info=True)
+                while self.in_flight:
+                    self._complete()
+                self._rerun(plan)
+            else:
+                self.in_flight.append(MicroBatch(plan, mi))
+                e.scheduler.hold(plan)
+            e.stats.num_steps += 1
+            e.stats.num_scheduled_tokens += plan.num_batched_tokens
+        self._finalize_previous()
+        if self.in_flight and (len(self.in_flight) >= self.depth or plan.is_empty):
+            self._complete()
+        if not e.async_output:
+            e._drain()
+        return e._finish_step()
+
+    def discard(self) -> None:
+        """Forget the micro-batches in flight: the backend lost them."""
+        self.in_flight.clear()
+        self.engine.scheduler.in_flight.clear()
+
+    # ---- the parts of a step ----------------------------------------------------------
+    def _finalize_previous(self) -> None:
+        e = self.engine
+        pending, e._pending = e._pending, []
+        ts = time.perf_counter()
+        if pending:
+            e.output_processor.finalize(pending)
+        e.stats.times.add("post_sample", time.perf_counter() - ts)
+
+    def _complete(self) -> None:
+        """Collect the oldest micro-batch and commit it (or recover from its failure)."""
+        e = self.engine
+        t0 = time.perf_counter()
+        try:
+            out = e.backend.collect()
+        except WorkerLostError as err:
+            self._lost(err)
+            return
+        except Exception as err:  # noqa: BLE001  # that micro-batch failed; the ranks live
+            failed = self.in_flight.popleft()
+            e.scheduler.release(failed.plan)
+            logger.warning("a micro-batch failed (%r); running it again on its own", err)
+            while self.in_flight:
+                self._complete()
+            self._rerun(failed.plan)
+            return
+        t1 = time.perf_counter()
+        e.stats.times.add("execute", t1 - t0)
+        mb = self.in_flight.popleft()
+        e.scheduler.release(mb.plan)
+        touched = e.output_processor.commit(mb.plan.scheduled,
+                                            mb.model_input.sample_seq_indices, out)
+        e.scheduler.update_after_step(mb.plan)
+        e._stamp_token_times(touched)
+        e._pending += touched
+        e.stats.times.add("commit", time.perf_counter() - t1)
+
+    def _rerun(self, plan: StepPlan) -> None:
+        """Run a plan's still-running entries with ``execute`` (the step guard finds the
+        request a failure comes from) and commit them; nothing else is in flight."""
+        e = self.engine
+        entries = [sr for sr in plan.scheduled if sr.request.status is RequestStatus.RUNNING]
+        if not entries:
+            return
+        sub = StepPlan(scheduled=entries, num_decodes=sum(1 for s in entries if s.is_decode),
+                       num_batched_tokens=sum(s.num_new_tokens for s in entries))
+        for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
+            touched = e.output_processor.commit(r.plan.scheduled,
+                                                r.model_input.sample_seq_indices, r.output)
+            e.scheduler.update_after_step(r.plan)
+            e._stamp_token_times(touched)
+            e._pending += touched
+
+    def _lost(self, err: WorkerLostError) -> None:
+        self.discard()
+        self.engine.guard.recover(err)
