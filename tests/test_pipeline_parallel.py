@@ -105,6 +105,29 @@ def test_pp2_async_output_on_equals_off(pp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_pp2_structured_output(pp_pair):
+    """Constrained requests under the pipeline: each micro-batch's bitmask is built from
+    matchers its requests' last commit advanced, and the last stage applies it."""
+    pytest.importorskip("xgrammar")
+    from cadence import StructuredOutputsParams
+
+    _, _, llm = pp_pair
+    regex = r"[a-c]{2,5}-\d{1,3}"
+    choices = ["yes", "no", "maybe so"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+              for i in range(3)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=16,
+                              structured_outputs=StructuredOutputsParams(choice=choices))
+               for i in range(3)]
+    outputs = generate(llm, PROMPTS, params)
+    for out in outputs[:3]:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+    for out in outputs[3:]:
+        assert out.outputs[0].text in choices
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_pp2_under_preemption_and_chunked_prefill(pp_pair):
     """A cache too small for every request at once (preemption by recompute) and a token
     budget that chunks the prompts across micro-batches: the same tokens as one process
