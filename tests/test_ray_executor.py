@@ -1,6 +1,6 @@
 """The ``ray`` executor on a local Ray cluster started the way a user starts one: TP=2 ranks
-as Ray actors give one process's tokens and logprobs, and a rank killed mid-run fails every
-pending request with an error naming it.
+and PP=2 stages as Ray actors give one process's tokens and logprobs, and a rank killed
+mid-run fails every pending request with an error naming it.
 
 Runs wherever Ray is installed (``pip install 'cadence[ray]'``; CI installs it) and is
 skipped otherwise. The module starts one cluster for all its tests with ``ray start --head
@@ -134,5 +134,29 @@ def test_ray_ranks_match_one_process_and_a_lost_rank_fails_the_requests(ray_clus
         failed = [o for o in engine.output_processor.take_ready() if o.finished]
         assert sorted(o.request_id for o in failed) == ["k0", "k1"]
         assert engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_ray_pipeline_stages_match_one_process(ray_cluster, tiny_model_dir):
+    """PP=2 with each stage a Ray actor: the activations go actor to actor over gloo, the
+    last stage's samples come back through Ray, two micro-batches in flight."""
+    model = tiny_model_dir("qwen3")
+    prompts = PROMPTS + ["hello", "zebra"]
+    single = make_llm(model, num_kv_blocks=64)
+    reference = generate(single, prompts, GREEDY)
+    single.shutdown()
+    llm = make_llm(model, num_kv_blocks=64, pipeline_parallel_size=2,
+                   distributed_executor_backend="ray")
+    try:
+        info = llm.engine.backend.env_info()
+        assert (info["executor"], info["pipeline_parallel_size"]) == ("ray", "2")
+        outputs = generate(llm, prompts, GREEDY)
+        for ref, out in zip(reference, outputs, strict=True):
+            a, b = ref.outputs[0], out.outputs[0]
+            assert b.token_ids == a.token_ids
+            for da, db in zip(a.logprobs, b.logprobs, strict=True):
+                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()
