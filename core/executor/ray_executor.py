@@ -36,7 +36,8 @@ class RankActor(RankRunner):
 
 
 class RayExecutor(MultiprocExecutor):
-    """Runs ``backend_cls`` as ``tensor_parallel_size`` Ray actors; see the module doc."""
+    """Runs ``backend_cls`` as ``world_size`` Ray actors (tensor-parallel ranks or pipeline
+    stages); see the module doc."""
 
     executor_name = "ray"
 
