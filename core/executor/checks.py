@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import os
 
-# The families whose layers shard across ranks (core/models/llama.py); others run on one.
+# The families whose layers shard across ranks (core/models/: the dense families); the
+# mixture-of-experts ones (moe.py) run on one.
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM")
+                                 "Qwen3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
+                                 "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                 "GPT2LMHeadModel", "GPTNeoXForCausalLM")
 
 
-# The families whose layers split into stages (core/models/llama.py).
+# The families whose layers split into stages (the same dense families).
 PIPELINE_PARALLEL_ARCHITECTURES = TENSOR_PARALLEL_ARCHITECTURES
 
 
@@ -23,6 +26,17 @@ def _read_config(model: str) -> dict:
         raise ValueError(f"model folder {model!r}: unreadable config.json ({e})") from e
 
 
+def _field(cfg: dict, name: str, gpt2_name: str) -> tuple[int, str]:
+    """(value, the config field it came from): GPT-2's config.json names some fields
+    its own way (``n_head``, ``n_layer``, ``n_inner``)."""
+    if cfg.get(name) is not None:
+        return int(cfg[name]), name
+    if gpt2_name == "n_inner":  # null: four times the width
+        inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd") or 0)
+        return int(inner), "n_inner"
+    return int(cfg.get(gpt2_name) or 0), gpt2_name
+
+
 def check_pipeline_parallel_model(model: str, size: int) -> None:
     """ValueError naming the problem when ``model`` cannot be split into ``size`` stages:
     an architecture without stage support, or fewer decoder layers than stages."""
@@ -32,10 +46,10 @@ def check_pipeline_parallel_model(model: str, size: int) -> None:
         raise ValueError(f"--pipeline-parallel-size {size}: architecture {archs} has no "
                          f"pipeline parallel support yet; supported: "
                          f"{list(PIPELINE_PARALLEL_ARCHITECTURES)}")
-    layers = int(cfg.get("num_hidden_layers") or 0)
+    layers, field = _field(cfg, "num_hidden_layers", "n_layer")
     if layers < size:
         raise ValueError(f"--pipeline-parallel-size {size} needs at least one decoder layer "
-                         f"per stage; the model has {layers} (num_hidden_layers)")
+                         f"per stage; the model has {layers} ({field})")
 
 
 def check_tensor_parallel_model(model: str, size: int) -> None:
@@ -47,16 +61,16 @@ def check_tensor_parallel_model(model: str, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size {size}: architecture {archs} has no tensor "
                          f"parallel support yet; supported under tensor parallel: "
                          f"{list(TENSOR_PARALLEL_ARCHITECTURES)}")
-    heads = int(cfg["num_attention_heads"])
+    heads, heads_field = _field(cfg, "num_attention_heads", "n_head")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % size:
         raise ValueError(f"--tensor-parallel-size {size} must divide the model's "
-                         f"{heads} attention heads (num_attention_heads)")
+                         f"{heads} attention heads ({heads_field})")
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"--tensor-parallel-size {size} and the model's {kv_heads} KV heads "
                          "(num_key_value_heads): one must divide the other (KV heads are "
                          "split across ranks, or replicated when fewer than the ranks)")
-    inter = int(cfg["intermediate_size"])
+    inter, inter_field = _field(cfg, "intermediate_size", "n_inner")
     if inter % size:
         raise ValueError(f"--tensor-parallel-size {size} must divide the model's MLP width "
-                         f"{inter} (intermediate_size)")
+                         f"{inter} ({inter_field})")

@@ -66,6 +66,8 @@ class ColumnParallelLinear(Linear):
         self.part_sizes = part_sizes or [out_features]
         if sum(self.part_sizes) != out_features:
             raise ValueError(f"parts {self.part_sizes} do not add up to {out_features}")
+        # The parts' rows in a checkpoint that stores them fused (see ``tp_load``).
+        self.checkpoint_sizes = self.part_sizes
         super().__init__(in_features, sum(self.local_rows(i) for i in
                                           range(len(self.part_sizes))), bias=bias)
 
@@ -79,9 +81,17 @@ class ColumnParallelLinear(Linear):
 
     def tp_load(self, kind: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the checkpoint tensor of ``part`` (weight or bias), zero
-        padded when the full width does not divide (a vocabulary)."""
+        padded when the full width does not divide (a vocabulary). ``part`` None on a fused
+        layer: the checkpoint stores every part in one tensor (Phi-3's ``qkv_proj``, GPT-2's
+        ``c_attn``), so this rank's rows of each, in order."""
         if self.tp_size == 1:
             return tensor
+        if part is None and len(self.part_sizes) > 1:
+            if tensor.shape[0] != sum(self.checkpoint_sizes):
+                raise ValueError(f"a fused checkpoint tensor of {tensor.shape[0]} rows, the "
+                                 f"layer expects parts of {self.checkpoint_sizes}")
+            pieces = tensor.split(self.checkpoint_sizes)
+            return torch.cat([self.tp_load(kind, i, p) for i, p in enumerate(pieces)])
         part = part or 0
         rows, start = self.local_rows(part), self.part_start(part)
         out = tensor[start:start + rows]
@@ -102,6 +112,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = num_kv_heads * head_dim * self.kv_replicas
         super().__init__(hidden, num_heads * head_dim + 2 * kv, bias,
                          [num_heads * head_dim, kv, kv])
+        self.checkpoint_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
 
     def part_start(self, part: int) -> int:
         if part == 0 or self.kv_replicas == 1:

@@ -7,6 +7,13 @@ and v fused in ``c_attn``. The loader transposes them once, so every GEMM is a p
 ``Linear`` a backend can pack. The attention scale follows ``scale_attn_weights`` and
 ``scale_attn_by_inverse_layer_idx`` (1 / (layer + 1) more per layer), passed to the backend
 per layer.
+
+Under tensor parallel ``c_attn`` is column-parallel by heads (each rank takes its rows of
+q, k and v from the fused checkpoint tensor, ``ColumnParallelLinear.tp_load``), ``c_fc``
+column-parallel, the two ``c_proj`` row-parallel and ``wte`` split by vocabulary rows; the
+position table ``wpe`` is whole on every rank. Under pipeline parallel the first stage holds
+``wte`` and ``wpe``, the last ``ln_f``; the inverse-layer scale reads the layer's index in
+the whole model.
 """
 
 from __future__ import annotations
@@ -17,9 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.distributed import pp_size, recv_from_previous_stage, send_to_next_stage
 from cadence.layers.activation import Activation
 from cadence.layers.attention import attend, attention_features
-from cadence.layers.linear import Linear
+from cadence.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from cadence.layers.norm import LayerNorm
 from cadence.models import base
 
@@ -37,26 +50,29 @@ def attention_scale(config: Any, layer_idx: int, head_dim: int) -> float:
 
 
 class GPT2Attention(nn.Module):
-    """Multi-head attention from the fused ``c_attn`` (rows q, k, v after the transpose)."""
+    """Multi-head attention from the fused ``c_attn`` (rows q, k, v after the transpose).
+    ``index``: the layer's index in the model; ``layer_idx``: its KV cache slot."""
 
-    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+    def __init__(self, config: Any, index: int, layer_idx: int, dims: dict[str, int]
+                 ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = head_dim
-        self.c_attn = Linear(hidden, 3 * hidden)
-        self.c_proj = Linear(hidden, hidden)
+        self.num_heads, self.head_dim = dims["num_heads"], dims["head_dim"]
+        self.size = self.num_heads * self.head_dim  # this rank's q (and k, v) width
+        heads = dims["total_num_heads"]
+        self.c_attn = QKVParallelLinear(hidden, heads, heads, self.head_dim, bias=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
         self.features = attention_features(
-            head_dim, scale=attention_scale(config, layer_idx, head_dim))
+            self.head_dim, scale=attention_scale(config, index, self.head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, hidden = x.shape
-        q, k, v = self.c_attn(x).split(hidden, dim=-1)  # 3 x [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.c_attn(x).split(self.size, dim=-1)  # 3 x [T, H * D]
         shape = (t, self.num_heads, self.head_dim)
         out = attend(self.layer_idx, q.view(shape), k.view(shape), v.view(shape),
                      self.features)  # [T, H, D]
-        return self.c_proj(out.reshape(t, hidden))
+        return self.c_proj(out.reshape(t, self.size))
 
 
 class GPT2MLP(nn.Module):
@@ -65,9 +81,9 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, inner, bias=True)
         self.act = Activation(config.activation_function, "activation_function")
-        self.c_proj = Linear(inner, config.hidden_size)
+        self.c_proj = RowParallelLinear(inner, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -76,11 +92,12 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """Pre-norm block: ``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``."""
 
-    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+    def __init__(self, config: Any, index: int, layer_idx: int, dims: dict[str, int]
+                 ) -> None:
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx, head_dim)
+        self.attn = GPT2Attention(config, index, layer_idx, dims)
         self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
@@ -90,34 +107,62 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    """Token and position embeddings, blocks and ``ln_f`` (HF's ``transformer.*``)."""
+    """Token and position embeddings, blocks and ``ln_f`` (HF's ``transformer.*``); under
+    pipeline parallel ``stage``'s parts only, as Llama's ``DecoderModel``."""
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, dims: dict[str, int], stage: base.CausalLM) -> None:
         super().__init__()
-        self.wte = base.empty_embedding(config.vocab_size, config.hidden_size)
-        self.wpe = base.empty_embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i, head_dim)
-                               for i in range(config.num_hidden_layers))
-        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        held, first = stage.layer_range, stage.is_first_stage
+        missing = base.NotOnThisStage
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if first \
+            else missing()
+        self.wpe = base.empty_embedding(config.max_position_embeddings, config.hidden_size) \
+            if first else missing()
+        self.h = nn.ModuleList(GPT2Block(config, i, i - held.start, dims) if i in held
+                               else missing() for i in range(config.num_hidden_layers))
+        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon) \
+            if stage.is_last_stage else missing()
 
 
 class GPT2LMHeadModel(base.CausalLM):
     """GPT-2 causal LM; see the module docstring."""
+
+    final_norm = "ln_f"
 
     def __init__(self, config: Any, dtype: torch.dtype, max_model_len: int | None = None):
         if getattr(config, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention (an encoder-decoder's decoder) "
                              "is not supported: cadence runs decoder-only models")
         super().__init__(config, dtype)
-        self.build("transformer", lambda: GPT2Model(config, self.head_dim), "wte")
+        dims = {"num_heads": self.num_heads, "head_dim": self.head_dim,
+                "total_num_heads": self.total_num_heads}
+        self.build("transformer", lambda: GPT2Model(config, dims, self), "wte")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; None on
+        a pipeline stage before the last (its activations went to the next stage)."""
         tf = self.transformer
-        x = tf.wte(input_ids) + tf.wpe(positions)  # [T, hidden]
-        for block in tf.h:
-            x = block(x)
+        if self.is_first_stage:
+            x = tf.wte(input_ids) + tf.wpe(positions)  # [T, hidden]
+        else:
+            x = recv_from_previous_stage((input_ids.shape[0], self.hidden_size), self.dtype)
+        for i in self.layer_range:
+            x = tf.h[i](x)
+        if not self.is_last_stage:
+            send_to_next_stage(x)
+            return None
         return tf.ln_f(x)
+
+    def stage_weight_name(self, name: str) -> str | None:
+        """The base's rule with GPT-2's names: blocks are ``h.<i>``, and the position table
+        goes with the token embeddings to the first stage."""
+        if pp_size() == 1:
+            return name
+        if name.startswith("transformer.h."):
+            return name if int(name.split(".", 3)[2]) in self.layer_range else None
+        if name.startswith("transformer.wpe."):
+            return name if self.is_first_stage else None
+        return super().stage_weight_name(name)
 
     def convert_weight(self, name: str, tensor: torch.Tensor
                        ) -> Iterator[tuple[str, torch.Tensor]]:

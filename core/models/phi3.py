@@ -8,6 +8,9 @@ The Llama decoder with three differences, all handled without new layers:
   ``original_max_position_embeddings``, long ones otherwise (the NOTE in
   core/layers/rotary.py says how that choice is made per engine);
 - ``sliding_window``, when set, windows every layer (core/model_limits.py).
+
+Tensor and pipeline parallel are Llama's; under tensor parallel each rank takes its rows of
+every part of the fused checkpoint tensors (``ColumnParallelLinear.tp_load``).
 """
 
 from __future__ import annotations
