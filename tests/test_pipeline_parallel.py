@@ -128,11 +128,12 @@ def test_pp2_structured_output(pp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
-def test_pp2_under_preemption_and_chunked_prefill(pp_pair):
+def test_pp2_under_preemption_and_chunked_prefill(tiny_model_dir):
     """A cache too small for every request at once (preemption by recompute) and a token
     budget that chunks the prompts across micro-batches: the same tokens as one process
-    with the same limits, every block back at the end."""
-    model = pp_pair[0]
+    with the same limits, every block back at the end. One architecture: the engines are
+    built for these limits."""
+    model = tiny_model_dir("qwen2")
     long_prompts = [p * 3 for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kw = {"num_kv_blocks": 12, "max_model_len": 128, "max_num_batched_tokens": 32,
@@ -172,8 +173,10 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
     pids = engine.backend.worker_pids
     pid = pids[1 if kill else 0]
     os.kill(pid, signal.SIGKILL if kill else signal.SIGSTOP)
+    # A frozen first stage may have acknowledged its last micro-batch before it stopped;
+    # the last stage, waiting for its activations, is named either way.
     expect = (r"rank 1 of 2 died \(killed by SIGKILL\)" if kill
-              else r"rank\(s\) \[0, 1\] of 2 gave no reply within 1 s")
+              else r"rank\(s\) \[(0, )?1\] of 2 gave no reply within 1 s")
     outputs = []
     try:
         if kill:
