@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from engine_helpers import generate, make_llm, summarize
 from test_async_scheduling import SubmitSpy
-from test_sliding_window import PROMPTS, WINDOW, windowed  # noqa: F401  (a fixture)
+from test_sliding_window import (  # noqa: F401  (windowed_model: a fixture)
+    NUM_KV_BLOCKS,
+    PROMPTS,
+    WINDOW,
+    windowed_model,
+)
 
 from cadence import SamplingParams
 
@@ -41,29 +46,32 @@ def _run(model: str, **kw):
         llm.shutdown()
 
 
-def test_async_scheduling_equals_sync_past_the_window(windowed) -> None:  # noqa: F811
+def test_async_scheduling_equals_sync_past_the_window(windowed_model) -> None:  # noqa: F811
     """Greedy and seeded (penalties, logprobs), chunked prefill, with and without a cache
     small enough to preempt."""
-    model, _ = windowed("mistral")
-    for num_kv_blocks in (None, 20):
-        kw = {"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}
-        want, _, _ = _run(model, disable_async_output_proc=True, **kw)
-        got, num_preemptions, spy = _run(model, async_scheduling=True, **kw)
+    model = windowed_model("mistral")
+    for num_kv_blocks in (NUM_KV_BLOCKS, 20):
+        want, _, _ = _run(model, disable_async_output_proc=True, num_kv_blocks=num_kv_blocks)
+        got, num_preemptions, spy = _run(model, async_scheduling=True,
+                                         num_kv_blocks=num_kv_blocks)
         assert got == want
         assert spy.num_placeholders > 0 and spy.num_penalty_placeholders > 0
-        assert (num_preemptions > 0) == (num_kv_blocks is not None)
+        assert (num_preemptions > 0) == (num_kv_blocks == 20)
 
 
-def test_blocks_stay_bounded_even_in_a_cache_of_one_sequence(windowed) -> None:  # noqa: F811
+def test_blocks_stay_bounded_even_in_a_cache_of_one_sequence(windowed_model) -> None:  # noqa: F811
     """One request decoding far past the window. With the cache exactly one sequence's
     size, the blocks the step in flight leaves behind the window are only freed once it is
     committed: the next chunk waits for them (it used to preempt the request itself at
     every step, and never finish)."""
-    model, _ = windowed("mistral")
+    model = windowed_model("mistral")
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
-    want = generate(make_llm(model, block_size=BLOCK, max_num_batched_tokens=CHUNK),
-                    [{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0].token_ids
-    for num_kv_blocks in (None, MOST_BLOCKS):
+    llm = make_llm(model, block_size=BLOCK, max_num_batched_tokens=CHUNK,
+                   num_kv_blocks=NUM_KV_BLOCKS)
+    want = generate(llm, [{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0].token_ids
+    llm.shutdown()
+    # Room for the whole sequence with nothing freed, then exactly one sequence's worth.
+    for num_kv_blocks in (NUM_KV_BLOCKS, MOST_BLOCKS):
         llm = make_llm(model, block_size=BLOCK, max_num_batched_tokens=CHUNK,
                        async_scheduling=True, num_kv_blocks=num_kv_blocks)
         engine = llm.engine

@@ -164,10 +164,30 @@ VARIANTS = {  # name -> (tiny model kind, config changes)
 PROMPTS = [[(7 * i + 3) % 600 + 2 for i in range(40)], [(5 * i + 11) % 600 + 2 for i in range(5)],
            [(3 * i + 1) % 600 + 2 for i in range(23)]]
 NUM_TOKENS = 48
+# A cache with room for every prompt here at max_model_len=256 with nothing freed (3 * 64
+# blocks of 4 tokens), so no test preempts unless it asks to. Left to the default, the cache
+# is sized from free memory: a million blocks, whose bookkeeping costs seconds per engine
+# and check_invariants (O(num_blocks)) a tenth of a second per call.
+NUM_KV_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
-def windowed(tiny_model_dir, tmp_path_factory):
+def windowed_model(tiny_model_dir, tmp_path_factory):
+    """``windowed_model(name)`` -> the model folder of VARIANTS[name]."""
+    built: dict[str, str] = {}
+
+    def make(name: str) -> str:
+        if name not in built:
+            kind, changes = VARIANTS[name]
+            built[name] = _variant(tiny_model_dir(kind), tmp_path_factory.mktemp(name) / "m",
+                                   **changes)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def windowed(windowed_model):
     """``windowed(name)`` -> (model folder, transformers' greedy tokens for PROMPTS)."""
     built: dict[str, tuple[str, list[list[int]]]] = {}
 
@@ -176,9 +196,7 @@ def windowed(tiny_model_dir, tmp_path_factory):
             import torch
             from transformers import AutoModelForCausalLM
 
-            kind, changes = VARIANTS[name]
-            model = _variant(tiny_model_dir(kind), tmp_path_factory.mktemp(name) / "m",
-                             **changes)
+            model = windowed_model(name)
             hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
             want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
                                 min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(p):].tolist()
@@ -192,7 +210,7 @@ def windowed(tiny_model_dir, tmp_path_factory):
 def _greedy(model: str, prompts=PROMPTS, **kw) -> list[list[int]]:
     from engine_helpers import generate, make_llm
 
-    llm = make_llm(model, **kw)
+    llm = make_llm(model, num_kv_blocks=NUM_KV_BLOCKS, **kw)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
@@ -221,7 +239,7 @@ def test_chunked_prefill_and_a_prefix_hit(windowed, attention) -> None:
     from engine_helpers import generate, make_llm
 
     model, want = windowed("mistral")
-    llm = make_llm(model, block_size=4, max_num_batched_tokens=8,
+    llm = make_llm(model, block_size=4, max_num_batched_tokens=8, num_kv_blocks=NUM_KV_BLOCKS,
                    backend_options={"overlap": "sync", "attention": attention})
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -236,11 +254,11 @@ def test_chunked_prefill_and_a_prefix_hit(windowed, attention) -> None:
     assert first == want and second == want
 
 
-def test_async_on_equals_off_under_preemption(windowed) -> None:
+def test_async_on_equals_off_under_preemption(windowed_model) -> None:
     """Seeded sampling and greedy, chunked prefill, and a cache small enough to preempt."""
     from engine_helpers import generate, make_llm, summarize
 
-    model, _ = windowed("mistral")
+    model = windowed_model("mistral")
     prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True,
                              logprobs=1) if i % 2 else
@@ -258,12 +276,12 @@ def test_async_on_equals_off_under_preemption(windowed) -> None:
     assert results[0] == results[1]
 
 
-def test_blocks_in_use_stay_within_the_window(windowed) -> None:
+def test_blocks_in_use_stay_within_the_window(windowed_model) -> None:
     """One long request decoding far past the window holds a bounded number of blocks."""
     from engine_helpers import make_llm
 
-    model, _ = windowed("mistral")
-    llm = make_llm(model, block_size=4, max_num_batched_tokens=8)
+    model = windowed_model("mistral")
+    llm = make_llm(model, block_size=4, max_num_batched_tokens=8, num_kv_blocks=NUM_KV_BLOCKS)
     engine = llm.engine
     bm = engine.block_manager
     engine.add_request("long", {"prompt_token_ids": PROMPTS[0]},
@@ -281,11 +299,11 @@ def test_blocks_in_use_stay_within_the_window(windowed) -> None:
     llm.shutdown()
 
 
-def test_mixed_layers_free_nothing(windowed) -> None:
+def test_mixed_layers_free_nothing(windowed_model) -> None:
     from engine_helpers import make_llm
 
-    model, _ = windowed("qwen2-max-window-layers")
-    llm = make_llm(model, block_size=4)
+    model = windowed_model("qwen2-max-window-layers")
+    llm = make_llm(model, block_size=4, num_kv_blocks=NUM_KV_BLOCKS)
     engine = llm.engine
     bm = engine.block_manager
     engine.add_request("long", {"prompt_token_ids": PROMPTS[0]},
