@@ -87,6 +87,24 @@ def test_pp2_matches_one_process_with_two_micro_batches_in_flight(pp_pair):
     assert not engine.scheduler.in_flight
 
 
+def test_every_step_makes_progress_with_fewer_requests_than_stages(pp_pair):
+    """One request on two stages: a step that can plan nothing (its request is in flight)
+    commits the micro-batch and plans again, so every step either submits work or returns
+    outputs. AsyncLLM reads a step that does neither as a stall and waits for a command
+    (up to a second) before stepping again."""
+    _, reference, llm = pp_pair
+    engine = llm.engine
+    engine.add_request("one", PROMPTS[0], GREEDY)
+    tokens = []
+    while engine.has_unfinished_requests():
+        steps = engine.stats.num_steps
+        outputs = engine.step()
+        assert engine.stats.num_steps > steps or outputs or \
+            not engine.has_unfinished_requests()
+        tokens += [o.outputs[0].token_ids for o in outputs if o.finished]
+    assert tokens == [reference[0].outputs[0].token_ids]
+
+
 def test_pp2_async_output_on_equals_off(pp_pair):
     _, _, llm = pp_pair
     params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
@@ -297,8 +315,10 @@ def test_micro_batches_split_the_requests_and_skip_those_in_flight():
 
 def test_preemption_never_takes_a_request_in_flight():
     """Two blocks of 4 tokens: r0 and r1 hold one each. r0's micro-batch is committed and
-    r0 must grow while r1's is in flight: the tail of the batch, r1, would be the victim in
-    one batch, but its blocks are in use on the device, so r0 gives up its own place."""
+    r0 must grow while r1's is in flight: r1, the tail, is the victim one batch would take,
+    but its blocks are in use on the device. r0 neither takes them nor gives up its own
+    place (that would invert FCFS): it waits for r1's commit, and the plan after it
+    preempts r1."""
     s = _scheduler(num_blocks=2)
     s.add_request(_request("r0"))
     s.add_request(_request("r1"))
@@ -308,10 +328,16 @@ def test_preemption_never_takes_a_request_in_flight():
     second = s.schedule()
     assert [sr.request.request_id for sr in second.scheduled] == ["r1"]
     s.hold(second)
-    s.release(first)  # r0's prompt computed and its first token sampled
-    first.scheduled[0].request.output_token_ids.append(7)
-    s.update_after_step(first)
-    plan = s.schedule()  # r0 needs a second block; only r1, in flight, holds another
-    assert plan.is_empty
-    assert [r.request_id for r in plan.preempted] == ["r0"]
-    assert [r.request_id for r in s.running] == ["r1"]
+    for plan in (first, second):  # both prompts computed; each sampled one token
+        s.release(plan)
+        plan.scheduled[0].request.output_token_ids.append(7)
+        s.update_after_step(plan)
+        if plan is first:
+            s.hold(second)  # r1's micro-batch is still in flight while r0 is planned
+            waiting = s.schedule()
+            assert waiting.is_empty and not waiting.preempted
+            assert [r.request_id for r in s.running] == ["r0", "r1"]
+            s.release(second)
+    plan = s.schedule()  # nothing in flight now: the tail goes, as in one batch
+    assert [sr.request.request_id for sr in plan.scheduled] == ["r0"]
+    assert [r.request_id for r in plan.preempted] == ["r1"]

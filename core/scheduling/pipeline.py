@@ -44,8 +44,10 @@ class PipelineScheduler(Scheduler):
     takes its share (1/S) of the active requests so the stages get balanced work.
 
     Preemption picks its victim from the tail among requests not in flight (the blocks of
-    one in flight are in use on the device): at worst the request that needs room gives up
-    its own place, as the tail does in one batch.
+    one in flight are in use on the device). When that would be the request that needs room
+    itself while a lower-ranked request is in flight, it waits instead: this micro-batch
+    stops growing and admits nothing, and once the one in flight is committed the next plan
+    preempts the true tail, as one batch would.
     """
 
     def __init__(self, *args, num_stages: int, **kwargs) -> None:
@@ -53,6 +55,7 @@ class PipelineScheduler(Scheduler):
         self.num_stages = num_stages
         self.in_flight: set[str] = set()  # request ids of submitted micro-batches
         self._cap = 1
+        self._is_waiting_for_commit = False
 
     def hold(self, plan: StepPlan) -> None:
         self.in_flight.update(sr.request.request_id for sr in plan.scheduled)
@@ -61,6 +64,7 @@ class PipelineScheduler(Scheduler):
         self.in_flight.difference_update(sr.request.request_id for sr in plan.scheduled)
 
     def schedule(self) -> StepPlan:
+        self._is_waiting_for_commit = False
         active = sum(1 for r in self.running if not r.is_finished) + len(self.waiting)
         concurrent = min(active, self.config.max_num_seqs)
         self._cap = max(1, -(-concurrent // self.num_stages))
@@ -82,11 +86,19 @@ class PipelineScheduler(Scheduler):
             # victim is never one scheduled earlier in this micro-batch.
             victim = next(r for r in reversed(self.running)
                           if r.request_id not in self.in_flight)
+            if victim is request and self.running[-1] is not request:
+                # The tail is in flight: giving up this place would invert the policy.
+                self._is_waiting_for_commit = True
+                return False
             self._preempt(victim, preempted)
             if victim is request:
                 return False
         bm.allocate(request, num_new)
         return True
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        if not self._is_waiting_for_commit:  # memory is tight: admitting would thrash
+            super()._schedule_waiting(budget, scheduled)
 
 
 @dataclass(eq=False, slots=True)
@@ -124,29 +136,37 @@ class PipelineLoop:
             e._drain()
             times.add("drain", time.perf_counter() - t1)
             return e._finish_step()
-        if not plan.is_empty:
-            mi = e._build_input(plan)
-            times.add("prepare", time.perf_counter() - t1)
-            try:
-                e.backend.submit(mi)
-            except WorkerLostError as err:
-                self._lost(err)
-                return e._finish_step()
-            except Exception:
-                # Nothing was sent: the micro-batches before it finish first (the ranks
-                # answer in order), then it runs on its own through the step guard.
-                logger.warning("submitting a micro-batch failed; it is run again on its "
-                               "own", exc_info=True)
-                while self.in_flight:
-                    self._complete()
-                self._rerun(plan)
-            else:
-                self.in_flight.append(MicroBatch(plan, mi))
-                e.scheduler.hold(plan)
-            e.stats.num_steps += 1
-            e.stats.num_scheduled_tokens += plan.num_batched_tokens
+        if plan.is_empty:
+            # Every runnable request is in flight: commit the oldest micro-batch and plan
+            # again now. Returning empty-handed would look like a stall to AsyncLLM, which
+            # then waits for a command (up to a second) before the next step. At most one
+            # level per stage: each pass commits one micro-batch.
+            self._finalize_previous()
+            self._complete()
+            times.add("drain", time.perf_counter() - t1)
+            return self.step()
+        mi = e._build_input(plan)
+        times.add("prepare", time.perf_counter() - t1)
+        try:
+            e.backend.submit(mi)
+        except WorkerLostError as err:
+            self._lost(err)
+            return e._finish_step()
+        except Exception:
+            # Nothing was sent: the micro-batches before it finish first (the ranks
+            # answer in order), then it runs on its own through the step guard.
+            logger.warning("submitting a micro-batch failed; it is run again on its "
+                           "own", exc_info=True)
+            while self.in_flight:
+                self._complete()
+            self._rerun(plan)
+        else:
+            self.in_flight.append(MicroBatch(plan, mi))
+            e.scheduler.hold(plan)
+        e.stats.num_steps += 1
+        e.stats.num_scheduled_tokens += plan.num_batched_tokens
         self._finalize_previous()
-        if self.in_flight and (len(self.in_flight) >= self.depth or plan.is_empty):
+        if len(self.in_flight) >= self.depth:
             self._complete()
         if not e.async_output:
             e._drain()
