@@ -76,9 +76,11 @@ class HpuBackend(Backend):
     # Placeholders are filled on the device from a fixed-size buffer of the last step's
     # samples, at bucket shapes (feedback.py).
     supports_async_scheduling = True
-    # The collective library its ranks would use (Backend.init_distributed). Tensor
-    # parallel is not declared: a rank per Gaudi card is not written or tested yet
-    # (docs/distributed.md), so --tensor-parallel-size is refused.
+    # One rank per Gaudi card, the card chosen by the bridge from LOCAL_RANK (which the
+    # executor sets before this backend is built); collectives over HCCL, or over gloo in
+    # emulation. Pipeline parallel is not declared: its stages would need the bucketed
+    # parts to hand activations on (docs/distributed.md).
+    supports_tensor_parallel = True
     distributed_backend = "hccl"
 
     def __init__(self, config: EngineConfig) -> None:
@@ -111,6 +113,25 @@ class HpuBackend(Backend):
             return ProbeResult(False, "habana_frameworks is not installed (install Intel "
                                       "Gaudi's PyTorch bridge on a Gaudi host)")
         return ProbeResult(True, "habana_frameworks found")
+
+    def init_distributed(self, rank: int, world_size: int, init_method: str,
+                         join_timeout: float) -> None:
+        from cadence.distributed import init_torch_distributed
+
+        if self.device.is_emulated:
+            # Emulated ranks share the host's cores: each takes its share of torch's pool.
+            import os
+
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            library = "gloo"
+        else:
+            # Registers the "hccl" library with torch.distributed.
+            import habana_frameworks.torch.distributed.hccl  # noqa: F401
+            library = "hccl"
+        init_torch_distributed(library, rank, world_size, init_method, join_timeout,
+                               self.config.parallel_config.pipeline_parallel_size)
 
     def _event(self, name: str) -> None:
         if self.event_log is not None:

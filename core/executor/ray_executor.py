@@ -70,8 +70,11 @@ class RayExecutor(MultiprocExecutor):
         host, port, _ = places[0]
         self._pids = [pid for _, _, pid in places]
         init_method = f"tcp://{host}:{port}"
-        for actor, queue in zip(self._actors, self._queues, strict=True):
-            queue.append(actor.start.remote(init_method))
+        # A rank's index among the ranks Ray put on its node: the device it takes there.
+        nodes = [node for node, _, _ in places]
+        local_ranks = [nodes[:r].count(nodes[r]) for r in range(len(nodes))]
+        for actor, queue, local in zip(self._actors, self._queues, local_ranks, strict=True):
+            queue.append(actor.start.remote(init_method, local))
 
     # -- the transport (multiproc.py calls these) -------------------------------------------
 

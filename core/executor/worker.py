@@ -36,14 +36,22 @@ class RankRunner:
         self.backend = None
         self.spec = spec
 
-    def start(self, init_method: str | None = None) -> tuple:
+    def start(self, init_method: str | None = None, local_rank: int | None = None) -> tuple:
         """("ready", num_blocks, env_info) or ("error", is_user_error, message, traceback).
-        ``init_method`` replaces the spec's (an address known only once ranks are placed)."""
+        ``init_method`` replaces the spec's (an address known only once ranks are placed),
+        ``local_rank`` the rank's index among the ranks on its host (the rank itself when
+        they all share one)."""
         from cadence.plugins import get_registry
 
         spec = self.spec
         if init_method is not None:
             spec["init_method"] = init_method
+        # torchrun's variables, set before the backend exists: device stacks pick a rank's
+        # device from LOCAL_RANK when they are first imported (Gaudi's bridge does, and a
+        # CUDA plugin can follow the same convention).
+        os.environ["RANK"] = str(self.rank)
+        os.environ["LOCAL_RANK"] = str(self.rank if local_rank is None else local_rank)
+        os.environ["WORLD_SIZE"] = str(spec["world_size"])
         try:
             config = spec["config"]
             backend_cls, _ = get_registry().select(config.backend)
