@@ -26,11 +26,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=Tr
 # inverse-layer scale read at each layer's index in the whole model (3 layers: 2 + 1), and
 # GPT-NeoX's tied head loaded on the last stage from the embeddings of the first. Phi-3
 # runs Llama's stage code unchanged (tests/test_pipeline_parallel.py), so it is checked
-# under TP only.
+# under TP only. Mixture of experts: Qwen2-MoE's experts and shared expert split across
+# ranks with one sum per layer (and a dense layer among them); Qwen3-MoE's sparse layers
+# (every second one) on both sides of the stage boundary.
 CASES = [("granite", "tp"), ("granite", "pp"), ("phi3", "tp"),
          ("olmo2", "tp"), ("olmo2", "pp"), ("gemma2", "tp"), ("gemma3", "pp"),
          ("gpt2", "tp"), ("gpt2-layer-scaled", "pp"), ("gpt_neox", "tp"),
-         ("gpt_neox-sequential", "pp")]
+         ("gpt_neox-sequential", "pp"), ("qwen2_moe", "tp"), ("qwen3_moe", "pp")]
 
 
 @pytest.fixture(scope="module")

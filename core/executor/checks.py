@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import os
 
-# The families whose layers shard across ranks (core/models/: the dense families); the
-# mixture-of-experts ones (moe.py) run on one.
+# The mixture-of-experts families (core/models/moe.py): each expert splits like a dense MLP.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+# The families whose layers shard across ranks (core/models/).
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
                                  "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                                 "GPT2LMHeadModel", "GPTNeoXForCausalLM")
+                                 "GPT2LMHeadModel", "GPTNeoXForCausalLM") + MOE_ARCHITECTURES
 
 
-# The families whose layers split into stages (the same dense families).
+# The families whose layers split into stages (the same families).
 PIPELINE_PARALLEL_ARCHITECTURES = TENSOR_PARALLEL_ARCHITECTURES
 
 
@@ -74,3 +76,9 @@ def check_tensor_parallel_model(model: str, size: int) -> None:
     if inter % size:
         raise ValueError(f"--tensor-parallel-size {size} must divide the model's MLP width "
                          f"{inter} ({inter_field})")
+    if any(a in MOE_ARCHITECTURES for a in archs):
+        for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            width = int(cfg.get(field) or 0)
+            if width % size:
+                raise ValueError(f"--tensor-parallel-size {size} must divide the experts' "
+                                 f"width {width} ({field})")

@@ -122,16 +122,21 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(Linear):
     """Input features split across ranks; the partial outputs are summed over the ranks.
-    The bias is rank 0's alone (zeros elsewhere), so the sum adds it once."""
+    The bias is rank 0's alone (zeros elsewhere), so the sum adds it once. ``reduce=False``
+    leaves the sum to the caller, which adds several partial outputs first and reduces
+    once (a mixture of experts: one all-reduce per layer, not one per expert)."""
 
     reduce_output = True
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: bool = True) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         super().__init__(in_features // self.tp_size, out_features, bias=bias)
+        self.reduce_output = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x))
+        y = super().forward(x)
+        return all_reduce(y) if self.reduce_output else y
 
     def tp_load(self, kind: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

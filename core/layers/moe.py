@@ -10,6 +10,12 @@ fp32 outputs match its forward.
 The experts are ordinary ``Linear`` modules (one per projection, HF's checkpoint layout),
 so a backend's GEMM swap (the CPU backend's packed oneDNN weights) and the batch-invariant
 row alignment apply to them as to any other layer.
+
+Under tensor parallel every expert (and the shared expert) is split like the dense MLP:
+w1/w3 by columns, w2 by rows, so each rank computes a partial output of every expert for
+every token routed to it; the router and the shared expert's gate are replicated. The
+partial outputs are summed over the ranks once per layer, after the routing weights
+(linear in them), instead of once per expert.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cadence.distributed import all_reduce
 from cadence.layers.activation import SiluAndMul
-from cadence.layers.linear import Linear
+from cadence.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -56,8 +63,10 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.w13 = Linear(hidden, 2 * intermediate, bias=False)
-        self.w2 = Linear(intermediate, hidden, bias=False)
+        # Split across tensor-parallel ranks; ``SparseMoE`` sums the ranks' outputs.
+        self.w13 = ColumnParallelLinear(hidden, 2 * intermediate, bias=False,
+                                        part_sizes=[intermediate, intermediate])
+        self.w2 = RowParallelLinear(intermediate, hidden, bias=False, reduce=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,4 +123,4 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + shared_expert_scale(self.shared_expert_gate(x)) * shared
-        return out
+        return all_reduce(out)  # the ranks' partial outputs (identity on one rank)

@@ -47,7 +47,8 @@ class _MoECausalLM(llama.CausalLM):
     def _with_experts(self, model: nn.Module) -> nn.Module:
         cfg = self.config
         for i, layer in enumerate(model.layers):
-            if self.is_sparse(i):
+            # Layers of other pipeline stages are placeholders: no experts for them.
+            if i in self.layer_range and self.is_sparse(i):
                 layer.mlp = SparseMoE(
                     cfg.hidden_size, self.expert_size(), self.num_experts(),
                     cfg.num_experts_per_tok,
