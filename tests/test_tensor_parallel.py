@@ -147,6 +147,9 @@ def test_splits_that_cannot_run_are_refused(tmp_path):
                                                 num_key_value_heads=3), 2)
     with pytest.raises(ValueError, match="MLP width 99"):
         check_tensor_parallel_model(_config_dir(tmp_path, intermediate_size=99), 2)
+    with pytest.raises(ValueError, match=r"experts' width 49 \(moe_intermediate_size\)"):
+        check_tensor_parallel_model(_config_dir(tmp_path, architectures=["Qwen2MoeForCausalLM"],
+                                                moe_intermediate_size=49), 2)
     with pytest.raises(ValueError, match=r"FalconForCausalLM.*LlamaForCausalLM.*Qwen3"):
         check_tensor_parallel_model(_config_dir(tmp_path, architectures=["FalconForCausalLM"]),
                                     2)
