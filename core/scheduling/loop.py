@@ -124,12 +124,7 @@ class AsyncSchedulingLoop:
 
     # ---- the parts of a step ----------------------------------------------------------
     def _finalize_previous(self) -> None:
-        e = self.engine
-        pending, e._pending = e._pending, []
-        ts = time.perf_counter()
-        if pending:
-            e.output_processor.finalize(pending)
-        e.stats.times.add("post_sample", time.perf_counter() - ts)
+        finalize_pending(self.engine)
 
     def _advance(self, step: InFlightStep) -> None:
         mi = step.model_input
@@ -214,16 +209,32 @@ class AsyncSchedulingLoop:
         self._rerun(failed.plan)
 
     def _rerun(self, plan: StepPlan) -> None:
-        """Run a plan's still-running entries with ``execute`` and commit them."""
-        e = self.engine
-        entries = [sr for sr in plan.scheduled if sr.request.status is RequestStatus.RUNNING]
-        if not entries:
-            return
-        sub = StepPlan(scheduled=entries, num_decodes=sum(1 for s in entries if s.is_decode),
-                       num_batched_tokens=sum(s.num_new_tokens for s in entries))
-        for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
-            touched = e.output_processor.commit(r.plan.scheduled,
-                                                r.model_input.sample_seq_indices, r.output)
-            e.scheduler.update_after_step(r.plan)
-            e._stamp_token_times(touched)
-            e._pending += touched
+        rerun_alone(self.engine, plan)
+
+
+# Shared with the pipeline loop (pipeline.py).
+
+def finalize_pending(e: LLMEngine) -> None:
+    """Finalize the outputs committed before (while the device computes what was
+    submitted since)."""
+    pending, e._pending = e._pending, []
+    ts = time.perf_counter()
+    if pending:
+        e.output_processor.finalize(pending)
+    e.stats.times.add("post_sample", time.perf_counter() - ts)
+
+
+def rerun_alone(e: LLMEngine, plan: StepPlan) -> None:
+    """Run a plan's still-running entries with ``execute``, nothing else in flight (the
+    step guard finds the request a failure comes from), and commit them."""
+    entries = [sr for sr in plan.scheduled if sr.request.status is RequestStatus.RUNNING]
+    if not entries:
+        return
+    sub = StepPlan(scheduled=entries, num_decodes=sum(1 for s in entries if s.is_decode),
+                   num_batched_tokens=sum(s.num_new_tokens for s in entries))
+    for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
+        touched = e.output_processor.commit(r.plan.scheduled,
+                                            r.model_input.sample_seq_indices, r.output)
+        e.scheduler.update_after_step(r.plan)
+        e._stamp_token_times(touched)
+        e._pending += touched

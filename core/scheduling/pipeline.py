@@ -28,10 +28,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cadence.backend import ModelInput, PostSample, WorkerLostError
+from cadence.backend import ModelInput, WorkerLostError
 from cadence.outputs import RequestOutput
-from cadence.request import Request, RequestStatus
+from cadence.request import Request
 from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
+from cadence.scheduling.loop import finalize_pending, rerun_alone
 
 if TYPE_CHECKING:
     from cadence.engine import LLMEngine
@@ -159,10 +160,12 @@ class PipelineLoop:
                            "own", exc_info=True)
             while self.in_flight:
                 self._complete()
-            self._rerun(plan)
+            rerun_alone(self.engine, plan)
         else:
             self.in_flight.append(MicroBatch(plan, mi))
             e.scheduler.hold(plan)
+            if mi.sampling.grammar is not None:  # computed before the step was sent
+                times.add("bitmask", mi.sampling.grammar.seconds)
         e.stats.num_steps += 1
         e.stats.num_scheduled_tokens += plan.num_batched_tokens
         self._finalize_previous()
@@ -179,12 +182,7 @@ class PipelineLoop:
 
     # ---- the parts of a step ----------------------------------------------------------
     def _finalize_previous(self) -> None:
-        e = self.engine
-        pending, e._pending = e._pending, []
-        ts = time.perf_counter()
-        if pending:
-            e.output_processor.finalize(pending)
-        e.stats.times.add("post_sample", time.perf_counter() - ts)
+        finalize_pending(self.engine)
 
     def _complete(self) -> None:
         """Collect the oldest micro-batch and commit it (or recover from its failure)."""
@@ -201,7 +199,7 @@ class PipelineLoop:
             logger.warning("a micro-batch failed (%r); running it again on its own", err)
             while self.in_flight:
                 self._complete()
-            self._rerun(failed.plan)
+            rerun_alone(self.engine, failed.plan)
             return
         t1 = time.perf_counter()
         e.stats.times.add("execute", t1 - t0)
@@ -213,22 +211,6 @@ class PipelineLoop:
         e._stamp_token_times(touched)
         e._pending += touched
         e.stats.times.add("commit", time.perf_counter() - t1)
-
-    def _rerun(self, plan: StepPlan) -> None:
-        """Run a plan's still-running entries with ``execute`` (the step guard finds the
-        request a failure comes from) and commit them; nothing else is in flight."""
-        e = self.engine
-        entries = [sr for sr in plan.scheduled if sr.request.status is RequestStatus.RUNNING]
-        if not entries:
-            return
-        sub = StepPlan(scheduled=entries, num_decodes=sum(1 for s in entries if s.is_decode),
-                       num_batched_tokens=sum(s.num_new_tokens for s in entries))
-        for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
-            touched = e.output_processor.commit(r.plan.scheduled,
-                                                r.model_input.sample_seq_indices, r.output)
-            e.scheduler.update_after_step(r.plan)
-            e._stamp_token_times(touched)
-            e._pending += touched
 
     def _lost(self, err: WorkerLostError) -> None:
         self.discard()
