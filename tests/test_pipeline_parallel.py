@@ -245,6 +245,12 @@ def test_ranks_are_stage_major_and_each_gets_its_cores():
     assert [rank_cpus(cfg.with_rank(r), [0, 1, 2]) for r in range(2)] == [[0, 1], [2]]
     with pytest.raises(ValueError, match="--pipeline-parallel-size 3 needs at least 3 CPU"):
         rank_cpus(ParallelConfig(pipeline_parallel_size=3), [0, 1])
+    # Two replicas of two stages: each stage its own quarter of the machine.
+    eight = list(range(8))
+    assert [rank_cpus(ParallelConfig(data_parallel_size=2, data_parallel_rank=d,
+                                     pipeline_parallel_size=2, pipeline_parallel_rank=s),
+                      eight) for d in range(2) for s in range(2)] == \
+        [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
