@@ -194,9 +194,9 @@ class CudaBackend(Backend):
     name = "cuda"
     # Placeholders are scattered from the last sampled ids on the device (runtime.submit).
     supports_async_scheduling = True
-    # The collective library its ranks would use (Backend.init_distributed). Tensor
-    # parallel is not declared: a rank per GPU is not written or tested yet
-    # (docs/distributed.md), so --tensor-parallel-size is refused.
+    # One rank per GPU (cuda:LOCAL_RANK), collectives over NCCL. Ranks run eagerly: a
+    # collective inside a captured CUDA graph has not been checked on GPUs yet.
+    supports_tensor_parallel = True
     distributed_backend = "nccl"
 
     def __init__(self, config: EngineConfig) -> None:
@@ -241,8 +241,33 @@ class CudaBackend(Backend):
     def allocate_kv_cache(self) -> int:
         return self._rt.allocate_kv_cache(self)
 
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        super().check_parallel_config(config)
+        size = config.parallel_config.world_size
+        if size > 1 and config.backend_option("device") is None:
+            import torch
+
+            found = torch.cuda.device_count()  # no CUDA context is created for it
+            if found < size:
+                raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs, one per "
+                                 f"rank; {found} visible (CUDA_VISIBLE_DEVICES)")
+
+    def init_distributed(self, rank: int, world_size: int, init_method: str,
+                         join_timeout: float) -> None:
+        from cadence.distributed import init_torch_distributed
+
+        # The backend's CPU mode (device "cpu", a test aid) has no NCCL: gloo carries it.
+        library = "nccl" if self.device.type == "cuda" else "gloo"
+        init_torch_distributed(library, rank, world_size, init_method, join_timeout,
+                               self.config.parallel_config.pipeline_parallel_size)
+
     def warmup(self) -> None:
         if self.options.enforce_eager:
+            return
+        if self.config.parallel_config.world_size > 1:
+            logger.info("CUDA graphs off under tensor parallel (collectives in captured "
+                        "graphs are not verified yet): running eagerly")
             return
         if not getattr(self.runner.model, "graph_capturable", True):
             logger.info("CUDA graphs off: %s routes tokens on the host (runs eagerly)",

@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from cadence.distributed import all_reduce
 from cadence.layers.moe import SparseMoE, route, shared_expert_scale
 
 
@@ -53,7 +54,7 @@ class FusedSparseMoE(nn.Module):
         out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + shared_expert_scale(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return all_reduce(out)  # tensor parallel: the ranks' slices of every expert
 
 
 def install_fused_moe(model: nn.Module, kernels: ModuleType | None = None) -> int:

@@ -7,6 +7,8 @@ probing the backend (``engine backends``, ``engine --help``) never imports torch
 
 from __future__ import annotations
 
+import os
+
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -40,7 +42,11 @@ def init(be: CudaBackend) -> None:
     """Resolve the device and build the model runner (the torch half of ``__init__``)."""
     device = torch.device(be.options.device or "cuda")
     if device.type == "cuda":
-        if device.index is None:
+        if device.index is None and be.config.parallel_config.world_size > 1:
+            # A rank of tensor parallel: the GPU its LOCAL_RANK names (set by the executor
+            # before this backend was built).
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        elif device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         # Triton launches on the *current* device whatever the tensors' device, and the
         # graph capture, side streams and events below use it too: "cuda:1" with device 0

@@ -115,7 +115,8 @@ class MultiprocExecutor(Backend):
         parallel = self.config.parallel_config.with_rank(rank)
         return {"config": dataclasses.replace(self.config, parallel_config=parallel),
                 "rank": rank, "world_size": self.world_size, "init_method": init_method,
-                "join_timeout": self.step_timeout_s, "output_rank": self.output_rank}
+                "join_timeout": self.step_timeout_s, "output_rank": self.output_rank,
+                "backend": self.backend_cls.name}
 
     def load_model(self) -> None:
         init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -54,7 +54,12 @@ class RankRunner:
         os.environ["WORLD_SIZE"] = str(spec["world_size"])
         try:
             config = spec["config"]
-            backend_cls, _ = get_registry().select(config.backend)
+            # The class the engine's process probed and chose: a rank does not probe again
+            # (its device may be busy with another rank, or taken only once it is built).
+            name = spec.get("backend")
+            registry = get_registry()
+            backend_cls = registry.backends[name].cls if name in registry.backends \
+                else registry.select(config.backend)[0]
             self.backend = backend_cls(config)
             self.backend.init_distributed(self.rank, spec["world_size"], spec["init_method"],
                                           spec["join_timeout"])
