@@ -37,9 +37,13 @@ def _llm(model: str, **kw) -> LLM:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs GPUs per rank, not this mode")
-@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
-def test_cuda_tp2_on_cpu_matches_one_process(kind, tiny_model_dir, tokenizer_dir,
-                                             tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("kind", "async_scheduling"),
+                         [("llama", True), ("qwen2_moe", False)])
+def test_cuda_tp2_on_cpu_matches_one_process(kind, async_scheduling, tiny_model_dir,
+                                             tokenizer_dir, tmp_path, monkeypatch,
+                                             caplog) -> None:
+    """Dense with async scheduling (each rank fills its placeholders from its own samples,
+    through submit/collect), MoE without."""
     from cadence.backends.cuda.backend import CudaBackend
 
     # The engine's process probes; the ranks take the class it chose without probing.
@@ -55,10 +59,12 @@ def test_cuda_tp2_on_cpu_matches_one_process(kind, tiny_model_dir, tokenizer_dir
         reference = generate(single, PROMPTS, GREEDY)
     finally:
         single.shutdown()
-    llm = _llm(model, tensor_parallel_size=2)
+    llm = _llm(model, tensor_parallel_size=2, async_scheduling=async_scheduling)
     try:
         assert llm.engine.backend.env_info()["tensor_parallel_size"] == "2"
         outputs = generate(llm, PROMPTS, GREEDY)
+        # No step failed and was run again the synchronous way.
+        assert "failed" not in caplog.text
         for ref, out in zip(reference, outputs, strict=True):
             a, b = ref.outputs[0], out.outputs[0]
             assert b.token_ids == a.token_ids
@@ -83,3 +89,6 @@ def test_more_ranks_than_gpus_is_refused(tiny_model_dir) -> None:
                               parallel_config=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"needs 2 GPUs, one per rank; \d visible"):
         create_executor(CudaBackend, tp2)
+    pinned = dataclasses.replace(tp2, backend_options=(("device", "cuda:1"),))
+    with pytest.raises(ValueError, match="would put every rank on one GPU"):
+        create_executor(CudaBackend, pinned)

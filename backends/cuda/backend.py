@@ -245,10 +245,17 @@ class CudaBackend(Backend):
     def check_parallel_config(cls, config: EngineConfig) -> None:
         super().check_parallel_config(config)
         size = config.parallel_config.world_size
-        if size > 1 and config.backend_option("device") is None:
+        device = config.backend_option("device")
+        if size == 1 or (device is not None and not str(device).startswith("cuda")):
+            return
+        if device not in (None, "cuda"):
+            raise ValueError(f"--tensor-parallel-size {size}: each rank takes the GPU its "
+                             f"LOCAL_RANK names; a fixed cuda device ({device!r}) would put "
+                             "every rank on one GPU")
+        if config.parallel_config.executor == "mp":  # Ray's ranks may be on other hosts
             import torch
 
-            found = torch.cuda.device_count()  # no CUDA context is created for it
+            found = torch.cuda.device_count()  # NVML: no CUDA context is created
             if found < size:
                 raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs, one per "
                                  f"rank; {found} visible (CUDA_VISIBLE_DEVICES)")

@@ -45,7 +45,11 @@ def init(be: CudaBackend) -> None:
         if device.index is None and be.config.parallel_config.world_size > 1:
             # A rank of tensor parallel: the GPU its LOCAL_RANK names (set by the executor
             # before this backend was built).
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if local >= torch.cuda.device_count():
+                raise ValueError(f"rank {os.environ.get('RANK', '?')} is rank {local} on its "
+                                 f"host, which has {torch.cuda.device_count()} visible GPUs")
+            device = torch.device("cuda", local)
         elif device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         # Triton launches on the *current* device whatever the tensors' device, and the

@@ -124,7 +124,9 @@ class HpuBackend(Backend):
 
             import torch
 
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else (os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // world_size))
             library = "gloo"
         else:
             # Registers the "hccl" library with torch.distributed.

@@ -77,7 +77,13 @@ class RankRunner:
 
         try:
             t0 = time.perf_counter()
-            result = self.backend.execute(model_input, PostSample(None))
+            if self.spec["config"].async_scheduling:
+                # The placeholder protocol lives in submit/collect (the backend keeps the
+                # last sampled ids there); one step at a time is still in flight here.
+                self.backend.submit(model_input)
+                result = self.backend.collect()
+            else:
+                result = self.backend.execute(model_input, PostSample(None))
             result.device_seconds = time.perf_counter() - t0
             result.device_done_at = time.monotonic()
         except BaseException:
