@@ -141,3 +141,29 @@ def test_kv_cache_sized_from_free_memory(tiny_model_dir) -> None:
         assert len(llm.generate(PROMPTS[:2], out, use_tqdm=False)) == 2
     finally:
         llm.shutdown()
+
+
+def _num_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif(_PROBE.available and _num_gpus() < 2,
+                    reason="tensor parallel needs two GPUs, one per rank")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tensor_parallel_2_matches_one_gpu(tiny_model_dir, kind: str) -> None:
+    """TP=2 over NCCL, one GPU per rank (eager), against one GPU: greedy tokens equal and
+    logprobs within 1e-4 (the all-reduce sums in another order); async scheduling too."""
+    from cadence import SamplingParams
+
+    model = tiny_model_dir(kind)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    one = _run(model, params)
+    for async_scheduling in (False, True):
+        two = _run(model, params, tensor_parallel_size=2, async_scheduling=async_scheduling)
+        assert [row[2] for row in two] == [row[2] for row in one]
+        for a, b in zip(one, two, strict=True):
+            for da, db in zip(a[6], b[6], strict=True):
+                assert [t for t, _, _ in da] == [t for t, _, _ in db]
+                assert all(abs(x - y) < 1e-4 for (_, x, _), (_, y, _) in zip(da, db))
