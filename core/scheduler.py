@@ -93,6 +93,9 @@ class Scheduler:
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
+        # Set by a step that waits for blocks a step in flight will free (see
+        # ``_preemption_victim``); nothing new is admitted in that step.
+        self._waiting_for_commit = False
 
     @property
     def num_waiting(self) -> int:
@@ -134,11 +137,12 @@ class Scheduler:
         # Finished requests (EOS/length set by commit) leave the batch now; the engine frees
         # their blocks once it has finalized them.
         self.running = [r for r in self.running if not r.is_finished]
+        self._waiting_for_commit = False
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         # After a preemption memory is tight: admitting new work would only thrash.
-        if not preempted:
+        if not preempted and not self._waiting_for_commit:
             self._schedule_waiting(budget, scheduled)
         decodes = [s for s in scheduled if s.is_decode]
         others = [s for s in scheduled if not s.is_decode]
@@ -226,16 +230,26 @@ class Scheduler:
         return budget
 
     def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
-        """Allocate for a running request, preempting from the tail; False if it lost its place."""
+        """Allocate for a running request, preempting from the tail; False if it lost its
+        place or waits for a step in flight to free room."""
         self._check_fits(request, num_new)
         bm = self.block_manager
         while not bm.can_allocate(request, num_new):
-            victim = self.running[-1]
+            victim = self._preemption_victim(request, num_new)
+            if victim is None:
+                self._waiting_for_commit = True
+                return False
             self._preempt(victim, preempted)
             if victim is request:
                 return False
         bm.allocate(request, num_new)
         return True
+
+    def _preemption_victim(self, request: Request, num_new: int) -> Request | None:
+        """Whom to preempt so ``request`` fits: the tail of the batch (the lowest priority,
+        ``request`` itself when it is the tail). None: wait instead, because a step in
+        flight will free the room once committed (the in-flight step strategies)."""
+        return self.running[-1]
 
     def _preempt(self, victim: Request, preempted: list[Request]) -> None:
         if self.settle is not None:

@@ -8,7 +8,7 @@ planned as a decode of its placeholder, exactly as it would be once the token ar
 from __future__ import annotations
 
 from cadence.request import Request
-from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
+from cadence.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
@@ -31,14 +31,6 @@ class AsyncScheduler(Scheduler):
     request at every step, forever. Nothing else is admitted meanwhile.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._is_waiting_for_commit = False
-
-    def schedule(self) -> StepPlan:
-        self._is_waiting_for_commit = False
-        return super().schedule()
-
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_output_placeholders and (
                 request.grammar is not None or self._finishes_on_length(request)):
@@ -53,14 +45,8 @@ class AsyncScheduler(Scheduler):
         return (max_tokens is not None and num_out >= max_tokens) or \
             request.num_tokens >= self.config.max_model_len
 
-    def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+    def _preemption_victim(self, request: Request, num_new: int) -> Request | None:
         bm = self.block_manager
-        if not bm.can_allocate(request, num_new) and bm.can_allocate(
-                request, num_new, bm.num_freeable_behind_window(self.running)):
-            self._is_waiting_for_commit = True
-            return False
-        return super()._reserve(request, num_new, preempted)
-
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        if not self._is_waiting_for_commit:
-            super()._schedule_waiting(budget, scheduled)
+        if bm.can_allocate(request, num_new, bm.num_freeable_behind_window(self.running)):
+            return None  # the step in flight frees enough behind the window
+        return super()._preemption_victim(request, num_new)

@@ -56,7 +56,6 @@ class PipelineScheduler(Scheduler):
         self.num_stages = num_stages
         self.in_flight: set[str] = set()  # request ids of submitted micro-batches
         self._cap = 1
-        self._is_waiting_for_commit = False
 
     def hold(self, plan: StepPlan) -> None:
         self.in_flight.update(sr.request.request_id for sr in plan.scheduled)
@@ -65,7 +64,6 @@ class PipelineScheduler(Scheduler):
         self.in_flight.difference_update(sr.request.request_id for sr in plan.scheduled)
 
     def schedule(self) -> StepPlan:
-        self._is_waiting_for_commit = False
         active = sum(1 for r in self.running if not r.is_finished) + len(self.waiting)
         concurrent = min(active, self.config.max_num_seqs)
         self._cap = max(1, -(-concurrent // self.num_stages))
@@ -79,27 +77,13 @@ class PipelineScheduler(Scheduler):
             return 0
         return super()._num_new_tokens(request, budget)
 
-    def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
-        self._check_fits(request, num_new)
-        bm = self.block_manager
-        while not bm.can_allocate(request, num_new):
-            # From the tail, as the base rule; ``request`` itself is not in flight, so the
-            # victim is never one scheduled earlier in this micro-batch.
-            victim = next(r for r in reversed(self.running)
-                          if r.request_id not in self.in_flight)
-            if victim is request and self.running[-1] is not request:
-                # The tail is in flight: giving up this place would invert the policy.
-                self._is_waiting_for_commit = True
-                return False
-            self._preempt(victim, preempted)
-            if victim is request:
-                return False
-        bm.allocate(request, num_new)
-        return True
-
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        if not self._is_waiting_for_commit:  # memory is tight: admitting would thrash
-            super()._schedule_waiting(budget, scheduled)
+    def _preemption_victim(self, request: Request, num_new: int) -> Request | None:
+        # From the tail, as the base rule; ``request`` itself is not in flight, so the
+        # victim is never one scheduled earlier in this micro-batch.
+        victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
+        if victim is request and self.running[-1] is not request:
+            return None  # the tail is in flight: giving up this place would invert the policy
+        return victim
 
 
 @dataclass(eq=False, slots=True)
