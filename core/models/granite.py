@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cadence.distributed import recv_from_previous_stage, send_to_next_stage
 from cadence.layers.attention import attention_features
 from cadence.layers.norm import RMSNorm
 from cadence.models.llama import MLP, Attention, CausalLM
@@ -72,24 +71,8 @@ class GraniteForCausalLM(CausalLM):
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; None on
-        a pipeline stage before the last (Llama's ``forward``, the embeddings scaled)."""
-        cos_sin = self.rotary_emb(positions)
-        if self.is_first_stage:
-            x = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # [T, hidden]
-            residual = None
-        else:  # the previous stage's branch output and residual stream, stacked
-            x, residual = recv_from_previous_stage(
-                (2, input_ids.shape[0], self.hidden_size), self.dtype).unbind(0)
-        for i in self.layer_range:
-            x, residual = self.model.layers[i](x, residual, cos_sin)
-        if not self.is_last_stage:
-            send_to_next_stage(torch.stack((x, residual)))
-            return None
-        if residual is None:  # no layers
-            return self.model.norm(x)
-        return self.model.norm(x, residual)[0]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) * self.embedding_multiplier
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits / self.logits_scaling

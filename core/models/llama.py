@@ -201,6 +201,10 @@ class CausalLM(base.CausalLM):
             config, self.rotary_dim(), max_model_len or config.max_position_embeddings, dtype
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the token embeddings (a family may scale them)."""
+        return self.model.embed_tokens(input_ids)
+
     def rotary_dim(self) -> int:
         """How many leading dimensions of each head RoPE rotates: all of them here."""
         return self.head_dim
@@ -210,7 +214,7 @@ class CausalLM(base.CausalLM):
         a pipeline stage before the last (its activations went to the next stage)."""
         cos_sin = self.rotary_emb(positions)  # 2 x [T, 1, head_dim]
         if self.is_first_stage:
-            x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+            x, residual = self.embed(input_ids), None  # [T, hidden]
         else:
             # The previous stage's branch output and residual stream, stacked.
             x, residual = recv_from_previous_stage(
