@@ -74,3 +74,57 @@ def greedy_pair(model: str, prompt: list[int], num_tokens: int, **llm_kw
                        use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
     return list(got), want
+
+
+def assert_same_as(reference, outputs, tol: float = 1e-4) -> None:
+    """A split model's outputs against one process's (tensor or pipeline parallel, other
+    executors and backends): each request's first sample has the same token ids and the
+    same logprob candidates, each logprob within ``tol`` (the ranks' partial sums add in
+    another order than one process's)."""
+    assert len(outputs) == len(reference)
+    for ref, out in zip(reference, outputs, strict=True):
+        a, b = ref.outputs[0], out.outputs[0]
+        assert b.token_ids == a.token_ids
+        for da, db in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert set(da) == set(db)
+            assert all(abs(da[t].logprob - db[t].logprob) < tol for t in da)
+
+
+def lose_a_rank_mid_run(engine, prompts, pid: int, kill: bool, expect: str,
+                        warmup_steps: int = 3) -> list:
+    """Start ``prompts`` as long requests (ids k0, k1, ...), run ``warmup_steps`` steps,
+    then SIGKILL the rank process ``pid`` (``kill``) or SIGSTOP it, and step on: a killed
+    rank's group is found at once and every request fails (the group restarts if the
+    budget allows); a frozen one is found at the step deadline, and with no restart left
+    the engine raises ``EngineFailedError`` matching ``expect``. A stopped rank is resumed
+    at the end. Returns the requests' final outputs."""
+    import contextlib
+    import os
+    import signal
+
+    import pytest
+
+    from cadence.faults import EngineFailedError
+
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"k{i}", prompt, long)
+    for _ in range(warmup_steps):
+        engine.step()
+    os.kill(pid, signal.SIGKILL if kill else signal.SIGSTOP)
+    outputs = []
+    try:
+        if kill:
+            for _ in range(50):
+                outputs += engine.step()
+                if not engine.has_unfinished_requests():
+                    break
+        else:
+            with pytest.raises(EngineFailedError, match=expect):
+                for _ in range(50):
+                    engine.step()
+            outputs = engine.output_processor.take_ready()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return [o for o in outputs if o.finished]

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from engine_helpers import generate
+from engine_helpers import assert_same_as, generate
 
 from cadence import LLM, SamplingParams
 from cadence.backend import ProbeResult
@@ -65,11 +65,7 @@ def test_cuda_tp2_on_cpu_matches_one_process(kind, async_scheduling, tiny_model_
         outputs = generate(llm, PROMPTS, GREEDY)
         # No step failed and was run again the synchronous way.
         assert "failed" not in caplog.text
-        for ref, out in zip(reference, outputs, strict=True):
-            a, b = ref.outputs[0], out.outputs[0]
-            assert b.token_ids == a.token_ids
-            for da, db in zip(a.logprobs, b.logprobs, strict=True):
-                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        assert_same_as(reference, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()

@@ -10,7 +10,7 @@ backend's sharded model and bucketed steps, not the device or HCCL itself.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import generate, make_llm
+from engine_helpers import assert_same_as, generate, make_llm
 
 from cadence import SamplingParams
 
@@ -35,12 +35,7 @@ def test_hpu_tp2_matches_one_process(monkeypatch, tiny_model_dir):
         info = engine.backend.env_info()
         assert (info["executor"], info["tensor_parallel_size"]) == ("mp", "2")
         outputs = generate(llm, PROMPTS, GREEDY)
-        for ref, out in zip(reference, outputs, strict=True):
-            a, b = ref.outputs[0], out.outputs[0]
-            assert b.token_ids == a.token_ids
-            for da, db in zip(a.logprobs, b.logprobs, strict=True):
-                assert set(da) == set(db)
-                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        assert_same_as(reference, outputs)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         llm.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import generate, make_llm
+from engine_helpers import assert_same_as, generate, make_llm
 from family_factory import build_family_model
 
 from cadence import SamplingParams
@@ -61,13 +61,7 @@ def test_split_matches_one_process(reference, name, split):
     try:
         assert len(llm.engine.backend.worker_pids) == 2
         outputs = generate(llm, PROMPTS, GREEDY)
-        for ref, out in zip(want, outputs, strict=True):
-            a, b = ref.outputs[0], out.outputs[0]
-            assert b.token_ids == a.token_ids
-            for da, db in zip(a.logprobs, b.logprobs, strict=True):
-                assert set(da) == set(db)
-                for tok in da:
-                    assert abs(da[tok].logprob - db[tok].logprob) < 1e-4
+        assert_same_as(want, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()

@@ -7,14 +7,11 @@ Starting two stages costs seconds, so one engine per architecture serves every c
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 
 import pytest
-from engine_helpers import generate, make_llm, summarize
+from engine_helpers import assert_same_as, generate, lose_a_rank_mid_run, make_llm, summarize
 
 from cadence import SamplingParams
 from cadence.config import ParallelConfig
@@ -59,16 +56,6 @@ def _watch_micro_batches(engine) -> dict:
     return seen
 
 
-def _assert_close(reference, outputs) -> None:
-    for ref, out in zip(reference, outputs, strict=True):
-        a, b = ref.outputs[0], out.outputs[0]
-        assert b.token_ids == a.token_ids
-        for da, db in zip(a.logprobs, b.logprobs, strict=True):
-            assert set(da) == set(db)
-            for tok in da:
-                assert abs(da[tok].logprob - db[tok].logprob) < 1e-4
-
-
 def test_pp2_matches_one_process_with_two_micro_batches_in_flight(pp_pair):
     _, reference, llm = pp_pair
     engine = llm.engine
@@ -80,7 +67,7 @@ def test_pp2_matches_one_process_with_two_micro_batches_in_flight(pp_pair):
         outputs = generate(llm, PROMPTS, GREEDY)
     finally:
         del engine.scheduler.hold  # back to the class's method
-    _assert_close(reference, outputs)
+    assert_same_as(reference, outputs)
     # Six requests over two stages: two micro-batches of three each side by side.
     assert seen["most"] == 2
     assert engine.block_manager.num_free_blocks == engine.num_blocks
@@ -176,41 +163,18 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
     and serves the same tokens; llama-tied: the first stage freezes (no reply within the
     step deadline) while the second waits for its activations, and with no restart left
     the engine stops. Every request ends with an error naming the ranks, blocks free."""
-    from cadence.faults import EngineFailedError
-
     kill = "qwen2" in request.node.callspec.id
     _, reference, llm = pp_pair
     engine = llm.engine
     engine.guard.max_restarts = 1 if kill else 0
     engine.backend.step_timeout_s = 1.0
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"k{i}", prompt, long)
-    for _ in range(4):
-        engine.step()
     pids = engine.backend.worker_pids
-    pid = pids[1 if kill else 0]
-    os.kill(pid, signal.SIGKILL if kill else signal.SIGSTOP)
     # A frozen first stage may have acknowledged its last micro-batch before it stopped;
     # the last stage, waiting for its activations, is named either way.
     expect = (r"rank 1 of 2 died \(killed by SIGKILL\)" if kill
               else r"rank\(s\) \[(0, )?1\] of 2 gave no reply within 1 s")
-    outputs = []
-    try:
-        if kill:
-            for _ in range(50):
-                outputs += engine.step()
-                if not engine.has_unfinished_requests():
-                    break
-        else:
-            with pytest.raises(EngineFailedError, match=expect):
-                for _ in range(50):
-                    engine.step()
-            outputs = engine.output_processor.take_ready()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    failed = [o for o in outputs if o.finished]
+    failed = lose_a_rank_mid_run(engine, PROMPTS, pids[1 if kill else 0], kill, expect,
+                                 warmup_steps=4)
     assert sorted(o.request_id for o in failed) == [f"k{i}" for i in range(len(PROMPTS))]
     assert all(re.search(expect, o.error) for o in failed)
     assert not engine.has_unfinished_requests()
@@ -219,7 +183,7 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
     if kill:  # the next step starts a new group, which serves as the first did
         engine.backend.step_timeout_s = 600.0
         outputs = generate(llm, PROMPTS, GREEDY)
-        _assert_close(reference, outputs)
+        assert_same_as(reference, outputs)
         assert not set(engine.backend.worker_pids) & set(pids)
 
 

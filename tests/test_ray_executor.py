@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import generate, make_llm
+from engine_helpers import assert_same_as, generate, make_llm
 
 from cadence import SamplingParams
 
@@ -115,11 +115,7 @@ def test_ray_ranks_match_one_process_and_a_lost_rank_fails_the_requests(ray_clus
         assert engine.backend.env_info()["executor"] == "ray"
         # The engine joined the cluster (not a Ray instance of its own in this process).
         assert ray.get_runtime_context().gcs_address.endswith(ray_cluster.rsplit(":", 1)[1])
-        for ref, out in zip(reference, generate(llm, PROMPTS, GREEDY), strict=True):
-            a, b = ref.outputs[0], out.outputs[0]
-            assert b.token_ids == a.token_ids
-            for da, db in zip(a.logprobs, b.logprobs, strict=True):
-                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        assert_same_as(reference, generate(llm, PROMPTS, GREEDY))
         assert engine.block_manager.num_free_blocks == engine.num_blocks
 
         engine.guard.max_restarts = 0
@@ -152,11 +148,7 @@ def test_ray_pipeline_stages_match_one_process(ray_cluster, tiny_model_dir):
         info = llm.engine.backend.env_info()
         assert (info["executor"], info["pipeline_parallel_size"]) == ("ray", "2")
         outputs = generate(llm, prompts, GREEDY)
-        for ref, out in zip(reference, outputs, strict=True):
-            a, b = ref.outputs[0], out.outputs[0]
-            assert b.token_ids == a.token_ids
-            for da, db in zip(a.logprobs, b.logprobs, strict=True):
-                assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        assert_same_as(reference, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:
         llm.shutdown()

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from engine_helpers import generate, make_llm, summarize
+from engine_helpers import assert_same_as, generate, lose_a_rank_mid_run, make_llm, summarize
 
 from cadence import SamplingParams
 from cadence.backend import Backend
@@ -42,14 +42,7 @@ def test_tp2_matches_one_process(tp_pair):
     info = llm.engine.backend.env_info()
     assert info["executor"] == "mp" and info["tensor_parallel_size"] == "2"
     assert len(llm.engine.backend.worker_pids) == 2
-    outputs = generate(llm, PROMPTS, GREEDY)
-    for ref, out in zip(reference, outputs, strict=True):
-        a, b = ref.outputs[0], out.outputs[0]
-        assert b.token_ids == a.token_ids
-        for da, db in zip(a.logprobs, b.logprobs, strict=True):
-            assert set(da) == set(db)
-            for tok in da:
-                assert abs(da[tok].logprob - db[tok].logprob) < 1e-4
+    assert_same_as(reference, generate(llm, PROMPTS, GREEDY))
     # Every request's blocks came back.
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
@@ -75,44 +68,16 @@ def test_a_rank_lost_mid_run_fails_every_pending_request(tp_pair, request):
     collective, and with no restart left the engine stops. Either way every request ends
     with an error naming the ranks, the blocks come back, and /health's check reports it
     until the group is back."""
-    import contextlib
-    import os
-    import signal
-
-    from cadence.faults import EngineFailedError
-
     kill = "qwen2" in request.node.callspec.id
     reference, llm = tp_pair
     engine = llm.engine
     # After the kill the group is restarted once; after the freeze the engine gives up.
     engine.guard.max_restarts = 1 if kill else 0
     engine.backend.step_timeout_s = 1.0
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"k{i}", prompt, long)
-    for _ in range(3):
-        engine.step()
     pids = engine.backend.worker_pids
-    pid = pids[1 if kill else 0]
-    os.kill(pid, signal.SIGKILL if kill else signal.SIGSTOP)
     expect = (r"rank 1 of 2 died \(killed by SIGKILL\)" if kill
               else r"rank\(s\) \[0, 1\] of 2 gave no reply within 1 s")
-    outputs = []
-    try:
-        if kill:
-            for _ in range(50):
-                outputs += engine.step()
-                if not engine.has_unfinished_requests():
-                    break
-        else:
-            with pytest.raises(EngineFailedError, match=expect):
-                for _ in range(50):
-                    engine.step()
-            outputs = engine.output_processor.take_ready()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    failed = [o for o in outputs if o.finished]
+    failed = lose_a_rank_mid_run(engine, PROMPTS, pids[1 if kill else 0], kill, expect)
     assert sorted(o.request_id for o in failed) == ["k0", "k1", "k2"]
     assert all(re.search(expect, o.error) for o in failed)
     assert not engine.has_unfinished_requests()
