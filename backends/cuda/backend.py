@@ -209,6 +209,9 @@ class CudaBackend(Backend):
         #: "launch", "post_sample", ... per step when ``record_events`` is on (tests, debug).
         self.event_log: list[str] | None = [] if self.options.record_events else None
         self._rt.init(self)  # sets self.device and self.runner
+        if self.device.type != "cuda":
+            # The CPU mode (a test aid) has no NCCL: its ranks meet over gloo.
+            self.distributed_backend = "gloo"
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -259,15 +262,6 @@ class CudaBackend(Backend):
             if found < size:
                 raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs, one per "
                                  f"rank; {found} visible (CUDA_VISIBLE_DEVICES)")
-
-    def init_distributed(self, rank: int, world_size: int, init_method: str,
-                         join_timeout: float) -> None:
-        from cadence.distributed import init_torch_distributed
-
-        # The backend's CPU mode (device "cpu", a test aid) has no NCCL: gloo carries it.
-        library = "nccl" if self.device.type == "cuda" else "gloo"
-        init_torch_distributed(library, rank, world_size, init_method, join_timeout,
-                               self.config.parallel_config.pipeline_parallel_size)
 
     def warmup(self) -> None:
         if self.options.enforce_eager:

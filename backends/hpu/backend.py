@@ -116,10 +116,9 @@ class HpuBackend(Backend):
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
                          join_timeout: float) -> None:
-        from cadence.distributed import init_torch_distributed
-
         if self.device.is_emulated:
-            # Emulated ranks share the host's cores: each takes its share of torch's pool.
+            # Emulated ranks share the host's cores: each takes its share of torch's pool,
+            # and they meet over gloo (no HCCL without a Gaudi).
             import os
 
             import torch
@@ -127,13 +126,11 @@ class HpuBackend(Backend):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else (os.cpu_count() or 1)
             torch.set_num_threads(max(1, cores // world_size))
-            library = "gloo"
+            self.distributed_backend = "gloo"
         else:
             # Registers the "hccl" library with torch.distributed.
             import habana_frameworks.torch.distributed.hccl  # noqa: F401
-            library = "hccl"
-        init_torch_distributed(library, rank, world_size, init_method, join_timeout,
-                               self.config.parallel_config.pipeline_parallel_size)
+        super().init_distributed(rank, world_size, init_method, join_timeout)
 
     def _event(self, name: str) -> None:
         if self.event_log is not None:

@@ -4,9 +4,10 @@ A model built under tensor parallel reads its rank and the group size here (to s
 shard of heads, MLP columns and vocabulary) and calls ``all_reduce``/``all_gather`` where the
 shards meet. Under pipeline parallel it reads its stage here (which layers it holds,
 ``pp_layer_range``) and hands its activations to the next stage with
-``send_to_next_stage``/``recv_from_previous_stage``. Which library carries the collectives is the backend's choice: its
-``Backend.init_distributed`` installs a ``Communicator`` (torch.distributed over gloo on the
-CPU; a plugin may bring its own), so nothing here names a device library. With no group
+``send_to_next_stage``/``recv_from_previous_stage``. Which library carries them is the
+backend's choice: its ``Backend.init_distributed`` installs a ``Communicator``
+(torch.distributed over gloo on the CPU; a plugin may bring its own), so nothing here names
+a device library. With no group
 installed (one process, the default) the rank is 0 of 1 and the collectives are identities.
 
 Imports no torch at module level: ``import cadence`` stays torch-free.
