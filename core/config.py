@@ -120,8 +120,8 @@ class ParallelConfig:
     docs/distributed.md): each engine's model is split over ``tensor_parallel_size`` ranks,
     run by the ``distributed_executor_backend`` executor; a backend builds rank
     ``tensor_parallel_rank``'s share. Pipeline parallel: the layers are split over
-    ``pipeline_parallel_size`` stages, one rank each; a backend builds stage
-    ``pipeline_parallel_rank``'s layers. A backend that declares ``supports_data_parallel`` or
+    ``pipeline_parallel_size`` stages, each split over ``tensor_parallel_size`` ranks of
+    its own; a backend builds stage ``pipeline_parallel_rank``'s layers. A backend that declares ``supports_data_parallel`` or
     ``supports_tensor_parallel`` uses them to take its share of the machine (the CPU
     backend: its share of the cores)."""
 
@@ -153,19 +153,14 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_rank must be in [0, "
                              f"{self.pipeline_parallel_size}), got "
                              f"{self.pipeline_parallel_rank}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} with "
-                             f"--pipeline-parallel-size {self.pipeline_parallel_size}: tensor "
-                             "parallel inside pipeline stages is not supported yet; use one "
-                             "of the two")
         executor = self.distributed_executor_backend
         if executor is not None and executor not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{EXECUTOR_BACKENDS}, got {executor!r}")
         if executor == "uniproc" and self.world_size > 1:
-            flag = ("--tensor-parallel-size" if self.tensor_parallel_size > 1
-                    else "--pipeline-parallel-size")
-            raise ValueError(f"{flag} {self.world_size} needs one process per rank: use "
+            raise ValueError(f"{self.world_size} ranks (--tensor-parallel-size "
+                             f"{self.tensor_parallel_size} x --pipeline-parallel-size "
+                             f"{self.pipeline_parallel_size}) need one process each: use "
                              "--distributed-executor-backend mp (or ray), not uniproc")
 
     @property

@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallel on the families beyond Llama (CPU, gloo, two rank processes):
+"""Tensor and pipeline parallel on the families beyond Llama (CPU, gloo, two rank processes;
+four for tensor parallel inside pipeline stages):
 the same greedy tokens as one process, logprobs within 1e-4, every block back
 (docs/distributed.md). One engine per family and split, on tiny models from
 tests/family_factory.py; the variant a split runs on is the one whose feature it
@@ -28,11 +29,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=Tr
 # runs Llama's stage code unchanged (tests/test_pipeline_parallel.py), so it is checked
 # under TP only. Mixture of experts: Qwen2-MoE's experts and shared expert split across
 # ranks with one sum per layer (and a dense layer among them); Qwen3-MoE's sparse layers
-# (every second one) on both sides of the stage boundary.
+# (every second one) on both sides of the stage boundary; under TP inside PP stages,
+# Qwen3-MoE's experts split over each stage's two ranks and GPT-2's tied head (first stage's
+# embeddings, split by vocabulary on the last stage's ranks).
 CASES = [("granite", "tp"), ("granite", "pp"), ("phi3", "tp"),
          ("olmo2", "tp"), ("olmo2", "pp"), ("gemma2", "tp"), ("gemma3", "pp"),
          ("gpt2", "tp"), ("gpt2-layer-scaled", "pp"), ("gpt_neox", "tp"),
-         ("gpt_neox-sequential", "pp"), ("qwen2_moe", "tp"), ("qwen3_moe", "pp")]
+         ("gpt_neox-sequential", "pp"), ("qwen2_moe", "tp"), ("qwen3_moe", "pp"),
+         ("qwen3_moe", "tp-pp"), ("gpt2-layer-scaled", "tp-pp")]
+SPLITS = {"tp": {"tensor_parallel_size": 2}, "pp": {"pipeline_parallel_size": 2},
+          # four ranks on however few cores: unbound, sharing them
+          "tp-pp": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                    "backend_options": {"overlap": "sync", "bind": "none"}}}
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +64,9 @@ def reference(tokenizer_dir, tmp_path_factory):
 @pytest.mark.parametrize(("name", "split"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
 def test_split_matches_one_process(reference, name, split):
     model, want = reference(name)
-    size = {"tensor_parallel_size": 2} if split == "tp" else {"pipeline_parallel_size": 2}
-    llm = make_llm(model, num_kv_blocks=64, **size)
+    llm = make_llm(model, num_kv_blocks=64, **SPLITS[split])
     try:
-        assert len(llm.engine.backend.worker_pids) == 2
+        assert len(llm.engine.backend.worker_pids) == 2 * (1 + (split == "tp-pp"))
         outputs = generate(llm, PROMPTS, GREEDY)
         assert_same_as(want, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

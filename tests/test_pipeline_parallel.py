@@ -187,6 +187,52 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
         assert not set(engine.backend.worker_pids) & set(pids)
 
 
+def test_tensor_parallel_inside_pipeline_stages(tiny_model_dir):
+    """TP=2 inside each of PP=2 stages (four ranks sharing two cores, ``--cpu-bind none``):
+    each stage's ranks reduce over their own group, activations go rank to rank with the
+    same TP index, the last stage's first rank answers; the same tokens and logprobs as one
+    process with two micro-batches in flight, async output on == off. Then one of the last
+    stage's ranks (not the one that answers) is killed: every request fails naming it."""
+    model = tiny_model_dir("llama-tied")  # tied head: the last stage's ranks each take
+    options = {"overlap": "sync", "linear": "packed"}  # their vocabulary rows of it
+    single = make_llm(model, num_kv_blocks=64, backend_options=options)
+    reference = generate(single, PROMPTS, GREEDY)
+    single.shutdown()
+    llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2, pipeline_parallel_size=2,
+                   backend_options={**options, "bind": "none"})
+    try:
+        engine = llm.engine
+        info = engine.backend.env_info()
+        assert (info["tensor_parallel_size"], info["pipeline_parallel_size"]) == ("2", "2")
+        assert engine.backend.output_rank == 2
+        pids = engine.backend.worker_pids
+        assert len(set(pids)) == 4
+        seen = _watch_micro_batches(engine)
+        try:
+            outputs = generate(llm, PROMPTS, GREEDY)
+        finally:
+            del engine.scheduler.hold
+        assert_same_as(reference, outputs)
+        assert seen["most"] == 2
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=6, stop=["e"])
+                  for i in range(len(PROMPTS))]
+        on = [row[1:] for row in summarize(generate(llm, PROMPTS, params))]
+        engine.async_output = False
+        off = [row[1:] for row in summarize(generate(llm, PROMPTS, params))]
+        engine.async_output = True
+        assert on == off
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+        engine.guard.max_restarts = 1  # a lost group fails its requests, then restarts
+        expect = r"rank 3 of 4 died \(killed by SIGKILL\)"
+        failed = lose_a_rank_mid_run(engine, PROMPTS[:3], pids[3], True, expect)
+        assert sorted(o.request_id for o in failed) == ["k0", "k1", "k2"]
+        assert all(re.search(expect, o.error) for o in failed)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
 # -- the split, the scheduler and the refusals (no processes) ---------------------------------
 
 def test_layers_split_into_contiguous_stages():
@@ -215,6 +261,36 @@ def test_ranks_are_stage_major_and_each_gets_its_cores():
                                      pipeline_parallel_size=2, pipeline_parallel_rank=s),
                       eight) for d in range(2) for s in range(2)] == \
         [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # TP=2 inside PP=2: stage-major ranks, one core each; too few cores names the split and
+    # the way out.
+    both = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert [(c.pipeline_parallel_rank, c.tensor_parallel_rank)
+            for c in map(both.with_rank, range(4))] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [rank_cpus(both.with_rank(r), [0, 1, 2, 3]) for r in range(4)] == \
+        [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 x --pipeline-parallel-"
+                                         r"size 2 needs at least 4 CPU cores.*--cpu-bind none"):
+        rank_cpus(both, [0, 1])
+
+
+def test_unbound_ranks_share_the_cores(monkeypatch):
+    """``--cpu-bind none``: nothing is pinned, each rank (or replica) sizes its pool to an
+    equal share of the cores, at least one; an unknown choice is refused by name."""
+    from cadence.backends.cpu import placement
+
+    monkeypatch.setattr(placement, "bind_to", lambda cpus: pytest.fail("pinned"))
+    monkeypatch.setattr(placement, "available_cpus", lambda: [0, 1])
+    both = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert placement.place(both, "none", ranks=True) == 1
+    assert placement.place(ParallelConfig(tensor_parallel_size=2), "none", ranks=True) == 1
+    assert placement.shared_threads(ParallelConfig(pipeline_parallel_size=2), True,
+                                    list(range(8))) == 4
+    assert placement.shared_threads(ParallelConfig(data_parallel_size=2,
+                                                   tensor_parallel_size=2), False,
+                                    list(range(8))) == 4
+    assert placement.place(ParallelConfig(), "none", ranks=True) is None
+    with pytest.raises(ValueError, match=r"bind must be one of \('cores', 'none'\), got 'all'"):
+        placement.place(both, "all", ranks=True)
 
 
 def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
@@ -227,8 +303,10 @@ def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
 
     with pytest.raises(ValueError, match="use --distributed-executor-backend mp"):
         ParallelConfig(pipeline_parallel_size=2, distributed_executor_backend="uniproc")
-    with pytest.raises(ValueError, match="not supported yet"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"4 ranks \(--tensor-parallel-size 2 x "
+                                         r"--pipeline-parallel-size 2\) need one process"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
+                       distributed_executor_backend="uniproc")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         ParallelConfig(pipeline_parallel_size=0)
     config = EngineArgs(model=tiny_model_dir("llama")).create_engine_config()

@@ -1,6 +1,6 @@
-"""The ``ray`` executor on a local Ray cluster started the way a user starts one: TP=2 ranks
-and PP=2 stages as Ray actors give one process's tokens and logprobs, and a rank killed
-mid-run fails every pending request with an error naming it.
+"""The ``ray`` executor on a local Ray cluster started the way a user starts one: TP=2 ranks,
+and TP=2 inside each of PP=2 stages, as Ray actors give one process's tokens and logprobs,
+and a rank killed mid-run fails every pending request with an error naming it.
 
 Runs wherever Ray is installed (``pip install 'cadence[ray]'``; CI installs it) and is
 skipped otherwise. The module starts one cluster for all its tests with ``ray start --head
@@ -67,7 +67,9 @@ def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     log_path = Path(temp_dir) / "ray-start.log"
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-           "--num-cpus", "2", "--port", address.rsplit(":", 1)[1], "--temp-dir", temp_dir,
+           # Logical CPUs (one per actor) for four ranks, sharing however many cores
+           # there are (--cpu-bind none below).
+           "--num-cpus", "4", "--port", address.rsplit(":", 1)[1], "--temp-dir", temp_dir,
            "--include-dashboard=false", "--disable-usage-stats"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -134,19 +136,23 @@ def test_ray_ranks_match_one_process_and_a_lost_rank_fails_the_requests(ray_clus
         llm.shutdown()
 
 
-def test_ray_pipeline_stages_match_one_process(ray_cluster, tiny_model_dir):
-    """PP=2 with each stage a Ray actor: the activations go actor to actor over gloo, the
-    last stage's samples come back through Ray, two micro-batches in flight."""
+def test_ray_tensor_parallel_inside_pipeline_stages(ray_cluster, tiny_model_dir):
+    """TP=2 inside each of PP=2 stages, each rank a Ray actor: each stage's ranks form their
+    own group, activations go actor to actor over gloo, the last stage's first rank's
+    samples come back through Ray, two micro-batches in flight."""
     model = tiny_model_dir("qwen3")
     prompts = PROMPTS + ["hello", "zebra"]
     single = make_llm(model, num_kv_blocks=64)
     reference = generate(single, prompts, GREEDY)
     single.shutdown()
-    llm = make_llm(model, num_kv_blocks=64, pipeline_parallel_size=2,
-                   distributed_executor_backend="ray")
+    llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2, pipeline_parallel_size=2,
+                   distributed_executor_backend="ray",
+                   backend_options={"overlap": "sync", "bind": "none"})
     try:
         info = llm.engine.backend.env_info()
-        assert (info["executor"], info["pipeline_parallel_size"]) == ("ray", "2")
+        assert (info["executor"], info["tensor_parallel_size"],
+                info["pipeline_parallel_size"]) == ("ray", "2", "2")
+        assert len(set(llm.engine.backend.worker_pids)) == 4
         outputs = generate(llm, prompts, GREEDY)
         assert_same_as(reference, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

@@ -34,6 +34,11 @@ def cadence_add_cli_options(parser) -> None:
                         help="GEMMs: 'packed' (oneDNN weights packed at load), 'torch' "
                              "(F.linear), or 'auto' (default: whichever measured faster on this "
                              "CPU, measured once and cached)")
+    parser.add_argument("--cpu-bind", choices=("cores", "none"), default=None,
+                        help="ranks and data-parallel replicas: 'cores' (default: each binds "
+                             "to its own share of the cores) or 'none' (no binding; each "
+                             "sizes its threads to an equal share, so more ranks than cores "
+                             "can run, slower)")
 
 
 @hookimpl
@@ -55,7 +60,8 @@ def cadence_configure(config) -> None:
         opts["overlap"] = config["cpu_overlap"]
     if config.get("cpu_kv_cache_gb"):
         opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
-    for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear")):
+    for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear"),
+                      ("cpu_bind", "bind")):
         if config.get(flag):
             opts[key] = config[flag]
 

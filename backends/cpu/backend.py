@@ -69,10 +69,11 @@ class CpuBackend(Backend):
 
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
-        from cadence.backends.cpu.placement import rank_cpus
+        from cadence.backends.cpu.placement import check_bind, rank_cpus
 
         super().check_parallel_config(config)
-        rank_cpus(config.parallel_config)  # too few cores for the ranks: say so before spawning
+        if check_bind(str(config.backend_option("bind", "cores"))) == "cores":
+            rank_cpus(config.parallel_config)  # too few cores for the ranks: say so now
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
                          join_timeout: float) -> None:
@@ -80,11 +81,12 @@ class CpuBackend(Backend):
         worker), bound to this rank's share of the cores before torch starts its pool."""
         import torch
 
-        from cadence.backends.cpu.placement import bind_to, rank_cpus
+        from cadence.backends.cpu.placement import place
 
         self._in_rank = True
         self.overlap = "sync"
-        num_threads = bind_to(rank_cpus(self.config.parallel_config))
+        num_threads = place(self.config.parallel_config,
+                            str(self.config.backend_option("bind", "cores")), ranks=True)
         if num_threads:
             torch.set_num_threads(num_threads)
         super().init_distributed(rank, world_size, init_method, join_timeout)
@@ -97,14 +99,15 @@ class CpuBackend(Backend):
         # The model, its packed GEMMs, the KV cache and the attention kernel are built in one
         # go (backends/cpu/runtime.py), in the worker process or here.
         if self.config.parallel_config.data_parallel_size > 1 and not self._in_rank:
-            from cadence.backends.cpu.placement import replica_cpus
+            from cadence.backends.cpu.placement import check_bind, replica_cpus
 
             if self.overlap != "process":
                 raise ValueError(
                     f"data parallel serving on the cpu backend needs the 'process' overlap "
                     f"strategy (each replica's worker process binds to its own cores); got "
                     f"{self.overlap!r}")
-            replica_cpus(self.config.parallel_config)  # too few cores: say so before spawning
+            if check_bind(str(self.config.backend_option("bind", "cores"))) == "cores":
+                replica_cpus(self.config.parallel_config)  # too few cores: say so now
         if self.overlap == "process":
             from cadence.backends.cpu.worker import ForwardWorker
 

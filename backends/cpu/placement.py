@@ -5,7 +5,14 @@ start torch's thread pool on every core, and N pools fighting over the same core
 slower than one. Each replica's worker instead takes a contiguous 1/N of the cores this
 process may use (its affinity mask, which respects ``taskset`` and container limits),
 binds itself to them and sizes its pool to match, as vLLM's CPU backend binds each rank's
-OpenMP threads to its own cores.
+OpenMP threads to its own cores. The ranks of a model split by tensor or pipeline parallel
+are placed the same way inside their engine's share.
+
+``--cpu-bind none`` (backend option ``bind``) binds nothing: every process may run on every
+core and sizes its pool to its equal share of them (at least one thread). Slower where the
+cores are few, since the pools then meet on the same cores, but it runs more ranks than
+cores (a tensor x pipeline split tried on a small machine) and leaves placement to the
+operating system or to an outer ``taskset``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import os
 
 from cadence.config import ParallelConfig
+
+BIND_CHOICES = ("cores", "none")
 
 
 def available_cpus() -> list[int]:
@@ -49,10 +58,14 @@ def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> list[i
         return replica_cpus(parallel, cpus)
     share = replica_cpus(parallel, cpus) or (available_cpus() if cpus is None else cpus)
     if len(share) < size:
-        flag = ("--pipeline-parallel-size" if parallel.pipeline_parallel_size > 1
-                else "--tensor-parallel-size")
-        raise ValueError(f"{flag} {size} needs at least {size} CPU cores, one per rank; "
-                         f"this engine may use {len(share)} ({share})")
+        split = (f"--tensor-parallel-size {parallel.tensor_parallel_size} x "
+                 f"--pipeline-parallel-size {parallel.pipeline_parallel_size}"
+                 if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1
+                 else f"--pipeline-parallel-size {size}" if parallel.pipeline_parallel_size > 1
+                 else f"--tensor-parallel-size {size}")
+        raise ValueError(f"{split} needs at least {size} CPU cores, one per rank; this "
+                         f"engine may use {len(share)} ({share}); --cpu-bind none runs the "
+                         f"ranks on shared cores instead")
     base, extra = divmod(len(share), size)
     start = rank * base + min(rank, extra)
     return share[start:start + base + (1 if rank < extra else 0)]
@@ -65,3 +78,28 @@ def bind_to(cpus: list[int] | None) -> int | None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
     return len(cpus)
+
+
+def check_bind(bind: str) -> str:
+    if bind not in BIND_CHOICES:
+        raise ValueError(f"cpu backend option bind must be one of {BIND_CHOICES}, got {bind!r}")
+    return bind
+
+
+def shared_threads(parallel: ParallelConfig, ranks: bool,
+                   cpus: list[int] | None = None) -> int | None:
+    """Unbound (``bind`` none): the threads of one of the engine's ranks (``ranks``) or of
+    one replica's worker, an equal share of the cores and at least one; None for a lone,
+    unsplit engine (torch's default)."""
+    parts = parallel.data_parallel_size * (parallel.world_size if ranks else 1)
+    if parts == 1:
+        return None
+    return max(1, len(available_cpus() if cpus is None else cpus) // parts)
+
+
+def place(parallel: ParallelConfig, bind: str, ranks: bool) -> int | None:
+    """Bind this process (a rank when ``ranks``, else a replica's worker) to its cores, or
+    not with ``bind`` none; the thread count its pool should have (None: torch's)."""
+    if check_bind(bind) == "none":
+        return shared_threads(parallel, ranks)
+    return bind_to(rank_cpus(parallel) if ranks else replica_cpus(parallel))

@@ -40,11 +40,12 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
     try:
         import torch
 
-        from cadence.backends.cpu.placement import bind_to, replica_cpus
+        from cadence.backends.cpu.placement import place
 
         # A replica among several takes its share of the cores (placement.py), before
         # torch starts its thread pool.
-        num_threads = bind_to(replica_cpus(config.parallel_config)) or num_threads
+        num_threads = place(config.parallel_config, str(config.backend_option("bind", "cores")),
+                            ranks=False) or num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
         from cadence.backends.cpu.runtime import build_runtime

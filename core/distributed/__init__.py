@@ -82,6 +82,7 @@ class _Group:
     rank: int = 0
     size: int = 1
     comm: Communicator | None = None
+    stride: int = 1  # pipeline: global ranks from a stage's rank to its peer in the next
 
 
 _group = _Group()  # tensor parallel
@@ -116,14 +117,20 @@ def all_gather(x: Any, dim: int = -1) -> Any:
     return x if _group.size == 1 else _group.comm.all_gather(x, dim)
 
 
-def set_pipeline_parallel(stage: int, num_stages: int, comm: Communicator | None) -> None:
-    """Make this process stage ``stage`` of ``num_stages``, the stages being ranks 0..N-1 of
-    ``comm``'s world (the backend calls it)."""
+def set_pipeline_parallel(stage: int, num_stages: int, comm: Communicator | None,
+                          stride: int = 1) -> None:
+    """Make this process stage ``stage`` of ``num_stages`` (the backend calls it). The
+    stage's peers are ranks of ``comm``'s world: this process's rank is
+    ``stage * stride`` plus its tensor-parallel rank, so the previous and next stages'
+    peers with the same tensor-parallel rank are ``stride`` below and above it (``stride``
+    is the tensor-parallel size; 1 without tensor parallel inside the stages)."""
     if not 0 <= stage < num_stages:
         raise ValueError(f"pipeline stage must be in [0, {num_stages}), got {stage}")
     if num_stages > 1 and comm is None:
         raise ValueError("a pipeline of several stages needs a communicator")
-    _stages.rank, _stages.size, _stages.comm = stage, num_stages, comm
+    if stride < 1:
+        raise ValueError(f"pipeline stride must be >= 1, got {stride}")
+    _stages.rank, _stages.size, _stages.comm, _stages.stride = stage, num_stages, comm, stride
     _sends.clear()
 
 
@@ -159,28 +166,34 @@ def send_to_next_stage(x: Any) -> None:
     while _sends:
         _sends.pop(0)[1].wait()
     x = x.contiguous()
-    _sends.append((x, _stages.comm.isend(x, _stages.rank + 1)))
+    _sends.append((x, _stages.comm.isend(x, _global_rank() + _stages.stride)))
 
 
 def recv_from_previous_stage(shape: tuple[int, ...], dtype: Any) -> Any:
     """The previous stage's output activations for the micro-batch this stage runs now."""
-    return _stages.comm.recv(shape, dtype, _stages.rank - 1)
+    return _stages.comm.recv(shape, dtype, _global_rank() - _stages.stride)
+
+
+def _global_rank() -> int:
+    return _stages.rank * _stages.stride + _group.rank
 
 
 def init_torch_distributed(library: str, rank: int, world_size: int, init_method: str,
                            join_timeout: float, pipeline_parallel_size: int = 1) -> None:
     """Join the torch.distributed group ``library`` (gloo, nccl, hccl...) at
-    ``init_method`` as ``rank`` and install it: as the tensor-parallel group, or with
-    ``pipeline_parallel_size`` > 1 as the pipeline's stages (rank i is stage i). The default
-    ``Backend.init_distributed``. Raises RuntimeError naming the rank and the cause."""
+    ``init_method`` as ``rank`` and install it. The world is ``pipeline_parallel_size``
+    stages of ``world_size // pipeline_parallel_size`` tensor-parallel ranks, stage-major
+    (``ParallelConfig.rank``): each stage's ranks form a tensor-parallel group of their own,
+    and activations go from a rank to the rank with the same tensor-parallel index in the
+    next stage. The default ``Backend.init_distributed``. Raises RuntimeError naming the
+    rank and the cause."""
     if world_size == 1:
         set_tensor_parallel(0, 1, None)
         set_pipeline_parallel(0, 1, None)
         return
-    if pipeline_parallel_size not in (1, world_size):
-        raise ValueError(f"pipeline_parallel_size {pipeline_parallel_size} with tensor "
-                         f"parallel inside each stage is not supported yet (world size "
-                         f"{world_size})")
+    if pipeline_parallel_size < 1 or world_size % pipeline_parallel_size:
+        raise ValueError(f"world size {world_size} is not a whole number of "
+                         f"{pipeline_parallel_size} pipeline stages")
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -191,9 +204,16 @@ def init_torch_distributed(library: str, rank: int, world_size: int, init_method
     except Exception as e:
         raise RuntimeError(f"rank {rank} of {world_size} could not join the {library} group "
                            f"at {init_method}: {type(e).__name__}: {e}") from e
-    if pipeline_parallel_size > 1:
-        set_tensor_parallel(0, 1, None)
-        set_pipeline_parallel(rank, world_size, Communicator())
-    else:
-        set_tensor_parallel(rank, world_size, Communicator())
-        set_pipeline_parallel(0, 1, None)
+    tp = world_size // pipeline_parallel_size
+    stage, tp_rank = divmod(rank, tp)
+    group = None  # the default group: the whole world, without pipeline stages
+    if pipeline_parallel_size > 1 and tp > 1:
+        # Every rank creates every stage's group, in the same order (torch.distributed
+        # requires it), and keeps its own.
+        for s in range(pipeline_parallel_size):
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            if s == stage:
+                group = g
+    set_tensor_parallel(tp_rank, tp, Communicator(group) if tp > 1 else None)
+    set_pipeline_parallel(stage, pipeline_parallel_size,
+                          Communicator() if pipeline_parallel_size > 1 else None, stride=tp)
