@@ -206,12 +206,14 @@ class EngineConfig:
     fault_config: FaultConfig = FaultConfig()
     parallel_config: ParallelConfig = ParallelConfig()
 
-    def __post_init__(self) -> None:
-        if self.async_scheduling and self.parallel_config.pipeline_parallel_size > 1:
-            # Placeholders are filled by the first stage from samples the last stage draws.
-            raise ValueError("async_scheduling does not combine with --pipeline-parallel-size "
-                             "yet: a pipeline already keeps one micro-batch in flight per "
-                             "stage; turn async_scheduling off")
+    @property
+    def plans_with_placeholders(self) -> bool:
+        """Whether steps are planned with placeholders for tokens not yet sampled (the
+        async scheduling strategy). Under pipeline parallel, async scheduling is the
+        pipeline's own strategy instead: it already plans each micro-batch while the others
+        compute, and a request is never in two micro-batches at once, so no token is ever
+        planned before it is known (docs/distributed.md)."""
+        return self.async_scheduling and self.parallel_config.pipeline_parallel_size == 1
 
     def backend_option(self, name: str, default: object = None) -> object:
         return dict(self.backend_options).get(name, default)

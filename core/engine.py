@@ -53,7 +53,7 @@ class LLMEngine:
         registry = get_registry()
         backend_cls, self.backend_reason = registry.select(config.backend)
         logger.info("%s", self.backend_reason)
-        if config.async_scheduling:
+        if config.plans_with_placeholders:
             check_backend_supports(backend_cls, registry)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)

@@ -187,6 +187,44 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
         assert not set(engine.backend.worker_pids) & set(pids)
 
 
+def test_async_scheduling_under_pp_is_the_pipelines_planning(tiny_model_dir):
+    """``--async-scheduling`` with PP=2: the pipeline's scheduler and loop plan each
+    micro-batch while the others compute, no request in two micro-batches, so no
+    placeholders: the same outputs as one process planning with placeholders, over greedy,
+    seeded, stop strings, n > 1 and penalties."""
+    from cadence.scheduling import PipelineLoop, PipelineScheduler
+
+    model = tiny_model_dir("qwen2")
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
+              SamplingParams(temperature=0.0, max_tokens=12, stop=["e"]),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=9, stop_token_ids=[40],
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=1)]
+    kw = {"num_kv_blocks": 64, "async_scheduling": True, "backend_options": CASES["qwen2"]}
+    single = make_llm(model, **kw)
+    try:
+        want = generate(single, PROMPTS, params)
+    finally:
+        single.shutdown()
+    llm = make_llm(model, pipeline_parallel_size=2, **kw)
+    try:
+        engine = llm.engine
+        assert isinstance(engine.scheduler, PipelineScheduler)
+        assert isinstance(engine._loop, PipelineLoop)
+        seen = _watch_micro_batches(engine)
+        try:
+            got = generate(llm, PROMPTS, params)
+        finally:
+            del engine.scheduler.hold
+        assert [row[1:] for row in summarize(got)] == [row[1:] for row in summarize(want)]
+        assert_same_as(want[:1], got[:1])
+        assert seen["most"] == 2
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
 def test_tensor_parallel_inside_pipeline_stages(tiny_model_dir):
     """TP=2 inside each of PP=2 stages (four ranks sharing two cores, ``--cpu-bind none``):
     each stage's ranks reduce over their own group, activations go rank to rank with the
@@ -311,9 +349,10 @@ def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
         ParallelConfig(pipeline_parallel_size=0)
     config = EngineArgs(model=tiny_model_dir("llama")).create_engine_config()
     pp2 = ParallelConfig(pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="async_scheduling does not combine"):
-        EngineConfig(config.model_config, config.cache_config, config.scheduler_config,
-                     async_scheduling=True, parallel_config=pp2)
+    # Async scheduling under a pipeline is the pipeline's own planning: no placeholders.
+    both = EngineConfig(config.model_config, config.cache_config, config.scheduler_config,
+                        async_scheduling=True, parallel_config=pp2)
+    assert both.async_scheduling and not both.plans_with_placeholders
 
     class NoStages(Backend):
         name = "nostages"

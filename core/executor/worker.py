@@ -77,7 +77,7 @@ class RankRunner:
 
         try:
             t0 = time.perf_counter()
-            if self.spec["config"].async_scheduling:
+            if self.spec["config"].plans_with_placeholders:
                 # The placeholder protocol lives in submit/collect (the backend keeps the
                 # last sampled ids there); one step at a time is still in flight here.
                 self.backend.submit(model_input)

@@ -6,7 +6,8 @@ the previous step inside ``execute``). ``async_scheduling=True`` swaps in
 planned and submitted while step N computes, with placeholders for the tokens step N has not
 returned yet (docs/async_scheduling.md). ``pipeline_parallel_size`` > 1 swaps in
 ``PipelineLoop`` and ``PipelineScheduler`` (pipeline.py): one micro-batch of other requests
-in flight per stage (docs/distributed.md).
+in flight per stage (docs/distributed.md); it plans ahead without placeholders, and is what
+``async_scheduling`` means under pipeline parallel.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def make_scheduler(config: EngineConfig, block_manager: BlockManager,
     stages = config.parallel_config.pipeline_parallel_size
     if stages > 1:
         return PipelineScheduler(sc, block_manager, settle=settle, num_stages=stages)
-    cls = AsyncScheduler if config.async_scheduling else Scheduler
+    cls = AsyncScheduler if config.plans_with_placeholders else Scheduler
     return cls(sc, block_manager, settle=settle)
 
 
@@ -46,7 +47,7 @@ def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | No
     stages = config.parallel_config.pipeline_parallel_size
     if stages > 1:
         return PipelineLoop(engine, stages)
-    return AsyncSchedulingLoop(engine) if config.async_scheduling else None
+    return AsyncSchedulingLoop(engine) if config.plans_with_placeholders else None
 
 
 def check_backend_supports(backend_cls: type, registry: Any) -> None:
