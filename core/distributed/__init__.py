@@ -61,11 +61,14 @@ class Communicator:
         return dist.isend(_as_bytes(x), dst)
 
     def recv(self, shape: tuple[int, ...], dtype: Any, src: int) -> Any:
-        """A tensor of ``shape`` and ``dtype`` sent by rank ``src``."""
+        """A tensor of ``shape`` and ``dtype`` sent by rank ``src``, in the memory the
+        library moves: the host's for a library that carries it (gloo), else its device's
+        (NCCL: the current CUDA device, which the backend set to this rank's GPU)."""
         import torch
         import torch.distributed as dist
 
-        y = torch.empty(shape, dtype=dtype)
+        devices = dist.Backend.backend_capability.get(dist.get_backend(self.group), ["cpu"])
+        y = torch.empty(shape, dtype=dtype, device="cpu" if "cpu" in devices else devices[0])
         dist.recv(_as_bytes(y), src)
         return y
 
