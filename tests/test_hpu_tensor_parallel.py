@@ -9,7 +9,6 @@ backend's sharded model and bucketed steps, not the device or HCCL itself.
 
 from __future__ import annotations
 
-import pytest
 from engine_helpers import assert_same_as, generate, make_llm
 
 from cadence import SamplingParams
@@ -39,17 +38,3 @@ def test_hpu_tp2_matches_one_process(monkeypatch, tiny_model_dir):
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         llm.shutdown()
-
-
-def test_hpu_refuses_pipeline_parallel(tiny_model_dir):
-    import dataclasses
-
-    from cadence.backends.hpu.backend import HpuBackend
-    from cadence.config import ParallelConfig
-    from cadence.engine_args import EngineArgs
-    from cadence.executor import create_executor
-
-    config = EngineArgs(model=tiny_model_dir("qwen2")).create_engine_config()
-    pp2 = dataclasses.replace(config, parallel_config=ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match="'hpu' does not support pipeline parallel"):
-        create_executor(HpuBackend, pp2)

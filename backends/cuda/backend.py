@@ -197,6 +197,9 @@ class CudaBackend(Backend):
     # One rank per GPU (cuda:LOCAL_RANK), collectives over NCCL. Ranks run eagerly: a
     # collective inside a captured CUDA graph has not been checked on GPUs yet.
     supports_tensor_parallel = True
+    # One stage per GPU, the activations between stages over NCCL send/recv; a stage before
+    # the last samples nothing (``sample``). Stages run eagerly too (``warmup``).
+    supports_pipeline_parallel = True
     distributed_backend = "nccl"
 
     def __init__(self, config: EngineConfig) -> None:
@@ -251,24 +254,32 @@ class CudaBackend(Backend):
         device = config.backend_option("device")
         if size == 1 or (device is not None and not str(device).startswith("cuda")):
             return
+        parallel = config.parallel_config
+        # Every rank of every stage (tensor x pipeline parallel) takes a GPU of its own.
+        split = " x ".join(f"--{kind}-parallel-size {n}" for kind, n in (
+            ("tensor", parallel.tensor_parallel_size),
+            ("pipeline", parallel.pipeline_parallel_size)) if n > 1)
         if device not in (None, "cuda"):
-            raise ValueError(f"--tensor-parallel-size {size}: each rank takes the GPU its "
-                             f"LOCAL_RANK names; a fixed cuda device ({device!r}) would put "
-                             "every rank on one GPU")
-        if config.parallel_config.executor == "mp":  # Ray's ranks may be on other hosts
+            raise ValueError(f"{split}: each rank takes the GPU its LOCAL_RANK names; a fixed "
+                             f"cuda device ({device!r}) would put every rank on one GPU")
+        if parallel.executor == "mp":  # Ray's ranks may be on other hosts
             import torch
 
             found = torch.cuda.device_count()  # NVML: no CUDA context is created
             if found < size:
-                raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs, one per "
-                                 f"rank; {found} visible (CUDA_VISIBLE_DEVICES)")
+                raise ValueError(f"{split} needs {size} GPUs, one per rank; {found} visible "
+                                 "(CUDA_VISIBLE_DEVICES)")
 
     def warmup(self) -> None:
         if self.options.enforce_eager:
             return
         if self.config.parallel_config.world_size > 1:
-            logger.info("CUDA graphs off under tensor parallel (collectives in captured "
-                        "graphs are not verified yet): running eagerly")
+            # Tensor parallel: all-reduces in a captured graph are not verified on GPUs yet.
+            # Pipeline parallel: a graph would need the stage's NCCL send/recv captured and
+            # the received activations in a static buffer; neither is built.
+            logger.info("CUDA graphs off under tensor or pipeline parallel (collectives and "
+                        "point-to-point sends in captured graphs are not verified yet): "
+                        "running eagerly")
             return
         if not getattr(self.runner.model, "graph_capturable", True):
             logger.info("CUDA graphs off: %s routes tokens on the host (runs eagerly)",
@@ -282,7 +293,10 @@ class CudaBackend(Backend):
         """Enqueue the forward; logits [num_sampled, vocab] (graph replay when possible)."""
         return self._rt.launch(self, mi)
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> Any:
+    def sample(self, logits: torch.Tensor | None, sampling: SamplingMetadata) -> Any:
+        # None on a pipeline stage before the last: nothing is sampled, and the empty copy
+        # behind it still waits for the stage's forward; the step returns no ids, as the
+        # CPU backend's stage does.
         return self.runner.sample(logits, sampling)
 
     def start_copy(self, sampled: Any) -> Any:

@@ -43,8 +43,8 @@ def init(be: CudaBackend) -> None:
     device = torch.device(be.options.device or "cuda")
     if device.type == "cuda":
         if device.index is None and be.config.parallel_config.world_size > 1:
-            # A rank of tensor parallel: the GPU its LOCAL_RANK names (set by the executor
-            # before this backend was built).
+            # A rank of tensor or pipeline parallel: the GPU its LOCAL_RANK names (set by
+            # the executor before this backend was built).
             local = int(os.environ.get("LOCAL_RANK", "0"))
             if local >= torch.cuda.device_count():
                 raise ValueError(f"rank {os.environ.get('RANK', '?')} is rank {local} on its "

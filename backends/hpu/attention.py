@@ -157,6 +157,7 @@ class GraphedForward(nn.Module):
     inside, because an HPU graph replays with new values only for its inputs: a tensor read
     from a global would be baked into the graph. One instance per kind (decode, prefill,
     prefill with context) keeps shapes of different kinds from sharing a graph cache.
+    On a pipeline stage before the last it returns None (the model sent its activations).
     """
 
     def __init__(self, model: nn.Module, attn: HpuPagedAttention, kind: str) -> None:
@@ -184,6 +185,8 @@ class GraphedForward(nn.Module):
                                   positions.view(b, ql), seq_lens)
         with set_forward_context(self.attn, md):
             hidden = self.model(input_ids, positions)  # [B * Q, hidden]
+        if hidden is None:  # a pipeline stage before the last: its activations went on
+            return None
         return self.model.compute_logits(hidden.index_select(0, logits_indices))  # [B, V]
 
 

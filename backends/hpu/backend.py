@@ -78,9 +78,12 @@ class HpuBackend(Backend):
     supports_async_scheduling = True
     # One rank per Gaudi card, the card chosen by the bridge from LOCAL_RANK (which the
     # executor sets before this backend is built); collectives over HCCL, or over gloo in
-    # emulation. Pipeline parallel is not declared: its stages would need the bucketed
-    # parts to hand activations on (docs/distributed.md).
+    # emulation.
     supports_tensor_parallel = True
+    # One stage per card: each bucketed part's activations go to the next stage (padded to
+    # the part's bucket, which every stage picks alike from the same ModelInput), and a
+    # stage before the last samples nothing. See the NOTE at ``warmup``.
+    supports_pipeline_parallel = True
     distributed_backend = "hccl"
 
     def __init__(self, config: EngineConfig) -> None:
@@ -162,10 +165,13 @@ class HpuBackend(Backend):
         attn = HpuPagedAttention(k, v, spec.block_size, spec.head_dim ** -0.5, sdpa)
         check_supported(attn, self.runner.model)
         self.runner.attn = attn
+        # Under pipeline parallel the forward sends and receives activations: no HPU graph
+        # around that (not verified on a Gaudi), plain lazy mode instead.
+        capturable = self.config.parallel_config.pipeline_parallel_size == 1
         self._graphs = {kind: self.device.wrap_graph(GraphedForward(self.runner.model, attn, kind),
-                                                     kind)
+                                                     kind, capturable)
                         for kind in ("decode", "prefill", "prefill_ctx")}
-        if self.config.async_scheduling:
+        if self.config.plans_with_placeholders:  # not under pipeline parallel
             from cadence.backends.hpu.feedback import SampledIds
 
             self._sampled = SampledIds(self.buckets, self.device,
@@ -173,7 +179,15 @@ class HpuBackend(Backend):
         return num_blocks
 
     def warmup(self) -> None:
-        """Run every bucket, largest first, and remember the compiled-graph count."""
+        """Run every bucket, largest first, and remember the compiled-graph count.
+
+        NOTE pipeline parallel: a stage after the first receives each warmup forward's
+        activations from the stage before it. Every stage runs the same plan (the buckets
+        come from the same config) in the same order, so the stages go in lockstep, as
+        tensor-parallel ranks do with the collectives inside; a stage before the last
+        samples nothing. Skipping the warmup on one stage only would leave the others
+        waiting: ``skip_warmup`` is one option for the whole engine.
+        """
         if self.config.backend_option("skip_warmup"):
             logger.warning("HPU warmup skipped: graphs will compile while serving")
             return
@@ -234,14 +248,26 @@ class HpuBackend(Backend):
                     args = (self._sampled.apply(args[0], p.fill), *args[1:])
                 p.result = self._graphs[graph_kind(p.batch)](*args)
 
+    @property
+    def _is_last_stage(self) -> bool:
+        """Whether this process computes logits (always, without pipeline parallel)."""
+        return getattr(self.runner.model, "is_last_stage", True)
+
     def _sample_parts(self, parts: list[_Part], meta: SamplingMetadata) -> None:
         from cadence.backends.hpu.sampling import sample_parts
 
+        if not self._is_last_stage:
+            return  # no logits here: the parts' activations went to the next stage
         sample_parts(parts, meta, self.runner, self.device, self._sampled)
 
     def _host_parts(self, parts: list[_Part], num_sampled: int) -> SamplerOutput:
         from cadence.layers import sampler
 
+        if not self._is_last_stage:
+            # What the CPU backend's stage returns: no ids. The step ends once the stage's
+            # work is done, as the last stage's does when it reads its samples.
+            self.device.synchronize()
+            return SamplerOutput([])
         token_ids = [0] * num_sampled
         logprobs: list | None = None
         for p in parts:

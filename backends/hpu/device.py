@@ -65,7 +65,10 @@ class EmulatedDevice:
     def mark_step(self) -> None:
         self.num_mark_steps += 1
 
-    def wrap_graph(self, module: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def wrap_graph(self, module: Callable[..., Any], name: str,
+                   capturable: bool = True) -> Callable[..., Any]:
+        # Recorded either way: lazy mode compiles one graph per shape with or without HPU
+        # graphs on top, so the count stays what a Gaudi compiles.
         return _ShapeRecordingGraph(module, name, self._seen)
 
     def note_graph(self, name: str, *args: Any) -> None:
@@ -111,8 +114,11 @@ class HabanaDevice:
         if self.lazy:
             self._htcore.mark_step()
 
-    def wrap_graph(self, module: Callable[..., Any], name: str) -> Callable[..., Any]:
-        if not self.lazy:
+    def wrap_graph(self, module: Callable[..., Any], name: str,
+                   capturable: bool = True) -> Callable[..., Any]:
+        """``module`` as an HPU graph; as it is when ``capturable`` is False (a forward
+        with point-to-point sends inside, which runs in plain lazy mode)."""
+        if not self.lazy or not capturable:
             return module  # HPU graphs are a lazy-mode feature
         # disable_tensor_cache: inputs change every step; vllm-gaudi uses the same setting.
         return self._htorch.hpu.wrap_in_hpu_graph(module, disable_tensor_cache=True)
