@@ -7,13 +7,14 @@ never turns into a hub download.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cadence.config import ModelConfig
+from cadence.distributed import pp_size
 from cadence.models import get_model_class
 from cadence.tokenizer_loader import load_tokenizer  # re-exported; it imports no torch itself
 
@@ -64,15 +65,18 @@ def safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the folder's safetensors files, one at a time."""
+def iterate_weights(path: str, skip: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the folder's safetensors files, one at a time;
+    a tensor whose name ``skip`` rejects is never read."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = f.keys()  # a safetensors handle is not iterable itself
             for name in names:
-                yield name, f.get_tensor(name)
+                if skip is None or not skip(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
@@ -82,7 +86,13 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     safetensors_files(model_config.model)  # fail before the (slower) model build
     dtype = torch_dtype(model_config.dtype)
     model = model_cls(hf_config, dtype, max_model_len=model_config.max_model_len)
-    model.load_weights(iterate_weights(model_config.model))
+    skip = None
+    if pp_size() > 1:
+        # A pipeline stage reads its own tensors only: another stage's layers are neither
+        # read from disk nor converted (a 4-stage split reads a quarter of the checkpoint).
+        def skip(name: str) -> bool:
+            return model.stage_weight_name(name) is None
+    model.load_weights(iterate_weights(model_config.model, skip))
     return model.eval(), hf_config
 
 

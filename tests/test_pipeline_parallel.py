@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+import torch
 from engine_helpers import assert_same_as, generate, lose_a_rank_mid_run, make_llm, summarize
 
 from cadence import SamplingParams
@@ -229,8 +230,10 @@ def test_tensor_parallel_inside_pipeline_stages(tiny_model_dir):
     """TP=2 inside each of PP=2 stages (four ranks sharing two cores, ``--cpu-bind none``):
     each stage's ranks reduce over their own group, activations go rank to rank with the
     same TP index, the last stage's first rank answers; the same tokens and logprobs as one
-    process with two micro-batches in flight, async output on == off. Then one of the last
-    stage's ranks (not the one that answers) is killed: every request fails naming it."""
+    process with two micro-batches in flight, async output on == off. Then a rank of the
+    first stage is killed: its peers fail their steps without it (the other stage's
+    receive, its TP partner's all-reduce), and every request fails naming the rank that
+    died, not them."""
     model = tiny_model_dir("llama-tied")  # tied head: the last stage's ranks each take
     options = {"overlap": "sync", "linear": "packed"}  # their vocabulary rows of it
     single = make_llm(model, num_kv_blocks=64, backend_options=options)
@@ -262,8 +265,8 @@ def test_tensor_parallel_inside_pipeline_stages(tiny_model_dir):
         assert engine.block_manager.num_free_blocks == engine.num_blocks
 
         engine.guard.max_restarts = 1  # a lost group fails its requests, then restarts
-        expect = r"rank 3 of 4 died \(killed by SIGKILL\)"
-        failed = lose_a_rank_mid_run(engine, PROMPTS[:3], pids[3], True, expect)
+        expect = r"rank 1 of 4 died \(killed by SIGKILL\)"
+        failed = lose_a_rank_mid_run(engine, PROMPTS[:3], pids[1], True, expect)
         assert sorted(o.request_id for o in failed) == ["k0", "k1", "k2"]
         assert all(re.search(expect, o.error) for o in failed)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
@@ -281,6 +284,63 @@ def test_layers_split_into_contiguous_stages():
     assert [pp_layer_range(2, s, 2) for s in range(2)] == [range(1), range(1, 2)]
     with pytest.raises(ValueError, match="at least one decoder layer per stage"):
         pp_layer_range(2, 0, 3)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama-tied"])
+def test_a_stage_reads_only_its_own_checkpoint_tensors(kind, tiny_model_dir, monkeypatch):
+    """Each stage reads its layers, the first the embeddings, the last the final norm and
+    the head (a tied one from the embeddings' tensor), and nothing else from disk; every
+    tensor is read by some stage, and each loads the same values as one process."""
+    from safetensors import safe_open
+
+    from cadence import distributed, model_loader
+    from cadence.engine_args import EngineArgs
+
+    model_config = EngineArgs(model=tiny_model_dir(kind)).create_engine_config().model_config
+    read: list[str] = []
+    real = safe_open
+
+    class Recording:
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    whole, _ = model_loader.load_model(model_config)
+    everything, read[:] = set(read), []
+    params = dict(whole.named_parameters(remove_duplicate=False))
+    per_stage = []
+    try:
+        for stage in range(2):
+            distributed.set_pipeline_parallel(stage, 2, distributed.Communicator())
+            part, _ = model_loader.load_model(model_config)
+            per_stage.append(set(read))
+            read.clear()
+            for name, p in part.named_parameters():
+                assert torch.equal(p, params[name]), name
+    finally:
+        distributed.set_pipeline_parallel(0, 1, None)
+    first, last = per_stage
+    assert first | last == everything
+    # Only a tied head's tensor is read twice: as the embeddings and as the head.
+    assert first & last == ({"model.embed_tokens.weight"} if kind == "llama-tied" else set())
+    assert not any(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in first)
+    assert not any(n.startswith("model.layers.0.") for n in last)
 
 
 def test_ranks_are_stage_major_and_each_gets_its_cores():
