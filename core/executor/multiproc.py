@@ -39,6 +39,9 @@ from cadence.executor.pipes import read_reply, send
 
 # After one rank fails a step, how long the others get to fail it too before the group
 # counts as broken (they fail at the same point when the input itself was bad).
+# How long a failed step waits for a rank that is going away to be reaped, so the error
+# names the rank that died rather than the peers that failed because of it.
+DEATH_GRACE_S = 0.5
 PEER_GRACE_S = 5.0
 
 
@@ -185,6 +188,23 @@ class MultiprocExecutor(Backend):
     def _kill_ranks(self) -> None:
         _kill_all(self._procs)
 
+    def _dead_rank(self, failed: list[int] | None = None) -> str | None:
+        """Why the group lost a step when a rank that died is the cause: a rank that
+        replied to a step and then died leaves the ranks that need it (a pipeline's next
+        stage, its tensor-parallel peers) failing theirs, and those failures would
+        otherwise be what the error names. None when every rank process is alive (a
+        real step failure, or a transport without processes to look at, like Ray's)."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    after = f" (rank(s) {failed} failed the step without it)" if failed else ""
+                    return (f"rank {rank} of {self.world_size} {_exit_reason(proc)}{after}; "
+                            "every rank was stopped")
+            if not self._procs or time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
     def _lost(self, message: str) -> WorkerLostError:
         self._kill_ranks()
         self._in_flight = 0
@@ -207,7 +227,8 @@ class MultiprocExecutor(Backend):
             if not ready:
                 late = waiting
                 if failed_at is not None:
-                    raise self._lost(f"rank {failed_rank} of {self.world_size} failed a step "
+                    raise self._lost(self._dead_rank() or
+                                     f"rank {failed_rank} of {self.world_size} failed a step "
                                      f"while rank(s) {late} still ran it; every rank was "
                                      f"stopped:\n{replies[failed_rank][1]}")
                 raise self._lost(f"rank(s) {late} of {self.world_size} gave no reply within "
@@ -243,7 +264,8 @@ class MultiprocExecutor(Backend):
         replies = self._gather(self.step_timeout_s)
         errors = [r for r, rep in enumerate(replies) if isinstance(rep, tuple)]
         if errors and len(errors) < len(replies):
-            raise self._lost(f"rank(s) {errors} failed a step the others ran, so the group's "
+            raise self._lost(self._dead_rank(errors) or
+                             f"rank(s) {errors} failed a step the others ran, so the group's "
                              f"state is inconsistent; every rank was stopped:\n"
                              f"{replies[errors[0]][1]}")
         if errors:
