@@ -371,26 +371,6 @@ def test_ranks_are_stage_major_and_each_gets_its_cores():
         rank_cpus(both, [0, 1])
 
 
-def test_unbound_ranks_share_the_cores(monkeypatch):
-    """``--cpu-bind none``: nothing is pinned, each rank (or replica) sizes its pool to an
-    equal share of the cores, at least one; an unknown choice is refused by name."""
-    from cadence.backends.cpu import placement
-
-    monkeypatch.setattr(placement, "bind_to", lambda cpus: pytest.fail("pinned"))
-    monkeypatch.setattr(placement, "available_cpus", lambda: [0, 1])
-    both = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert placement.place(both, "none", ranks=True) == 1
-    assert placement.place(ParallelConfig(tensor_parallel_size=2), "none", ranks=True) == 1
-    assert placement.shared_threads(ParallelConfig(pipeline_parallel_size=2), True,
-                                    list(range(8))) == 4
-    assert placement.shared_threads(ParallelConfig(data_parallel_size=2,
-                                                   tensor_parallel_size=2), False,
-                                    list(range(8))) == 4
-    assert placement.place(ParallelConfig(), "none", ranks=True) is None
-    with pytest.raises(ValueError, match=r"bind must be one of \('cores', 'none'\), got 'all'"):
-        placement.place(both, "all", ranks=True)
-
-
 def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
     import dataclasses
 

@@ -39,6 +39,11 @@ def cadence_add_cli_options(parser) -> None:
                              "to its own share of the cores) or 'none' (no binding; each "
                              "sizes its threads to an equal share, so more ranks than cores "
                              "can run, slower)")
+    parser.add_argument("--cpu-reserved-cores", type=int, default=None, metavar="N",
+                        help="keep the model's threads off the first N cores, for the engine "
+                             "process's own work (scheduling, output processing), so it "
+                             "overlaps the forward; for machines with cores to spare "
+                             "(default 0)")
 
 
 @hookimpl
@@ -61,7 +66,7 @@ def cadence_configure(config) -> None:
     if config.get("cpu_kv_cache_gb"):
         opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
     for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear"),
-                      ("cpu_bind", "bind")):
+                      ("cpu_bind", "bind"), ("cpu_reserved_cores", "reserved_cores")):
         if config.get(flag):
             opts[key] = config[flag]
 

@@ -69,11 +69,12 @@ class CpuBackend(Backend):
 
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
-        from cadence.backends.cpu.placement import check_bind, rank_cpus
+        from cadence.backends.cpu.placement import compute_cpus, placement_options, rank_cpus
 
         super().check_parallel_config(config)
-        if check_bind(str(config.backend_option("bind", "cores"))) == "cores":
-            rank_cpus(config.parallel_config)  # too few cores for the ranks: say so now
+        bind, reserved = placement_options(config)
+        if bind == "cores":  # too few cores for the ranks: say so now
+            rank_cpus(config.parallel_config, compute_cpus(reserved))
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
                          join_timeout: float) -> None:
@@ -81,15 +82,32 @@ class CpuBackend(Backend):
         worker), bound to this rank's share of the cores before torch starts its pool."""
         import torch
 
-        from cadence.backends.cpu.placement import place
+        from cadence.backends.cpu.placement import place, placement_options
 
         self._in_rank = True
         self.overlap = "sync"
-        num_threads = place(self.config.parallel_config,
-                            str(self.config.backend_option("bind", "cores")), ranks=True)
+        bind, reserved = placement_options(self.config)
+        num_threads = place(self.config.parallel_config, bind, True, reserved)
         if num_threads:
             torch.set_num_threads(num_threads)
         super().init_distributed(rank, world_size, init_method, join_timeout)
+
+    def _check_placement(self) -> None:
+        """Refuse, before the worker starts, what its placement could not honour: replicas
+        or reserved cores without a worker process of their own, too few cores."""
+        from cadence.backends.cpu.placement import compute_cpus, placement_options, replica_cpus
+
+        bind, reserved = placement_options(self.config)
+        replicas = self.config.parallel_config.data_parallel_size > 1
+        if (replicas or reserved) and self.overlap != "process":
+            what = ("data parallel serving" if replicas else
+                    f"--cpu-reserved-cores {reserved}")
+            raise ValueError(f"{what} on the cpu backend needs the 'process' overlap strategy "
+                             f"(the model runs in a worker process placed on its own cores); "
+                             f"got {self.overlap!r}")
+        cpus = compute_cpus(reserved) if reserved else None
+        if replicas and bind == "cores":
+            replica_cpus(self.config.parallel_config, cpus)  # too few cores: say so now
 
     def _kv_cache_bytes(self) -> int:
         return int(float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
@@ -98,16 +116,8 @@ class CpuBackend(Backend):
     def load_model(self) -> None:
         # The model, its packed GEMMs, the KV cache and the attention kernel are built in one
         # go (backends/cpu/runtime.py), in the worker process or here.
-        if self.config.parallel_config.data_parallel_size > 1 and not self._in_rank:
-            from cadence.backends.cpu.placement import check_bind, replica_cpus
-
-            if self.overlap != "process":
-                raise ValueError(
-                    f"data parallel serving on the cpu backend needs the 'process' overlap "
-                    f"strategy (each replica's worker process binds to its own cores); got "
-                    f"{self.overlap!r}")
-            if check_bind(str(self.config.backend_option("bind", "cores"))) == "cores":
-                replica_cpus(self.config.parallel_config)  # too few cores: say so now
+        if not self._in_rank:
+            self._check_placement()
         if self.overlap == "process":
             from cadence.backends.cpu.worker import ForwardWorker
 

@@ -13,13 +13,19 @@ core and sizes its pool to its equal share of them (at least one thread). Slower
 cores are few, since the pools then meet on the same cores, but it runs more ranks than
 cores (a tensor x pipeline split tried on a small machine) and leaves placement to the
 operating system or to an outer ``taskset``.
+
+``--cpu-reserved-cores N`` (backend option ``reserved_cores``) keeps the model's threads off
+the first N cores, for the engine process: where cores are plenty, the host's work of a
+step (scheduling, building the input, output processing) then overlaps the forward
+instead of taking a core from its thread pool, which is what async scheduling needs to pay
+off (docs/performance.md). vLLM's CPU backend reserves cores for its front end the same way.
 """
 
 from __future__ import annotations
 
 import os
 
-from cadence.config import ParallelConfig
+from cadence.config import EngineConfig, ParallelConfig
 
 BIND_CHOICES = ("cores", "none")
 
@@ -86,6 +92,32 @@ def check_bind(bind: str) -> str:
     return bind
 
 
+def placement_options(config: EngineConfig) -> tuple[str, int]:
+    """The backend options ``bind`` and ``reserved_cores``, checked."""
+    bind = check_bind(str(config.backend_option("bind", "cores")))
+    raw = config.backend_option("reserved_cores", 0)
+    try:
+        reserved = int(raw)
+    except (TypeError, ValueError):
+        reserved = -1
+    if reserved < 0:
+        raise ValueError(f"cpu backend option reserved_cores must be a whole number >= 0, "
+                         f"got {raw!r}")
+    return bind, reserved
+
+
+def compute_cpus(reserved: int, cpus: list[int] | None = None) -> list[int]:
+    """The cores the model's threads may use: all but the first ``reserved`` of this
+    process's, which are left to the engine process (scheduling, output processing, the
+    server) so that its work overlaps the forward instead of taking a core from it.
+    ValueError when that leaves none."""
+    cpus = available_cpus() if cpus is None else cpus
+    if reserved >= len(cpus):
+        raise ValueError(f"--cpu-reserved-cores {reserved} leaves no core for the model: this "
+                         f"process may use {len(cpus)} ({cpus})")
+    return cpus[reserved:]
+
+
 def shared_threads(parallel: ParallelConfig, ranks: bool,
                    cpus: list[int] | None = None) -> int | None:
     """Unbound (``bind`` none): the threads of one of the engine's ranks (``ranks``) or of
@@ -97,9 +129,14 @@ def shared_threads(parallel: ParallelConfig, ranks: bool,
     return max(1, len(available_cpus() if cpus is None else cpus) // parts)
 
 
-def place(parallel: ParallelConfig, bind: str, ranks: bool) -> int | None:
-    """Bind this process (a rank when ``ranks``, else a replica's worker) to its cores, or
-    not with ``bind`` none; the thread count its pool should have (None: torch's)."""
+def place(parallel: ParallelConfig, bind: str, ranks: bool, reserved: int = 0) -> int | None:
+    """Bind this process (a rank when ``ranks``, else the worker process of an engine or
+    of a replica) to its cores, or not with ``bind`` none, leaving the first ``reserved``
+    cores alone; the thread count its pool should have (None: torch's)."""
+    cpus = compute_cpus(reserved) if reserved else None
     if check_bind(bind) == "none":
-        return shared_threads(parallel, ranks)
-    return bind_to(rank_cpus(parallel) if ranks else replica_cpus(parallel))
+        if reserved and shared_threads(parallel, ranks, cpus) is None:
+            return len(cpus)
+        return shared_threads(parallel, ranks, cpus)
+    mine = rank_cpus(parallel, cpus) if ranks else replica_cpus(parallel, cpus)
+    return bind_to(mine if mine is not None else cpus)

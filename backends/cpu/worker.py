@@ -40,12 +40,12 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
     try:
         import torch
 
-        from cadence.backends.cpu.placement import place
+        from cadence.backends.cpu.placement import place, placement_options
 
-        # A replica among several takes its share of the cores (placement.py), before
-        # torch starts its thread pool.
-        num_threads = place(config.parallel_config, str(config.backend_option("bind", "cores")),
-                            ranks=False) or num_threads
+        # A replica among several takes its share of the cores, and any reserved for the
+        # engine process are left out (placement.py), before torch starts its thread pool.
+        bind, reserved = placement_options(config)
+        num_threads = place(config.parallel_config, bind, False, reserved) or num_threads
         if num_threads:
             torch.set_num_threads(num_threads)
         from cadence.backends.cpu.runtime import build_runtime

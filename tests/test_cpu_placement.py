@@ -1,0 +1,90 @@
+"""Where the CPU backend's processes run (backends/cpu/placement.py): each rank or replica
+on its own share of the cores, ``--cpu-bind none`` sharing them, ``--cpu-reserved-cores``
+keeping the model's threads off cores left to the engine process, and the refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from engine_helpers import generate, make_llm
+
+from cadence import SamplingParams
+from cadence.config import ParallelConfig
+
+
+def test_unbound_ranks_share_the_cores(monkeypatch):
+    """``--cpu-bind none``: nothing is pinned, each rank (or replica) sizes its pool to an
+    equal share of the cores, at least one; an unknown choice is refused by name."""
+    from cadence.backends.cpu import placement
+
+    monkeypatch.setattr(placement, "bind_to", lambda cpus: pytest.fail("pinned"))
+    monkeypatch.setattr(placement, "available_cpus", lambda: [0, 1])
+    both = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert placement.place(both, "none", ranks=True) == 1
+    assert placement.place(ParallelConfig(tensor_parallel_size=2), "none", ranks=True) == 1
+    assert placement.shared_threads(ParallelConfig(pipeline_parallel_size=2), True,
+                                    list(range(8))) == 4
+    assert placement.shared_threads(ParallelConfig(data_parallel_size=2,
+                                                   tensor_parallel_size=2), False,
+                                    list(range(8))) == 4
+    assert placement.place(ParallelConfig(), "none", ranks=True) is None
+    with pytest.raises(ValueError, match=r"bind must be one of \('cores', 'none'\), got 'all'"):
+        placement.place(both, "all", ranks=True)
+
+
+def test_reserved_cores_are_left_to_the_engine(monkeypatch):
+    """The first N cores are kept from the model's threads: a lone engine's worker binds to
+    the rest, replicas and ranks split the rest, unbound ranks share it."""
+    from cadence.backends.cpu import placement
+
+    bound: list[list[int]] = []
+    monkeypatch.setattr(placement, "bind_to",
+                        lambda cpus: cpus and (bound.append(cpus) or len(cpus)))
+    monkeypatch.setattr(placement, "available_cpus", lambda: list(range(8)))
+    assert placement.place(ParallelConfig(), "cores", False, reserved=2) == 6
+    assert placement.place(ParallelConfig(data_parallel_size=2, data_parallel_rank=1),
+                           "cores", False, reserved=2) == 3
+    assert placement.place(ParallelConfig(tensor_parallel_size=2, tensor_parallel_rank=0),
+                           "cores", True, reserved=2) == 3
+    assert bound == [[2, 3, 4, 5, 6, 7], [5, 6, 7], [2, 3, 4]]
+    assert placement.place(ParallelConfig(), "none", False, reserved=2) == 6
+    assert placement.place(ParallelConfig(pipeline_parallel_size=2), "none", True,
+                           reserved=2) == 3
+    assert placement.place(ParallelConfig(), "cores", False) is None  # nothing to do
+    with pytest.raises(ValueError, match="--cpu-reserved-cores 8 leaves no core"):
+        placement.compute_cpus(8)
+
+
+def test_placement_options_are_checked(tiny_model_dir):
+    model = tiny_model_dir("qwen2")
+    cases = [({"overlap": "sync", "reserved_cores": 1},
+              "--cpu-reserved-cores 1 on the cpu backend needs the 'process' overlap"),
+             ({"overlap": "process", "reserved_cores": os.cpu_count()}, "leaves no core"),
+             ({"overlap": "process", "reserved_cores": "one"},
+              r"reserved_cores must be a whole number >= 0, got 'one'"),
+             ({"overlap": "process", "bind": "all"}, r"bind must be one of \('cores', 'none'\)")]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make_llm(model, num_kv_blocks=16, backend_options=options)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to reserve one")
+def test_the_worker_runs_off_the_reserved_core(tiny_model_dir):
+    model = tiny_model_dir("qwen2")
+    cpus = sorted(os.sched_getaffinity(0))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(model, num_kv_blocks=16,
+                   backend_options={"overlap": "process", "reserved_cores": 1})
+    try:
+        worker = llm.engine.backend._worker._proc.pid
+        assert sorted(os.sched_getaffinity(worker)) == cpus[1:]
+        assert llm.engine.backend.env_info()["cpu_threads"] == str(len(cpus) - 1)
+        got = generate(llm, ["hello there"], params)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    plain = make_llm(model, num_kv_blocks=16)
+    try:
+        assert generate(plain, ["hello there"], params)[0].outputs[0].token_ids == got
+    finally:
+        plain.shutdown()
