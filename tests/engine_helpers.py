@@ -128,3 +128,34 @@ def lose_a_rank_mid_run(engine, prompts, pid: int, kill: bool, expect: str,
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     return [o for o in outputs if o.finished]
+
+
+class StageOutbox:
+    """A pipeline stage's communicator that records each send (shape, destination rank)
+    instead of making it, for a stage tested alone in one process."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[tuple[int, ...], int]] = []
+
+    def isend(self, x, dst):
+        self.sent.append((tuple(x.shape), dst))
+        return _Sent()
+
+
+class StageInbox:
+    """A later stage's communicator that records each receive (shape, source rank) and
+    hands back zeros of that shape."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[tuple[int, ...], int]] = []
+
+    def recv(self, shape, dtype, src):
+        import torch
+
+        self.asked.append((tuple(shape), src))
+        return torch.zeros(shape, dtype=dtype)
+
+
+class _Sent:
+    def wait(self) -> None:
+        pass

@@ -26,7 +26,7 @@ if torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from engine_helpers import assert_same_as, generate, lose_a_rank_mid_run
+from engine_helpers import StageOutbox, assert_same_as, generate, lose_a_rank_mid_run
 
 from cadence import LLM, SamplingParams
 from cadence.backend import ProbeResult
@@ -113,19 +113,10 @@ def test_a_stage_before_the_last_samples_nothing(tiny_model_dir) -> None:
     from cadence.backends.cuda.backend import CudaBackend, profile_input
     from cadence.engine_args import EngineArgs
 
-    class Outbox(distributed.Communicator):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sent: list[tuple[tuple[int, ...], int]] = []
-
-        def isend(self, x, dst):
-            self.sent.append((tuple(x.shape), dst))
-            return _Done()
-
     config = EngineArgs(model=tiny_model_dir("qwen2"), backend="cuda", dtype="float32",
                         max_model_len=64, num_kv_blocks=8,
                         backend_options={"device": "cpu"}).create_engine_config()
-    outbox = Outbox()
+    outbox = StageOutbox()
     distributed.set_pipeline_parallel(0, 2, outbox)
     try:
         backend = CudaBackend(config)
@@ -140,11 +131,6 @@ def test_a_stage_before_the_last_samples_nothing(tiny_model_dir) -> None:
     assert out.sampled_token_ids == [] and out.logprobs is None
     # Each forward sent its branch output and residual stream, stacked, to rank 1.
     assert outbox.sent == [((2, 5, hidden), 1)] * 2
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")

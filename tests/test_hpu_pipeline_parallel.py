@@ -11,7 +11,7 @@ the device or HCCL itself.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_same_as, generate, make_llm
+from engine_helpers import StageInbox, StageOutbox, assert_same_as, generate, make_llm
 
 from cadence import SamplingParams
 
@@ -50,11 +50,6 @@ def test_hpu_pp2_matches_one_process(tiny_model_dir):
         llm.shutdown()
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
 def _stage(stage: int, model: str, comm):
     """An HPU backend in this process as stage ``stage`` of 2 over ``comm`` (no warmup)."""
     from cadence import distributed
@@ -89,31 +84,11 @@ def test_stages_hand_on_each_part_at_its_bucket_shape(tiny_model_dir):
     """Stage 0 sends each part's activations at the part's padded token count, stage 1
     asks for the same shapes (both pick the buckets from the same ModelInput); the first
     stage samples nothing, the last samples every row."""
-    import torch
-
     from cadence import distributed
     from cadence.backend import PostSample
 
-    class Outbox(distributed.Communicator):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sent: list[tuple[tuple[int, ...], int]] = []
-
-        def isend(self, x, dst):
-            self.sent.append((tuple(x.shape), dst))
-            return _Done()
-
-    class Inbox(distributed.Communicator):
-        def __init__(self) -> None:
-            super().__init__()
-            self.asked: list[tuple[tuple[int, ...], int]] = []
-
-        def recv(self, shape, dtype, src):
-            self.asked.append((tuple(shape), src))
-            return torch.zeros(shape, dtype=dtype)
-
     model = tiny_model_dir("llama-tied")
-    outbox, inbox = Outbox(), Inbox()
+    outbox, inbox = StageOutbox(), StageInbox()
     try:
         first, config = _stage(0, model, outbox)
         mi, padded = _mixed_step(config)

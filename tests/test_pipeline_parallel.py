@@ -21,6 +21,13 @@ PROMPTS = ["the quick brown fox", "once upon a time there was a small bird that 
            "hello", "a b c d e f g", "twelve drummers drumming and eleven pipers",
            "zebra"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+# One request each: greedy, seeded, a stop string, n > 1, a stop id with a penalty, one token.
+MIXED = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
+         SamplingParams(temperature=0.0, max_tokens=12, stop=["e"]),
+         SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2),
+         SamplingParams(temperature=0.7, seed=11, max_tokens=9, stop_token_ids=[40],
+                        repetition_penalty=1.3),
+         SamplingParams(temperature=0.0, max_tokens=1)]
 # qwen2: q/k/v biases, untied head, F.linear; llama-tied: the last stage loads the head
 # from the embeddings' weight (which only the first stage holds), packed GEMMs.
 CASES = {"qwen2": {"overlap": "sync", "linear": "torch"},
@@ -95,12 +102,7 @@ def test_every_step_makes_progress_with_fewer_requests_than_stages(pp_pair):
 
 def test_pp2_async_output_on_equals_off(pp_pair):
     _, _, llm = pp_pair
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
-              SamplingParams(temperature=0.0, max_tokens=12, stop=["e"]),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2),
-              SamplingParams(temperature=0.7, seed=11, max_tokens=9, stop_token_ids=[40],
-                             repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, max_tokens=1)]
+    params = MIXED
     on = [row[1:] for row in summarize(generate(llm, PROMPTS, params))]  # ids differ
     llm.engine.async_output = False
     try:
@@ -196,12 +198,7 @@ def test_async_scheduling_under_pp_is_the_pipelines_planning(tiny_model_dir):
     from cadence.scheduling import PipelineLoop, PipelineScheduler
 
     model = tiny_model_dir("qwen2")
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
-              SamplingParams(temperature=0.0, max_tokens=12, stop=["e"]),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2),
-              SamplingParams(temperature=0.7, seed=11, max_tokens=9, stop_token_ids=[40],
-                             repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, max_tokens=1)]
+    params = MIXED
     kw = {"num_kv_blocks": 64, "async_scheduling": True, "backend_options": CASES["qwen2"]}
     single = make_llm(model, **kw)
     try:
