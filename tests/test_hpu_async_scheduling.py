@@ -134,12 +134,12 @@ def bk_part(kind: str, token_ids: list[int], rows: list[int]):
     import torch
 
     from cadence.backends.hpu import buckets as bk
-    from cadence.backends.hpu.backend import _Part
+    from cadence.backends.hpu.sampling import Part
     from cadence.layers.sampler import DeviceSample
 
     shape = bk.BucketShape(kind, len(token_ids), 1 if kind == "decode" else 8, 1)
     batch = bk.PaddedBatch(shape, len(rows), [], [], [], [], [], [])
-    return _Part(batch, rows + [None] * (len(token_ids) - len(rows)),
+    return Part(batch, rows + [None] * (len(token_ids) - len(rows)),
                  DeviceSample(torch.tensor(token_ids)))
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cadence.backend import (
@@ -39,7 +38,10 @@ from cadence.backend import (
     raise_if_device_lost,
 )
 from cadence.backends.hpu import buckets as bk
-from cadence.backends.hpu.sampling import expand_sampling  # noqa: F401  (its old home)
+from cadence.backends.hpu.sampling import (
+    Part,
+    expand_sampling,  # noqa: F401  (its old home)
+)
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
@@ -57,16 +59,6 @@ def emulation_requested() -> bool:
     import os
 
     return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-@dataclass(slots=True)
-class _Part:
-    """One graph of a step: its padded batch, and which sampled row each batch row is."""
-
-    batch: bk.PaddedBatch
-    rows: list[int | None]
-    result: Any = None  # logits after forward, DeviceSample after sample
-    fill: Any = None  # async scheduling: the placeholder fill (feedback.Fill)
 
 
 class HpuBackend(Backend):
@@ -103,7 +95,7 @@ class HpuBackend(Backend):
         self._unwarmed_seen: set[bk.BucketShape] = set()
         # Async scheduling: the last samples on the device, and the steps submitted.
         self._sampled = None
-        self._in_flight: deque[tuple[list[_Part], bool]] = deque()
+        self._in_flight: deque[tuple[list[Part], bool]] = deque()
         self._lost_samples = False
 
     @classmethod
@@ -181,12 +173,9 @@ class HpuBackend(Backend):
     def warmup(self) -> None:
         """Run every bucket, largest first, and remember the compiled-graph count.
 
-        NOTE pipeline parallel: a stage after the first receives each warmup forward's
-        activations from the stage before it. Every stage runs the same plan (the buckets
-        come from the same config) in the same order, so the stages go in lockstep, as
-        tensor-parallel ranks do with the collectives inside; a stage before the last
-        samples nothing. Skipping the warmup on one stage only would leave the others
-        waiting: ``skip_warmup`` is one option for the whole engine.
+        NOTE pipeline parallel: every stage runs the same plan in the same order, so each
+        stage's warmup forwards receive the previous stage's in lockstep (as TP ranks meet
+        in their collectives); ``skip_warmup`` therefore applies to the whole engine.
         """
         if self.config.backend_option("skip_warmup"):
             logger.warning("HPU warmup skipped: graphs will compile while serving")
@@ -201,7 +190,7 @@ class HpuBackend(Backend):
         for shape in plan:
             for meta in metas:
                 batch = bk.dummy_batch(shape, self.dummy_block, self.buckets.block_size)
-                part = _Part(batch, [None] * shape.batch_size)
+                part = Part(batch, [None] * shape.batch_size)
                 if self._sampled is not None:  # the placeholder fill compiles here too
                     part.fill = Fill.nothing(shape.num_tokens)
                 self._run_parts([part])
@@ -217,7 +206,7 @@ class HpuBackend(Backend):
     def recompiles_after_warmup(self) -> int:
         return self.device.num_compiles() - self.num_warmup_compiles
 
-    def _split(self, mi: ModelInput) -> list[_Part]:
+    def _split(self, mi: ModelInput) -> list[Part]:
         slot_of = {seq: j for j, seq in enumerate(mi.sample_seq_indices)}
         parts = []
         for kind, seqs in (("decode", range(mi.num_decodes)),
@@ -233,10 +222,10 @@ class HpuBackend(Backend):
             rows = [slot_of.get(seqs[r]) if r < len(seqs) else None
                     for r in range(shape.batch_size)]
             fill = None if self._sampled is None else self._sampled.fill_for(mi, seqs, batch)
-            parts.append(_Part(batch, rows, fill=fill))
+            parts.append(Part(batch, rows, fill=fill))
         return parts
 
-    def _run_parts(self, parts: list[_Part]) -> None:
+    def _run_parts(self, parts: list[Part]) -> None:
         import torch
 
         from cadence.backends.hpu.attention import graph_kind, to_tensors
@@ -253,36 +242,25 @@ class HpuBackend(Backend):
         """Whether this process computes logits (always, without pipeline parallel)."""
         return getattr(self.runner.model, "is_last_stage", True)
 
-    def _sample_parts(self, parts: list[_Part], meta: SamplingMetadata) -> None:
+    def _sample_parts(self, parts: list[Part], meta: SamplingMetadata) -> None:
         from cadence.backends.hpu.sampling import sample_parts
 
         if not self._is_last_stage:
             return  # no logits here: the parts' activations went to the next stage
         sample_parts(parts, meta, self.runner, self.device, self._sampled)
 
-    def _host_parts(self, parts: list[_Part], num_sampled: int) -> SamplerOutput:
-        from cadence.layers import sampler
+    def _host_parts(self, parts: list[Part], num_sampled: int) -> SamplerOutput:
+        from cadence.backends.hpu.sampling import parts_to_host
 
         if not self._is_last_stage:
             # What the CPU backend's stage returns: no ids. The step ends once the stage's
             # work is done, as the last stage's does when it reads its samples.
             self.device.synchronize()
             return SamplerOutput([])
-        token_ids = [0] * num_sampled
-        logprobs: list | None = None
-        for p in parts:
-            out = sampler.to_host(p.result)  # waits for the device
-            if out.logprobs is not None and logprobs is None:
-                logprobs = [None] * num_sampled
-            for r, j in enumerate(p.rows):
-                if j is not None:
-                    token_ids[j] = out.sampled_token_ids[r]
-                    if out.logprobs is not None:
-                        logprobs[j] = out.logprobs[r]
-        return SamplerOutput(token_ids, logprobs)
+        return parts_to_host(parts, num_sampled)
 
     # The per-step API: forward/sample/to_host take and return the step's parts.
-    def forward(self, model_input: ModelInput) -> list[_Part]:
+    def forward(self, model_input: ModelInput) -> list[Part]:
         self._event("forward")
         if self._sampled is not None:
             self._sampled.begin()
@@ -290,12 +268,12 @@ class HpuBackend(Backend):
         self._run_parts(parts)
         return parts
 
-    def sample(self, logits: list[_Part], sampling: SamplingMetadata) -> list[_Part]:
+    def sample(self, logits: list[Part], sampling: SamplingMetadata) -> list[Part]:
         self._event("sample")
         self._sample_parts(logits, sampling)
         return logits
 
-    def to_host(self, sampled: list[_Part]) -> SamplerOutput:
+    def to_host(self, sampled: list[Part]) -> SamplerOutput:
         self._event("to_host")
         num_sampled = sum(j is not None for p in sampled for j in p.rows)
         return self._host_parts(sampled, num_sampled)

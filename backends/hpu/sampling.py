@@ -1,15 +1,26 @@
-"""Sampling a padded HPU step: per-row metadata for the bucket's rows, and the sampler call,
-counting for penalties the tokens that async scheduling left on the device. No torch at
+"""Sampling a padded HPU step: the step's parts (one graph each), per-row metadata for a
+bucket's rows, the sampler call (counting for penalties the tokens that async scheduling
+left on the device), and the samples read back in the engine's row order. No torch at
 import time (the plugin module imports the backend before anything heavy)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from cadence.backend import SamplingMetadata
+from cadence.backend import SamplerOutput, SamplingMetadata
 
-__all__ = ["expand_sampling", "sample_parts"]
+__all__ = ["Part", "expand_sampling", "parts_to_host", "sample_parts"]
+
+
+@dataclass(slots=True)
+class Part:
+    """One graph of a step: its padded batch, and which sampled row each batch row is."""
+
+    batch: Any  # buckets.PaddedBatch
+    rows: list[int | None]
+    result: Any = None  # logits after forward, DeviceSample after sample
+    fill: Any = None  # async scheduling: the placeholder fill (feedback.Fill)
 
 
 def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
@@ -60,3 +71,21 @@ def sample_parts(parts: list[Any], meta: SamplingMetadata, runner: Any, device: 
             p.result = sampler.sample(p.result.float(), rows_meta, runner.generator, pending)
     if sampled is not None:
         sampled.keep(parts)  # only now: the step itself read the previous samples
+
+
+def parts_to_host(parts: list[Part], num_sampled: int) -> SamplerOutput:
+    """The parts' samples on the host, each at its sampled row (waits for the device)."""
+    from cadence.layers import sampler
+
+    token_ids = [0] * num_sampled
+    logprobs: list | None = None
+    for p in parts:
+        out = sampler.to_host(p.result)
+        if out.logprobs is not None and logprobs is None:
+            logprobs = [None] * num_sampled
+        for r, j in enumerate(p.rows):
+            if j is not None:
+                token_ids[j] = out.sampled_token_ids[r]
+                if out.logprobs is not None:
+                    logprobs[j] = out.logprobs[r]
+    return SamplerOutput(token_ids, logprobs)
