@@ -121,9 +121,9 @@ class ParallelConfig:
     run by the ``distributed_executor_backend`` executor; a backend builds rank
     ``tensor_parallel_rank``'s share. Pipeline parallel: the layers are split over
     ``pipeline_parallel_size`` stages, each split over ``tensor_parallel_size`` ranks of
-    its own; a backend builds stage ``pipeline_parallel_rank``'s layers. A backend that declares ``supports_data_parallel`` or
-    ``supports_tensor_parallel`` uses them to take its share of the machine (the CPU
-    backend: its share of the cores)."""
+    its own; a backend builds stage ``pipeline_parallel_rank``'s layers. A backend that
+    declares ``supports_data_parallel`` or ``supports_tensor_parallel`` uses them to take
+    its share of the machine (the CPU backend: its share of the cores)."""
 
     data_parallel_size: int = 1
     data_parallel_rank: int = 0

@@ -121,10 +121,10 @@ def compute_cpus(reserved: int, cpus: list[int] | None = None) -> list[int]:
 def shared_threads(parallel: ParallelConfig, ranks: bool,
                    cpus: list[int] | None = None) -> int | None:
     """Unbound (``bind`` none): the threads of one of the engine's ranks (``ranks``) or of
-    one replica's worker, an equal share of the cores and at least one; None for a lone,
-    unsplit engine (torch's default)."""
+    one replica's worker, an equal share of ``cpus`` (this process's cores by default) and
+    at least one; None for a lone, unsplit engine given no cores (torch's default)."""
     parts = parallel.data_parallel_size * (parallel.world_size if ranks else 1)
-    if parts == 1:
+    if parts == 1 and cpus is None:
         return None
     return max(1, len(available_cpus() if cpus is None else cpus) // parts)
 
@@ -135,8 +135,6 @@ def place(parallel: ParallelConfig, bind: str, ranks: bool, reserved: int = 0) -
     cores alone; the thread count its pool should have (None: torch's)."""
     cpus = compute_cpus(reserved) if reserved else None
     if check_bind(bind) == "none":
-        if reserved and shared_threads(parallel, ranks, cpus) is None:
-            return len(cpus)
         return shared_threads(parallel, ranks, cpus)
     mine = rank_cpus(parallel, cpus) if ranks else replica_cpus(parallel, cpus)
     return bind_to(mine if mine is not None else cpus)

@@ -39,10 +39,10 @@ from cadence.executor.pipes import read_reply, send
 
 # After one rank fails a step, how long the others get to fail it too before the group
 # counts as broken (they fail at the same point when the input itself was bad).
+PEER_GRACE_S = 5.0
 # How long a failed step waits for a rank that is going away to be reaped, so the error
 # names the rank that died rather than the peers that failed because of it.
 DEATH_GRACE_S = 0.5
-PEER_GRACE_S = 5.0
 
 
 def _free_port() -> int:
