@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cadence.distributed import EXPERT_PLACEMENTS
+
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -133,6 +135,10 @@ class ParallelConfig:
     pipeline_parallel_rank: int = 0
     # None: "mp" when the model is split over several ranks, else "uniproc".
     distributed_executor_backend: str | None = None
+    # Mixture-of-experts layers: whole experts per tensor-parallel rank instead of a slice
+    # of each (cadence.distributed.held_experts; no effect on dense models or one rank).
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -153,6 +159,9 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_rank must be in [0, "
                              f"{self.pipeline_parallel_size}), got "
                              f"{self.pipeline_parallel_rank}")
+        if self.expert_placement_strategy not in EXPERT_PLACEMENTS:
+            raise ValueError(f"expert_placement_strategy must be one of {EXPERT_PLACEMENTS}, "
+                             f"got {self.expert_placement_strategy!r}")
         executor = self.distributed_executor_backend
         if executor is not None and executor not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "

@@ -13,6 +13,7 @@ from cadence.config import (
     DEFAULT_STEP_TIMEOUT_S,
     DTYPES,
     EXECUTOR_BACKENDS,
+    EXPERT_PLACEMENTS,
     POLICIES,
     CacheConfig,
     EngineConfig,
@@ -51,6 +52,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -111,7 +114,9 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=int(args["tensor_parallel_size"]),
                 pipeline_parallel_size=int(args["pipeline_parallel_size"]),
-                distributed_executor_backend=args["distributed_executor_backend"]),
+                distributed_executor_backend=args["distributed_executor_backend"],
+                enable_expert_parallel=bool(args["enable_expert_parallel"]),
+                expert_placement_strategy=args["expert_placement_strategy"]),
         )
 
     @staticmethod
@@ -189,6 +194,15 @@ class EngineArgs:
                             "'mp' (one worker process per rank on this host) or 'ray' "
                             "(default: mp when the model is split over several ranks, else "
                             "uniproc)")
+        p.add_argument("--enable-expert-parallel", action="store_true",
+                       help="mixture-of-experts models: each tensor-parallel rank holds whole "
+                            "experts instead of a slice of every expert "
+                            "(docs/distributed.md)")
+        p.add_argument("--expert-placement-strategy", default="linear",
+                       choices=EXPERT_PLACEMENTS,
+                       help="which experts a rank holds under expert parallel: 'linear' (a "
+                            "contiguous run each) or 'round_robin' (every N-th) "
+                            "(default: %(default)s)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

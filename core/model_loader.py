@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cadence.config import ModelConfig
-from cadence.distributed import pp_size
+from cadence.distributed import ep_size, pp_size
 from cadence.models import get_model_class
 from cadence.tokenizer_loader import load_tokenizer  # re-exported; it imports no torch itself
 
@@ -87,9 +87,10 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     dtype = torch_dtype(model_config.dtype)
     model = model_cls(hf_config, dtype, max_model_len=model_config.max_model_len)
     skip = None
-    if pp_size() > 1:
+    if pp_size() > 1 or ep_size() > 1:
         # A pipeline stage reads its own tensors only: another stage's layers are neither
-        # read from disk nor converted (a 4-stage split reads a quarter of the checkpoint).
+        # read from disk nor converted (a 4-stage split reads a quarter of the checkpoint);
+        # an expert-parallel rank, the same for the experts of the other ranks.
         def skip(name: str) -> bool:
             return model.stage_weight_name(name) is None
     model.load_weights(iterate_weights(model_config.model, skip))

@@ -67,3 +67,34 @@ def restore_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def checkpoint_reads(monkeypatch) -> list[str]:
+    """The names of the safetensors tensors read from disk while the test runs, in order
+    (every ``get_tensor`` through ``safetensors.safe_open``); clear it between loads."""
+    import safetensors
+
+    read: list[str] = []
+    real = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return read

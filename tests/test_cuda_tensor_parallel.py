@@ -1,7 +1,8 @@
 """Tensor parallel through the whole CUDA backend on the CPU (its ``device: cpu`` mode,
 interpreted Triton kernels, gloo between the ranks where GPUs would use NCCL): TP=2 gives
 one process's tokens and logprobs, dense and mixture of experts (the fused MoE kernels on
-each rank's slice of the experts, summed once per layer).
+each rank's slice of the experts, or on its own whole experts under expert parallel, summed
+once per layer).
 
 On GPUs each rank takes cuda:LOCAL_RANK and the ranks run eagerly (no CUDA graphs yet);
 nothing here checks NCCL or the GPUs themselves.
@@ -37,13 +38,15 @@ def _llm(model: str, **kw) -> LLM:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs GPUs per rank, not this mode")
-@pytest.mark.parametrize(("kind", "async_scheduling"),
-                         [("llama", True), ("qwen2_moe", False)])
-def test_cuda_tp2_on_cpu_matches_one_process(kind, async_scheduling, tiny_model_dir,
-                                             tokenizer_dir, tmp_path, monkeypatch,
-                                             caplog) -> None:
+@pytest.mark.parametrize(("kind", "async_scheduling", "expert_parallel"),
+                         [("llama", True, False), ("qwen2_moe", False, False),
+                          ("qwen2_moe", False, True)])
+def test_cuda_tp2_on_cpu_matches_one_process(kind, async_scheduling, expert_parallel,
+                                             tiny_model_dir, tokenizer_dir, tmp_path,
+                                             monkeypatch, caplog) -> None:
     """Dense with async scheduling (each rank fills its placeholders from its own samples,
-    through submit/collect), MoE without."""
+    through submit/collect), MoE without, and MoE with whole experts per rank (the fused
+    kernels skipping the other rank's pairs)."""
     from cadence.backends.cuda.backend import CudaBackend
 
     # The engine's process probes; the ranks take the class it chose without probing.
@@ -59,9 +62,13 @@ def test_cuda_tp2_on_cpu_matches_one_process(kind, async_scheduling, tiny_model_
         reference = generate(single, PROMPTS, GREEDY)
     finally:
         single.shutdown()
-    llm = _llm(model, tensor_parallel_size=2, async_scheduling=async_scheduling)
+    llm = _llm(model, tensor_parallel_size=2, async_scheduling=async_scheduling,
+               enable_expert_parallel=expert_parallel)
     try:
-        assert llm.engine.backend.env_info()["tensor_parallel_size"] == "2"
+        info = llm.engine.backend.env_info()
+        assert info["tensor_parallel_size"] == "2"
+        assert info.get("experts_held") == \
+            ("rank 0: 0,1 of 4; rank 1: 2,3 of 4" if expert_parallel else None)
         outputs = generate(llm, PROMPTS, GREEDY)
         # No step failed and was run again the synchronous way.
         assert "failed" not in caplog.text

@@ -77,6 +77,101 @@ def test_the_shared_experts_scale_does_not_depend_on_the_batch():
             assert torch.equal(moe(x[r:r + n]), whole[r:r + n]), (r, n)
 
 
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+@pytest.mark.parametrize("shared", [None, 20])
+def test_expert_parallel_ranks_outputs_add_up_to_the_whole_layer(placement, shared):
+    """Two ranks, 5 experts: each holds its experts whole (3 and 2) and half of the shared
+    expert; their partial outputs (before the sum over ranks) add up to one process's."""
+    from ep_helpers import as_rank, rank_share
+
+    from cadence.layers.moe import ExpertMLP, NotHeldHere
+
+    full = _moe(shared, renormalize=True)
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(2))
+    want = {"linear": [[0, 1, 2], [3, 4]], "round_robin": [[0, 2, 4], [1, 3]]}[placement]
+    parts = []
+    for rank in (0, 1):
+        with as_rank(rank, 2, placement):
+            part = rank_share(full, 16, 24, shared)
+            assert sorted(part.held) == want[rank]
+            for e, expert in enumerate(part.experts):
+                assert isinstance(expert, ExpertMLP if e in want[rank] else NotHeldHere)
+            if shared:
+                assert part.shared_expert.w2.weight.shape == (16, shared // 2)
+            with torch.no_grad():
+                parts.append(part(x))
+    assert part.experts[want[1][0]].w13.weight.shape == (48, 16)  # whole, not halved
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0] + parts[1], full(x), atol=1e-5, rtol=1e-5)
+        assert not torch.equal(parts[0], parts[1])
+
+
+def test_expert_parallel_needs_an_expert_per_rank_and_a_known_placement():
+    from ep_helpers import as_rank
+
+    from cadence.config import ParallelConfig
+    from cadence.distributed import held_experts, set_expert_parallel
+
+    with as_rank(2, 3):
+        assert held_experts(8) == [6, 7]
+        with pytest.raises(ValueError, match="at least one expert per rank"):
+            held_experts(2)
+    assert held_experts(4) == [0, 1, 2, 3]  # one rank: every expert
+    with pytest.raises(ValueError, match=r"one of \('linear', 'round_robin'\)"):
+        set_expert_parallel(True, "random")
+    with pytest.raises(ValueError, match="expert_placement_strategy must be one of"):
+        ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True,
+                       expert_placement_strategy="packed")
+
+
+def test_expert_parallel_flags_reach_the_parallel_config(tiny_model_dir):
+    from cadence.cli.main import build_parser
+    from cadence.engine_args import EngineArgs
+
+    argv = ["generate", "--prompt", "hi", "--model", tiny_model_dir("llama"), "-tp", "2",
+            "--enable-expert-parallel", "--expert-placement-strategy", "round_robin"]
+    args, _ = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    parallel = args.create_engine_config().parallel_config
+    assert parallel.enable_expert_parallel
+    assert parallel.expert_placement_strategy == "round_robin"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(argv[:-1] + ["packed"])
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts(tokenizer_dir, tmp_path,
+                                                           checkpoint_reads):
+    """Mixtral's 4 experts round-robin over 2 ranks: each rank reads every tensor but the
+    other rank's experts, holds its own whole with one process's values, and between them
+    they read every expert once."""
+    from ep_helpers import as_rank
+    from family_factory import build_family_model
+
+    from cadence.engine_args import EngineArgs
+    from cadence.model_loader import load_model
+
+    path = build_family_model("mixtral", tmp_path, tokenizer_dir)
+    model_config = EngineArgs(model=path).create_engine_config().model_config
+    whole, _ = load_model(model_config)
+    params = dict(whole.named_parameters())
+    everything = set(checkpoint_reads)
+    checkpoint_reads.clear()
+    per_rank = []
+    for rank in (0, 1):
+        with as_rank(rank, 2, "round_robin"):
+            part, _ = load_model(model_config)
+        per_rank.append(set(checkpoint_reads))
+        checkpoint_reads.clear()
+        experts = {n for n, _ in part.named_parameters() if ".experts." in n}
+        held = {int(n.split(".experts.")[1].split(".")[0]) for n in experts}
+        assert held == {rank, rank + 2}
+        for name in experts:
+            assert torch.equal(dict(part.named_parameters())[name], params[name]), name
+    experts_read = [{n for n in reads if ".experts." in n} for reads in per_rank]
+    assert experts_read[0] and experts_read[1] and not experts_read[0] & experts_read[1]
+    assert per_rank[0] - experts_read[0] == per_rank[1] - experts_read[1]  # the rest: both
+    assert per_rank[0] | per_rank[1] == everything
+
+
 def test_top_k_outside_the_experts_is_refused():
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\]"):
         SparseMoE(8, 8, num_experts=4, top_k=5, renormalize=True)

@@ -94,6 +94,31 @@ def test_no_token_gives_an_empty_output() -> None:
     assert out.shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("style", ["mixtral", "qwen"])
+def test_fused_moe_under_expert_parallel_runs_only_the_ranks_experts(style) -> None:
+    """Two ranks (6 experts, 3 each): a rank's fused layer stacks its own experts only,
+    equals the core layer of the same rank (other ranks' pairs add nothing), and the two
+    ranks' outputs add up to one process's."""
+    from ep_helpers import as_rank, rank_share
+
+    full = _moe(style, 2)
+    x = _inputs(33)
+    parts = []
+    for rank in (0, 1):
+        with as_rank(rank, 2):
+            part = rank_share(full, HIDDEN, INTER, SHARED if style == "qwen" else None)
+            fused = FusedSparseMoE(part, moe_kernels)
+            assert fused.w13.shape == (3, 2 * INTER, HIDDEN)
+            assert fused.expert_map.tolist() == ([0, 1, 2, -1, -1, -1] if rank == 0
+                                                 else [-1, -1, -1, 0, 1, 2])
+            with torch.no_grad():
+                got = fused(x)
+                torch.testing.assert_close(got, part(x), atol=1e-5, rtol=1e-5)
+            parts.append(got)
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0] + parts[1], full(x), atol=1e-5, rtol=1e-5)
+
+
 def test_install_swaps_every_sparse_moe_and_keeps_the_dense_layers() -> None:
     layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
     layers[0].mlp = _moe("mixtral", 2)
@@ -107,7 +132,7 @@ def test_install_swaps_every_sparse_moe_and_keeps_the_dense_layers() -> None:
     fused = layers[2].mlp
     assert fused.w13.shape == (EXPERTS, 2 * INTER, HIDDEN)
     assert fused.w2.shape == (EXPERTS, HIDDEN, INTER)
-    assert fused.shared_expert is not None
+    assert fused.shared_expert is not None and fused.expert_map is None
 
 
 # The interpreter runs code that the compiler rejects, so the kernels are also compiled for

@@ -31,16 +31,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=Tr
 # ranks with one sum per layer (and a dense layer among them); Qwen3-MoE's sparse layers
 # (every second one) on both sides of the stage boundary; under TP inside PP stages,
 # Qwen3-MoE's experts split over each stage's two ranks and GPT-2's tied head (first stage's
-# embeddings, split by vocabulary on the last stage's ranks).
+# embeddings, split by vocabulary on the last stage's ranks). Expert parallel: Qwen2-MoE's
+# experts whole on their rank (2 + 2) beside its split shared expert; Mixtral's 4 placed
+# round-robin, each rank reading only its own experts' tensors (recorded).
 CASES = [("granite", "tp"), ("granite", "pp"), ("phi3", "tp"),
          ("olmo2", "tp"), ("olmo2", "pp"), ("gemma2", "tp"), ("gemma3", "pp"),
          ("gpt2", "tp"), ("gpt2-layer-scaled", "pp"), ("gpt_neox", "tp"),
          ("gpt_neox-sequential", "pp"), ("qwen2_moe", "tp"), ("qwen3_moe", "pp"),
-         ("qwen3_moe", "tp-pp"), ("gpt2-layer-scaled", "tp-pp")]
+         ("qwen3_moe", "tp-pp"), ("gpt2-layer-scaled", "tp-pp"), ("qwen2_moe", "tp-ep"),
+         ("mixtral", "tp-ep-round-robin")]
 SPLITS = {"tp": {"tensor_parallel_size": 2}, "pp": {"pipeline_parallel_size": 2},
           # four ranks on however few cores: unbound, sharing them
           "tp-pp": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
-                    "backend_options": {"overlap": "sync", "bind": "none"}}}
+                    "backend_options": {"overlap": "sync", "bind": "none"}},
+          "tp-ep": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+          "tp-ep-round-robin": {"tensor_parallel_size": 2, "enable_expert_parallel": True,
+                                "expert_placement_strategy": "round_robin"}}
+
+EXPERTS_HELD = {"tp-ep": "rank 0: 0,1 of 4; rank 1: 2,3 of 4",
+                "tp-ep-round-robin": "rank 0: 0,2 of 4; rank 1: 1,3 of 4"}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +76,7 @@ def test_split_matches_one_process(reference, name, split):
     llm = make_llm(model, num_kv_blocks=64, **SPLITS[split])
     try:
         assert len(llm.engine.backend.worker_pids) == 2 * (1 + (split == "tp-pp"))
+        assert llm.engine.backend.env_info().get("experts_held") == EXPERTS_HELD.get(split)
         outputs = generate(llm, PROMPTS, GREEDY)
         assert_same_as(want, outputs)
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

@@ -284,40 +284,15 @@ def test_layers_split_into_contiguous_stages():
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama-tied"])
-def test_a_stage_reads_only_its_own_checkpoint_tensors(kind, tiny_model_dir, monkeypatch):
+def test_a_stage_reads_only_its_own_checkpoint_tensors(kind, tiny_model_dir, checkpoint_reads):
     """Each stage reads its layers, the first the embeddings, the last the final norm and
     the head (a tied one from the embeddings' tensor), and nothing else from disk; every
     tensor is read by some stage, and each loads the same values as one process."""
-    from safetensors import safe_open
-
     from cadence import distributed, model_loader
     from cadence.engine_args import EngineArgs
 
     model_config = EngineArgs(model=tiny_model_dir(kind)).create_engine_config().model_config
-    read: list[str] = []
-    real = safe_open
-
-    class Recording:
-        def __init__(self, *a, **kw):
-            self.f = real(*a, **kw)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-    import safetensors
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    read = checkpoint_reads
     whole, _ = model_loader.load_model(model_config)
     everything, read[:] = set(read), []
     params = dict(whole.named_parameters(remove_duplicate=False))

@@ -115,6 +115,19 @@ def test_splits_that_cannot_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"experts' width 49 \(moe_intermediate_size\)"):
         check_tensor_parallel_model(_config_dir(tmp_path, architectures=["Qwen2MoeForCausalLM"],
                                                 moe_intermediate_size=49), 2)
+    # Whole experts per rank: their width need not divide, their number must cover the ranks.
+    qwen_moe = {"architectures": ["Qwen2MoeForCausalLM"], "moe_intermediate_size": 49,
+                "num_experts": 4}
+    check_tensor_parallel_model(_config_dir(tmp_path, **qwen_moe), 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="at least one expert per rank; the model has 4"):
+        check_tensor_parallel_model(_config_dir(tmp_path, **qwen_moe, num_attention_heads=8,
+                                                num_key_value_heads=8), 8,
+                                    expert_parallel=True)
+    mixtral = {"architectures": ["MixtralForCausalLM"], "intermediate_size": 99,
+               "num_local_experts": 8}
+    check_tensor_parallel_model(_config_dir(tmp_path, **mixtral), 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="MLP width 99"):
+        check_tensor_parallel_model(_config_dir(tmp_path, **mixtral), 2)
     with pytest.raises(ValueError, match=r"FalconForCausalLM.*LlamaForCausalLM.*Qwen3"):
         check_tensor_parallel_model(_config_dir(tmp_path, architectures=["FalconForCausalLM"]),
                                     2)

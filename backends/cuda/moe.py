@@ -5,6 +5,8 @@ loop replaced by the fused Triton kernels (``moe_kernels``).
 holding the same router, shared expert and routing rules; the per-expert weights are
 stacked into ``w13`` [E, 2I, H] and ``w2`` [E, H, I] one layer at a time, so the extra
 memory while loading is one layer's experts. The model code and the CPU path are untouched.
+Under expert parallel only the rank's own experts are stacked, and ``expert_map`` sends the
+pairs routed to the other ranks' experts nowhere (they add zero here; their rank adds them).
 """
 
 from __future__ import annotations
@@ -39,11 +41,18 @@ class FusedSparseMoE(nn.Module):
         self.gate = moe.gate
         self.shared_expert = moe.shared_expert
         self.shared_expert_gate = moe.shared_expert_gate
+        held = sorted(moe.held)
         with torch.no_grad():
-            self.w13 = nn.Parameter(torch.stack([e.w13.weight for e in moe.experts]),
+            self.w13 = nn.Parameter(torch.stack([moe.experts[e].w13.weight for e in held]),
                                     requires_grad=False)
-            self.w2 = nn.Parameter(torch.stack([e.w2.weight for e in moe.experts]),
+            self.w2 = nn.Parameter(torch.stack([moe.experts[e].w2.weight for e in held]),
                                    requires_grad=False)
+            expert_map = None  # global expert -> its index in w13/w2, -1 elsewhere
+            if len(held) < self.num_experts:
+                expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64,
+                                        device=self.w13.device)
+                expert_map[held] = torch.arange(len(held), device=self.w13.device)
+            self.register_buffer("expert_map", expert_map, persistent=False)
         self.kernels = kernels or _default_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +60,13 @@ class FusedSparseMoE(nn.Module):
         weights, ids = route(logits, self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
-        out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids)
+        out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids,
+                                         expert_map=self.expert_map)
         if self.shared_expert is not None:
             out = out + shared_expert_scale(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return all_reduce(out)  # tensor parallel: the ranks' slices of every expert
+        # The ranks' slices of every expert (tensor parallel) or their own experts' outputs
+        # (expert parallel).
+        return all_reduce(out)
 
 
 def install_fused_moe(model: nn.Module, kernels: ModuleType | None = None) -> int:

@@ -150,9 +150,13 @@ def block_sizes(num_pairs: int) -> tuple[int, int, int]:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H]; ``w13`` [E, 2I, H]
-    (gate rows then up rows), ``w2`` [E, H, I], ``weights`` and ``ids`` [T, k]."""
+    (gate rows then up rows), ``w2`` [E, H, I], ``weights`` and ``ids`` [T, k].
+
+    ``expert_map`` (expert parallel): global expert id -> its index in w13/w2, -1 for an
+    expert this rank does not hold; the pairs routed to those add nothing."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -163,7 +167,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_pairs = num_tokens * top_k
     bm, bn, bk = block_sizes(num_pairs)
-    sorted_pairs, block_experts = align_by_expert(ids, num_experts, bm)
+    if expert_map is None:
+        sorted_pairs, block_experts = align_by_expert(ids, num_experts, bm)
+    else:
+        # The pairs of other ranks' experts go to one more expert past the last, whose
+        # blocks are marked -1 like the padding blocks: the kernels skip them.
+        local = expert_map[ids.to(torch.int64)]
+        local = torch.where(local < 0, num_experts, local)
+        sorted_pairs, block_experts = align_by_expert(local, num_experts + 1, bm)
+        block_experts = torch.where(block_experts >= num_experts, -1, block_experts)
     num_blocks = block_experts.numel()
     ieee = x.dtype == torch.float32
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -171,7 +183,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x, w13, h, sorted_pairs, block_experts, num_pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee)
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # Rows of skipped pairs are never written: zeros, so the sum over top-k ignores them.
+    alloc = torch.empty if expert_map is None else torch.zeros
+    per_pair = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks * triton.cdiv(hidden, bn),)](
         h, w2, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, block_experts,
         num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),

@@ -10,6 +10,9 @@ backend's choice: its ``Backend.init_distributed`` installs a ``Communicator``
 a device library. With no group
 installed (one process, the default) the rank is 0 of 1 and the collectives are identities.
 
+Under expert parallel (``set_expert_parallel``) a mixture-of-experts layer holds whole
+experts, ``held_experts`` of them per tensor-parallel rank, instead of a slice of each.
+
 Imports no torch at module level: ``import cadence`` stays torch-free.
 """
 
@@ -91,6 +94,9 @@ class _Group:
 _group = _Group()  # tensor parallel
 _stages = _Group()  # pipeline parallel: rank is this process's stage
 _sends: list[Any] = []  # this stage's activations in flight to the next, with their handles
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+# "held": what the last model built here holds under expert parallel, for its env info.
+_experts: dict[str, Any] = {"enabled": False, "placement": "linear", "held": None}
 
 
 def set_tensor_parallel(rank: int, size: int, comm: Communicator | None) -> None:
@@ -118,6 +124,50 @@ def all_reduce(x: Any) -> Any:
 def all_gather(x: Any, dim: int = -1) -> Any:
     """The ranks' ``x`` concatenated along ``dim`` (``x`` itself in a group of one)."""
     return x if _group.size == 1 else _group.comm.all_gather(x, dim)
+
+
+def set_expert_parallel(enabled: bool, placement: str = "linear") -> None:
+    """Split mixture-of-experts layers by whole experts over the tensor-parallel ranks
+    (``enabled``) instead of splitting every expert; ``placement`` says which experts a
+    rank holds (``held_experts``). Read when a model is built."""
+    if placement not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert placement must be one of {EXPERT_PLACEMENTS}, "
+                         f"got {placement!r}")
+    _experts["enabled"], _experts["placement"] = bool(enabled), placement
+    _experts["held"] = None
+
+
+def ep_size() -> int:
+    """Ranks the experts are spread over: the tensor-parallel group's size under expert
+    parallel, else 1 (every rank holds a slice of every expert)."""
+    return _group.size if _experts["enabled"] else 1
+
+
+def held_experts(num_experts: int) -> list[int]:
+    """The experts (global indices, ascending) this rank holds whole: every one without
+    expert parallel. ``linear`` gives each rank a contiguous run, ``num_experts // size``
+    each and the first ``num_experts % size`` ranks one more (vLLM's default placement);
+    ``round_robin`` gives rank r the experts r, r + size, ... (neighbours in index apart,
+    for models whose popular experts cluster). ValueError when a rank would hold none."""
+    size = ep_size()
+    if size == 1:
+        return list(range(num_experts))
+    if num_experts < size:
+        raise ValueError(f"expert parallel over {size} ranks needs at least one expert per "
+                         f"rank; the model has {num_experts} experts per layer")
+    rank = _group.rank
+    if _experts["placement"] == "round_robin":
+        held = list(range(rank, num_experts, size))
+    else:
+        held = list(_share(num_experts, rank, size))
+    _experts["held"] = f"{','.join(map(str, held))} of {num_experts}"
+    return held
+
+
+def experts_held() -> str | None:
+    """"i,j,... of E": the experts per layer this rank's model holds under expert parallel
+    (None without it, or before a mixture-of-experts model was built)."""
+    return _experts["held"]
 
 
 def set_pipeline_parallel(stage: int, num_stages: int, comm: Communicator | None,
@@ -156,9 +206,15 @@ def pp_layer_range(num_layers: int, stage: int | None = None,
     if num_layers < num_stages:
         raise ValueError(f"--pipeline-parallel-size {num_stages} needs at least one decoder "
                          f"layer per stage; the model has {num_layers} (num_hidden_layers)")
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    return _share(num_layers, stage, num_stages)
+
+
+def _share(count: int, index: int, parts: int) -> range:
+    # Part ``index`` of ``count`` items split in ``parts`` contiguous runs, the first
+    # ``count % parts`` one longer.
+    base, extra = divmod(count, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
 
 
 def send_to_next_stage(x: Any) -> None:

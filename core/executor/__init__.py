@@ -33,7 +33,8 @@ def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend
     executor = parallel.executor
     backend_cls.check_parallel_config(config)
     if parallel.tensor_parallel_size > 1:
-        check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size)
+        check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size,
+                                    parallel.enable_expert_parallel)
     if parallel.pipeline_parallel_size > 1:
         check_pipeline_parallel_model(config.model_config.model,
                                       parallel.pipeline_parallel_size)

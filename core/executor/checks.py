@@ -54,9 +54,10 @@ def check_pipeline_parallel_model(model: str, size: int) -> None:
                          f"per stage; the model has {layers} ({field})")
 
 
-def check_tensor_parallel_model(model: str, size: int) -> None:
+def check_tensor_parallel_model(model: str, size: int, expert_parallel: bool = False) -> None:
     """ValueError naming the problem when ``model`` cannot be split over ``size`` ranks: an
-    architecture without tensor parallel layers, or heads/MLP columns that do not divide."""
+    architecture without tensor parallel layers, or heads/MLP columns that do not divide.
+    Under ``expert_parallel`` the experts are not split but spread, one at least per rank."""
     cfg = _read_config(model)
     archs = cfg.get("architectures") or []
     if not any(a in TENSOR_PARALLEL_ARCHITECTURES for a in archs):
@@ -72,12 +73,22 @@ def check_tensor_parallel_model(model: str, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size {size} and the model's {kv_heads} KV heads "
                          "(num_key_value_heads): one must divide the other (KV heads are "
                          "split across ranks, or replicated when fewer than the ranks)")
+    moe = any(a in MOE_ARCHITECTURES for a in archs)
+    whole_experts = moe and expert_parallel
     inter, inter_field = _field(cfg, "intermediate_size", "n_inner")
-    if inter % size:
+    # Mixtral's intermediate_size is its experts' width: not split under expert parallel.
+    if inter % size and not (whole_experts and "MixtralForCausalLM" in archs):
         raise ValueError(f"--tensor-parallel-size {size} must divide the model's MLP width "
                          f"{inter} ({inter_field})")
-    if any(a in MOE_ARCHITECTURES for a in archs):
-        for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+    if whole_experts:
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if experts < size:
+            raise ValueError(f"--enable-expert-parallel over {size} ranks needs at least one "
+                             f"expert per rank; the model has {experts} per layer")
+    if moe:
+        widths = ("shared_expert_intermediate_size",) if whole_experts else \
+            ("moe_intermediate_size", "shared_expert_intermediate_size")
+        for field in widths:
             width = int(cfg.get(field) or 0)
             if width % size:
                 raise ValueError(f"--tensor-parallel-size {size} must divide the experts' "

@@ -152,6 +152,10 @@ class MultiprocExecutor(Backend):
         self.runtime_info = {**replies[0][2], "executor": self.executor_name,
                              "tensor_parallel_size": str(parallel.tensor_parallel_size),
                              "pipeline_parallel_size": str(parallel.pipeline_parallel_size)}
+        held = [f"rank {r}: {rep[2]['experts_held']}" for r, rep in enumerate(replies)
+                if "experts_held" in rep[2]]
+        if held:  # expert parallel: which experts each rank holds
+            self.runtime_info["experts_held"] = "; ".join(held)
         return num_blocks
 
     # -- steps ------------------------------------------------------------------------------

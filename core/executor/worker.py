@@ -41,6 +41,7 @@ class RankRunner:
         ``init_method`` replaces the spec's (an address known only once ranks are placed),
         ``local_rank`` the rank's index among the ranks on its host (the rank itself when
         they all share one)."""
+        from cadence.distributed import experts_held, set_expert_parallel
         from cadence.plugins import get_registry
 
         spec = self.spec
@@ -61,6 +62,9 @@ class RankRunner:
             backend_cls = registry.backends[name].cls if name in registry.backends \
                 else registry.select(config.backend)[0]
             self.backend = backend_cls(config)
+            # Before the model is built: it reads which experts this rank holds.
+            set_expert_parallel(config.parallel_config.enable_expert_parallel,
+                                config.parallel_config.expert_placement_strategy)
             self.backend.init_distributed(self.rank, spec["world_size"], spec["init_method"],
                                           spec["join_timeout"])
             self.backend.load_model()
@@ -68,7 +72,10 @@ class RankRunner:
             self.backend.warmup()
         except BaseException as e:
             return ("error", isinstance(e, ValueError), str(e), traceback.format_exc())
-        return ("ready", num_blocks, self.backend.env_info())
+        info = self.backend.env_info()
+        if experts_held() is not None:
+            info["experts_held"] = experts_held()
+        return ("ready", num_blocks, info)
 
     def step(self, model_input: Any) -> Any:
         """The output rank's ``SamplerOutput``, None from the others, or ("error",

@@ -16,6 +16,13 @@ w1/w3 by columns, w2 by rows, so each rank computes a partial output of every ex
 every token routed to it; the router and the shared expert's gate are replicated. The
 partial outputs are summed over the ranks once per layer, after the routing weights
 (linear in them), instead of once per expert.
+
+Under expert parallel (``--enable-expert-parallel``) a rank holds whole experts instead,
+``held_experts`` of them, and the others' places hold ``NotHeldHere``. Every rank has every
+token (the attention before it is tensor parallel, its output summed on every rank), so no
+token travels: each rank runs the tokens routed to its own experts, and the same one sum
+per layer adds the ranks' outputs (vLLM's all-gather/reduce-scatter dispatch, with one
+group). The shared expert stays split across the ranks like a dense MLP.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cadence.distributed import all_reduce
+from cadence.distributed import all_reduce, held_experts
 from cadence.layers.activation import SiluAndMul
 from cadence.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
@@ -61,16 +68,29 @@ class ExpertMLP(nn.Module):
     different exp) would depend on how many tokens chose the expert.
     """
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, split: bool = True) -> None:
         super().__init__()
-        # Split across tensor-parallel ranks; ``SparseMoE`` sums the ranks' outputs.
-        self.w13 = ColumnParallelLinear(hidden, 2 * intermediate, bias=False,
-                                        part_sizes=[intermediate, intermediate])
-        self.w2 = RowParallelLinear(intermediate, hidden, bias=False, reduce=False)
+        # ``split``: across the tensor-parallel ranks, whose outputs ``SparseMoE`` sums;
+        # whole on the rank that holds it under expert parallel.
+        if split:
+            self.w13 = ColumnParallelLinear(hidden, 2 * intermediate, bias=False,
+                                            part_sizes=[intermediate, intermediate])
+            self.w2 = RowParallelLinear(intermediate, hidden, bias=False, reduce=False)
+        else:
+            self.w13 = Linear(hidden, 2 * intermediate, bias=False)
+            self.w2 = Linear(intermediate, hidden, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act_fn(self.w13(x)))
+
+
+class NotHeldHere(nn.Module):
+    """Stands where an expert held by another rank would be (expert parallel): no
+    weights, so the checkpoint's are skipped, and running it is a bug."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this expert is held by another expert-parallel rank")
 
 
 class SparseMoE(nn.Module):
@@ -80,11 +100,14 @@ class SparseMoE(nn.Module):
     ``renormalize``: rescale the top-k weights to sum to one (Mixtral always; Qwen-MoE
     with ``norm_topk_prob``). ``weights_in_model_dtype``: round the routing weights to the
     model's dtype before scaling (Qwen-MoE does; Mixtral scales with the fp32 weights).
+    ``held``: the experts this rank holds whole (expert parallel, module NOTE); None splits
+    every expert across the tensor-parallel ranks.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool, weights_in_model_dtype: bool = False,
-                 shared_intermediate: int | None = None) -> None:
+                 shared_intermediate: int | None = None,
+                 held: list[int] | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
@@ -92,7 +115,10 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
+        self.held = frozenset(range(num_experts) if held is None else held)
+        self.experts = nn.ModuleList(
+            (ExpertMLP(hidden, intermediate, split=held is None) if e in self.held
+             else NotHeldHere()) for e in range(num_experts))
         self.shared_expert = None
         self.shared_expert_gate = None
         if shared_intermediate:
@@ -113,10 +139,10 @@ class SparseMoE(nn.Module):
         pair_weights = weights.reshape(-1)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs, rows = order[start:start + n], tokens[start:start + n]
             start += n
+            if n == 0 or e not in self.held:
+                continue
+            pairs, rows = order[start - n:start], tokens[start - n:start]
             y = self.experts[e](x.index_select(0, rows))
             y = y * pair_weights.index_select(0, pairs).unsqueeze(1)
             out.index_add_(0, rows, y.to(out.dtype))
@@ -124,3 +150,10 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(x)
             out = out + shared_expert_scale(self.shared_expert_gate(x)) * shared
         return all_reduce(out)  # the ranks' partial outputs (identity on one rank)
+
+
+def expert_parallel_share(num_experts: int) -> list[int] | None:
+    """``SparseMoE``'s ``held`` for this rank: its experts under expert parallel, None
+    (split every expert) otherwise."""
+    held = held_experts(num_experts)
+    return None if len(held) == num_experts else held

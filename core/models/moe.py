@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from cadence.layers.moe import SparseMoE
+from cadence.layers.moe import SparseMoE, expert_parallel_share
 from cadence.models import llama
 
 # Qwen's expert projections -> ExpertMLP's (Mixtral's) names.
@@ -26,6 +26,7 @@ _QWEN_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.(?:experts\.\d+|shared_expert))\.(gate_proj|up_proj|down_proj)"
                         r"\.weight$")
 _STACKED_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT_INDEX_RE = re.compile(r"\.experts\.(\d+)\.")
 _HALF_RE = re.compile(r"^(.*\.mlp\.(?:experts\.\d+|shared_expert))\.(w1|w3)\.weight$")
 
 
@@ -46,6 +47,7 @@ class _MoECausalLM(llama.CausalLM):
 
     def _with_experts(self, model: nn.Module) -> nn.Module:
         cfg = self.config
+        self.held_experts = expert_parallel_share(self.num_experts())
         for i, layer in enumerate(model.layers):
             # Layers of other pipeline stages are placeholders: no experts for them.
             if i in self.layer_range and self.is_sparse(i):
@@ -53,8 +55,18 @@ class _MoECausalLM(llama.CausalLM):
                     cfg.hidden_size, self.expert_size(), self.num_experts(),
                     cfg.num_experts_per_tok,
                     bool(getattr(cfg, "norm_topk_prob", self.renormalize_default)),
-                    self.weights_in_model_dtype, self.shared_expert_size())
+                    self.weights_in_model_dtype, self.shared_expert_size(),
+                    self.held_experts)
         return model
+
+    def stage_weight_name(self, name: str) -> str | None:
+        """None also for the experts another expert-parallel rank holds (checkpoint names,
+        either family's, and ours name an expert ``experts.<index>.``)."""
+        name = super().stage_weight_name(name)
+        if name is None or self.held_experts is None:
+            return name
+        expert = _EXPERT_INDEX_RE.search(name)
+        return None if expert and int(expert.group(1)) not in self.held_experts else name
 
     def num_experts(self) -> int:
         return int(self.config.num_experts)
