@@ -179,6 +179,31 @@ SERVE_KEYS = {"name", "num_prompts", "num_input_tokens", "num_output_tokens", "e
               "tpot_p99_ms", "itl_median_ms", "itl_p99_ms", "ratio_to_offline"}
 
 
+def test_small_moe_model_for_the_expert_parallel_bench(tiny_model_dir, tmp_path):
+    """``make-small-model --num-experts``: a Qwen3-MoE with the source's vocabulary that the
+    engine loads and runs (what scripts/perf_expert_parallel.sh measures)."""
+    from engine_helpers import generate, make_llm
+
+    from cadence import SamplingParams
+
+    out = tmp_path / "moe"
+    assert main(["bench", "make-small-model", "--model", tiny_model_dir("llama"),
+                 "--output", str(out), "--num-layers", "2", "--hidden-size", "64",
+                 "--num-experts", "4", "--experts-per-token", "2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    # transformers 5 writes Qwen3-MoE's expert count under Mixtral's name.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    assert (experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 24)
+    llm = make_llm(str(out))
+    try:
+        got = generate(llm, ["hello"], SamplingParams(temperature=0.0, max_tokens=3,
+                                                      ignore_eos=True))
+        assert len(got[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+
+
 def test_engine_flags_forwards_only_what_was_set():
     from cadence.bench.serve import engine_flags
     from cadence.cli.main import build_parser

@@ -86,7 +86,8 @@ def _make_small_model(ns: argparse.Namespace) -> int:
     from cadence.engine_args import EngineArgs
 
     src = EngineArgs(model=ns.model).resolve_model()
-    print(make_small_model(src, ns.output, ns.num_layers, ns.hidden_size))
+    print(make_small_model(src, ns.output, ns.num_layers, ns.hidden_size,
+                           num_experts=ns.num_experts, experts_per_token=ns.experts_per_token))
     return 0
 
 
@@ -152,4 +153,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     sm.add_argument("--output", required=True, help="folder to write")
     sm.add_argument("--num-layers", type=int, default=4, help="decoder layers")
     sm.add_argument("--hidden-size", type=int, default=128, help="hidden size")
+    sm.add_argument("--num-experts", type=int, default=0,
+                    help="> 0: a mixture of experts (Qwen3-MoE) with this many experts per "
+                         "layer (default: a dense Llama)")
+    sm.add_argument("--experts-per-token", type=int, default=2,
+                    help="experts each token is routed to (with --num-experts)")
     sm.set_defaults(bench_func=_make_small_model)

@@ -119,9 +119,14 @@ def _record(name: str, prompts: list[list[int]], num_out: int, elapsed: float,
 
 
 def make_small_model(source_dir: str, out_dir: str, num_layers: int = 4,
-                     hidden_size: int = 128, seed: int = 0) -> str:
+                     hidden_size: int = 128, seed: int = 0, num_experts: int = 0,
+                     experts_per_token: int = 2) -> str:
     """A random-weight Llama with ``source_dir``'s tokenizer and vocabulary, shrunk in depth
-    and width: the same host work per token with a tiny fraction of the forward cost."""
+    and width: the same host work per token with a tiny fraction of the forward cost.
+
+    ``num_experts`` > 0 makes it a Qwen3-MoE instead (every layer sparse, top
+    ``experts_per_token`` renormalized, each expert 3/8 of the hidden size wide, Qwen3-30B-
+    A3B's proportion): a model to compare the ways of splitting experts over ranks."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -133,7 +138,19 @@ def make_small_model(source_dir: str, out_dir: str, num_layers: int = 4,
                num_key_value_heads=heads, head_dim=hidden_size // heads,
                architectures=["LlamaForCausalLM"], model_type="llama")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_dict(src)).to(torch.float32)
+    if num_experts > 0:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        if not 1 <= experts_per_token <= num_experts:
+            raise ValueError(f"experts_per_token must be in [1, {num_experts}], got "
+                             f"{experts_per_token}")
+        src.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                   num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                   moe_intermediate_size=hidden_size * 3 // 8, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(src)).to(torch.float32)
+    else:
+        model = LlamaForCausalLM(LlamaConfig.from_dict(src)).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(source_dir).save_pretrained(out_dir)
     for name in ("generation_config.json",):
