@@ -1,8 +1,8 @@
 """Pipeline parallel through the whole CUDA backend on the CPU (its ``device: cpu`` mode,
 interpreted Triton kernels, gloo between the stages where GPUs would use NCCL send/recv):
-PP=2 gives one process's tokens and logprobs, dense and mixture of experts, a stage before
-the last samples nothing, and a stage lost mid-run ends every request with an error that
-names it.
+PP=2 gives one process's tokens and logprobs, dense and mixture of experts, and so does
+TP=2 inside each of two stages (with expert parallel); a stage before the last samples
+nothing, and a stage lost mid-run ends every request with an error that names it.
 
 On GPUs each stage takes cuda:LOCAL_RANK and runs eagerly (no CUDA graphs under pipeline
 parallel); nothing here checks NCCL or the GPUs themselves.
@@ -98,6 +98,29 @@ def test_cuda_pp2_moe_on_cpu_matches_one_process(tmp_path, tokenizer_dir) -> Non
     reference = _reference(model)
     llm = _llm(model, pipeline_parallel_size=2, async_scheduling=True)
     try:
+        assert_same_as(reference, generate(llm, PROMPTS, GREEDY))
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_cuda_tp2_inside_pp2_on_cpu_matches_one_process(tmp_path, tokenizer_dir) -> None:
+    """Four ranks, two stages of two: each stage's ranks split its layers (their own group
+    for the all-reduces), the activations go to the same tensor-parallel index of the next
+    stage, and the mixture-of-experts layers hold whole experts per rank (expert parallel:
+    the fused kernels skip the other rank's pairs)."""
+    from family_factory import build_family_model
+
+    model = build_family_model("qwen3_moe", tmp_path, tokenizer_dir)
+    reference = _reference(model)
+    llm = _llm(model, tensor_parallel_size=2, pipeline_parallel_size=2,
+               enable_expert_parallel=True)
+    try:
+        info = llm.engine.backend.env_info()
+        assert (info["tensor_parallel_size"], info["pipeline_parallel_size"]) == ("2", "2")
+        # Each stage's two ranks split its layers' 6 experts 3 + 3.
+        assert info["experts_held"] == "; ".join(
+            f"rank {r}: {'0,1,2' if r % 2 == 0 else '3,4,5'} of 6" for r in range(4))
         assert_same_as(reference, generate(llm, PROMPTS, GREEDY))
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     finally:

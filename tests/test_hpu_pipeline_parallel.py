@@ -1,5 +1,5 @@
 """Pipeline parallel on the HPU backend, in emulation (CADENCE_HPU_EMULATE=1): two stage
-processes, each the whole HPU backend (buckets, padding, lazy-mode call order, the warmup
+processes (or two stages of two tensor-parallel ranks), each the whole HPU backend (buckets, padding, lazy-mode call order, the warmup
 of every bucket run in lockstep over the stages), give one process's tokens and logprobs;
 each bucketed part's activations cross between the stages at the part's padded shape.
 
@@ -27,21 +27,26 @@ def _emulated(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
 
 
-def test_hpu_pp2_matches_one_process(tiny_model_dir):
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "tp2-inside-pp2"])
+def test_hpu_pp2_matches_one_process(tiny_model_dir, tp):
     """llama-tied: the last stage loads the head from the embeddings' weight. The warmup
     runs on both stages (every bucket, largest first): a stage that ran its warmup
-    forwards alone would wait for activations that never come."""
+    forwards alone would wait for activations that never come. With two tensor-parallel
+    ranks per stage (four processes), each stage's ranks warm up and run in lockstep with
+    their peer in the other stage too."""
     model = tiny_model_dir("llama-tied")
     single = make_llm(model, **KW)
     try:
         reference = generate(single, PROMPTS, GREEDY)
     finally:
         single.shutdown()
-    llm = make_llm(model, pipeline_parallel_size=2, **KW)
+    llm = make_llm(model, pipeline_parallel_size=2, tensor_parallel_size=tp, **KW)
     try:
         engine = llm.engine
         info = engine.backend.env_info()
         assert (info["executor"], info["pipeline_parallel_size"]) == ("mp", "2")
+        assert info["tensor_parallel_size"] == str(tp)
+        assert len(engine.backend.worker_pids) == 2 * tp
         assert int(info["hpu_warmup_compiles"]) > 0  # stage 0 ran its warmup forwards
         outputs = generate(llm, PROMPTS, GREEDY)
         assert_same_as(reference, outputs)
