@@ -205,3 +205,27 @@ def test_layers_slice_the_checkpoint_for_their_rank():
         assert not out[0].any() and torch.equal(out[1:], 2 * full[3:])
     finally:
         distributed.set_tensor_parallel(0, 1, None)
+
+
+@pytest.mark.parametrize(("library", "widened"), [("gloo", True), ("nccl", False),
+                                                  ("hccl", False)])
+def test_low_precision_sums_are_widened_only_where_the_library_needs_it(monkeypatch, library,
+                                                                        widened):
+    """gloo has no bfloat16 sum: the shards go over in fp32. NCCL and HCCL sum bf16/fp16
+    themselves: sending fp32 would double the bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from cadence.distributed import Communicator
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: library)
+    comm = Communicator()
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.ones(3, dtype=dtype)
+        assert comm._wide(x).dtype == (torch.float32 if widened else dtype)
+    assert comm._wide(torch.ones(2)).dtype == torch.float32
+
+    class Mine(Communicator):
+        native_dtypes = ("float32", "bfloat16")  # a plugin's own library says so itself
+
+    assert Mine()._wide(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.bfloat16
