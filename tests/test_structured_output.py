@@ -267,3 +267,68 @@ def test_missing_xgrammar_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if not installed
     with pytest.raises(ValueError, match="pip install xgrammar"):
         import_xgrammar()
+
+
+def test_tensor_parallel_ranks_get_the_bitmask_after_the_step(model, monkeypatch):
+    """TP=2 (mp executor): greedy constrained requests give one process's tokens. A
+    constrained step goes to the ranks before its bitmask exists; the bitmask follows it as
+    a message of its own, computed while the ranks run the forward. A bitmask that cannot
+    be computed fails its step on every rank with the engine's own error, the group
+    stays up, and the engine runs the step's requests again."""
+    from cadence.structured_output import manager
+
+    kinds = [so(regex=REGEX), so(choice=CHOICES), so(json=PERSON, disable_any_whitespace=True),
+             so(grammar=EBNF)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=k)
+              for k in kinds] + [SamplingParams(temperature=0.0, max_tokens=8)]
+    prompts = PROMPTS[:len(params)]
+    single = make_llm(model)
+    try:
+        want = [o.outputs[0].token_ids for o in generate(single, prompts, params)]
+    finally:
+        single.shutdown()
+    llm = make_llm(model, tensor_parallel_size=2)
+    try:
+        eng, executor = llm.engine, llm.engine.backend
+        pids, sent, real_send = list(executor.worker_pids), [], executor._send_all
+
+        def recording(msg):
+            if isinstance(msg, tuple):
+                sent.append(msg[0] if msg[1] is not None else "no bitmask")
+            elif msg != "ping":
+                grammar = msg.sampling.grammar
+                sent.append("step" if grammar is None else
+                            "step, bitmask to follow" if not grammar.is_ready else
+                            "step with its bitmask")
+            real_send(msg)
+
+        monkeypatch.setattr(executor, "_send_all", recording)
+        for p in params[:-1]:
+            eng.structured.compiler.submit(p.structured_outputs).result()
+        outs = generate(llm, prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        for o, p in zip(outs[:-1], params):
+            if o.outputs[0].finish_reason == "stop":
+                _check(o.outputs[0].text, p.structured_outputs)
+        late = [i for i, m in enumerate(sent) if m == "step, bitmask to follow"]
+        assert late and "step with its bitmask" not in sent
+        assert [sent[i + 1] for i in late] == ["bitmask"] * len(late)
+        assert sent.count("bitmask") == len(late)
+
+        real_fill, calls = manager.fill_bitmask, []
+
+        def fails_once(reqs, width):
+            calls.append(len(reqs))
+            if len(calls) == 3:
+                raise RuntimeError("matcher state lost")
+            return real_fill(reqs, width)
+
+        monkeypatch.setattr(manager, "fill_bitmask", fails_once)
+        sent.clear()
+        again = generate(llm, prompts, params)
+        assert "no bitmask" in sent  # the ranks were told, and failed that step
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert executor.worker_pids == pids  # no rank was lost or restarted
+        assert eng.block_manager.num_free_blocks == eng.num_blocks
+    finally:
+        llm.shutdown()

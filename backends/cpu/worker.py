@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.pipes import read_inputs, read_reply, reply, send
+from cadence.structured_output.bitmask import bitmask_from
 
 
 def _serve(inp: BinaryIO, out: BinaryIO) -> None:
@@ -73,7 +74,9 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             t0 = time.perf_counter()
             logits = runner.forward(mi)
             if mi.sampling.grammar is not None and not mi.sampling.grammar.is_ready:
-                _receive_bitmask(inbox, mi.sampling.grammar)
+                # Sent after the step: the engine computes it while this process runs
+                # the forward.
+                mi.sampling.grammar.set(bitmask_from(inbox))
             result = runner.to_host(runner.sample(logits, mi.sampling))
             result.device_seconds = time.perf_counter() - t0
             result.device_done_at = time.monotonic()
@@ -82,17 +85,6 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
             # would pickle under a name the engine process cannot import.
             result = ("error", traceback.format_exc())
         reply(out, result)
-
-
-def _receive_bitmask(inbox: queue.SimpleQueue, grammar: Any) -> None:
-    """The step's grammar bitmask, which the engine sends after the step (it computes it
-    while this process runs the forward)."""
-    msg = inbox.get()
-    if msg is None:
-        inbox.put(None)  # the engine is closing: the main loop sees it next
-    if not (isinstance(msg, tuple) and msg[0] == "bitmask" and msg[1] is not None):
-        raise RuntimeError("the engine sent no grammar bitmask for a step that needs one")
-    grammar.set(msg[1])
 
 
 def _kill(proc: subprocess.Popen) -> None:

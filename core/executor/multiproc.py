@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 from cadence.backend import (
@@ -99,6 +100,9 @@ class MultiprocExecutor(Backend):
         self.step_timeout_s = config.fault_config.step_timeout_s
         self._procs: list[subprocess.Popen] = []
         self._in_flight = 0
+        # Per step in flight, oldest first: why its late bitmask could not be computed
+        # (None: it was, or it needed none). Raised when the step is collected.
+        self._bitmask_failures: deque[BaseException | None] = deque()
         self._finalizer = None
         self._failure: str | None = None
         self.runtime_info: dict[str, str] = {}
@@ -110,6 +114,10 @@ class MultiprocExecutor(Backend):
     # -- start-up ---------------------------------------------------------------------------
 
     executor_name = "mp"
+    #: Whether a step's grammar bitmask may follow the step as a message of its own: a rank
+    #: reads its pipe in order, so it gets the bitmask while it runs the step's forward.
+    #: Ray runs an actor's calls one at a time, so there it travels inside the step.
+    sends_bitmask_late = True
 
     def rank_spec(self, rank: int, init_method: str) -> dict:
         """What rank ``rank`` is started with (core/executor/worker.py's ``RankRunner``)."""
@@ -125,6 +133,7 @@ class MultiprocExecutor(Backend):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = []
         self._in_flight = 0
+        self._bitmask_failures.clear()
         self._failure = None
         for rank in range(self.world_size):
             spec = self.rank_spec(rank, init_method)
@@ -212,6 +221,7 @@ class MultiprocExecutor(Backend):
     def _lost(self, message: str) -> WorkerLostError:
         self._kill_ranks()
         self._in_flight = 0
+        self._bitmask_failures.clear()
         self._failure = message  # what /health reports until a restart
         return WorkerLostError(message)
 
@@ -255,17 +265,29 @@ class MultiprocExecutor(Backend):
         assert self._in_flight < self.max_in_flight, \
             f"at most {self.max_in_flight} steps in flight"
         grammar = model_input.sampling.grammar
-        if grammar is not None:
-            # Structured output: the ranks get the bitmask inside the step (no message for a
-            # late one), so it is computed before sending, outside the overlap.
-            grammar.get()
+        late = grammar is not None and not grammar.is_ready and self.sends_bitmask_late
+        if grammar is not None and not late:
+            grammar.get()  # inside the step, computed before it goes out
         self._send_all(model_input)
         self._in_flight += 1
+        failure = None
+        if late:
+            # Structured output: the ranks run the forward while the bitmask is computed
+            # here; it follows the step down their pipes, and they wait for it to sample.
+            try:
+                value = grammar.get()
+            except Exception as e:  # noqa: BLE001  # raised at collect, once the ranks reply
+                value, failure = None, e
+            self._send_all(("bitmask", value))  # None: the ranks fail the step
+        self._bitmask_failures.append(failure)
 
     def collect(self) -> SamplerOutput:
         assert self._in_flight, "collect() without submit()"
         self._in_flight -= 1
         replies = self._gather(self.step_timeout_s)
+        failure = self._bitmask_failures.popleft() if self._bitmask_failures else None
+        if failure is not None:
+            raise failure  # every rank failed the step for want of it
         errors = [r for r, rep in enumerate(replies) if isinstance(rep, tuple)]
         if errors and len(errors) < len(replies):
             raise self._lost(self._dead_rank(errors) or
@@ -337,6 +359,7 @@ class MultiprocExecutor(Backend):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._in_flight = 0
+        self._bitmask_failures.clear()
 
     def env_info(self) -> dict[str, str]:
         return dict(self.runtime_info)

@@ -40,6 +40,7 @@ class RayExecutor(MultiprocExecutor):
     stages); see the module doc."""
 
     executor_name = "ray"
+    sends_bitmask_late = False  # an actor runs one call at a time: inside the step
 
     def __init__(self, backend_cls: type[Backend], config: EngineConfig) -> None:
         super().__init__(backend_cls, config)

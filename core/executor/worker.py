@@ -24,6 +24,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from cadence.executor.pipes import read_inputs, reply
+from cadence.structured_output.bitmask import bitmask_from
 
 
 class RankRunner:
@@ -120,7 +121,18 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         msg = inbox.get()
         if msg is None:
             break
-        reply(out, runner.ping() if msg == "ping" else runner.step(msg))
+        if isinstance(msg, tuple) and msg and msg[0] == "bitmask":
+            # For a stage that samples nothing, or a step that failed before it sampled.
+            continue
+        if msg == "ping":
+            reply(out, runner.ping())
+            continue
+        grammar = msg.sampling.grammar
+        if grammar is not None and not grammar.is_ready:
+            # Structured output: the engine sends the bitmask after the step (it computes
+            # it while the ranks run the forward); the sampler waits for it here.
+            grammar.fetch_with(lambda: bitmask_from(inbox))
+        reply(out, runner.step(msg))
     runner.shutdown()
 
 

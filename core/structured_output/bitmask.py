@@ -10,7 +10,8 @@ forward thread and the engine thread.
 
 Pickled (to a worker process), a handle keeps its rows and its bitmask if one was computed,
 never the function that computes it (vLLM #9931): a worker then receives the bitmask
-separately (backends/cpu/worker.py) and ``set`` fills it in.
+separately (backends/cpu/worker.py, core/executor/worker.py) and ``set`` or
+``fetch_with`` fills it in.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class GrammarBitmask:
                 self._fn = None
             return self._value
 
+    def fetch_with(self, fn: Callable[[], Any]) -> None:
+        """Where a pickled handle's bitmask comes from when it is first needed: ``fn``
+        waits for the message that brings it (a rank reads it from its input pipe)."""
+        with self._lock:
+            if self._value is None:
+                self._fn = fn
+
     def set(self, value: Any) -> None:
         with self._lock:
             self._value = value
@@ -88,3 +96,15 @@ def _padded(bitmask: Any, order: list[int | None]) -> Any:
         if i is not None:
             out[r] = bitmask[i]
     return out
+
+
+def bitmask_from(inbox: Any) -> Any:
+    """The next message of ``inbox`` (a queue of a process's inputs), which must be the
+    bitmask the engine sends after a step that needs one: ``("bitmask", array)``; the
+    engine sends ``("bitmask", None)`` when computing it failed, and the step fails."""
+    msg = inbox.get()
+    if msg is None:
+        inbox.put(None)  # the engine is closing: the input loop sees it next
+    if not (isinstance(msg, tuple) and msg[0] == "bitmask" and msg[1] is not None):
+        raise RuntimeError("the engine sent no grammar bitmask for a step that needs one")
+    return msg[1]
