@@ -145,6 +145,12 @@ class Backend(ABC):
     #: The torch.distributed library of the collectives between this backend's ranks
     #: ("gloo", "nccl", "hccl"), used by the default ``init_distributed``.
     distributed_backend: ClassVar[str | None] = None
+    #: The Ray resources one rank needs besides its CPU, e.g. ``{"GPU": 1}``: the ``ray``
+    #: executor's placement group asks for ``{"CPU": 1, **ray_resources}`` per rank, and
+    #: each rank's actor for the same (core/executor/ray_placement.py). A device Ray knows
+    #: ("GPU", "HPU") is then made the rank's only visible one; any other name is a custom
+    #: resource the nodes must advertise (``ray start --resources``). Empty: a CPU only.
+    ray_resources: ClassVar[dict[str, float]] = {}
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

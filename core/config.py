@@ -111,6 +111,9 @@ class FaultConfig:
 
 
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+# Ray's placement group strategies: how the ``ray`` executor's ranks (one bundle each) may
+# share nodes. PACK (the default, as in vLLM): on as few nodes as possible.
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,9 @@ class ParallelConfig:
     # of each (cadence.distributed.held_experts; no effect on dense models or one rank).
     enable_expert_parallel: bool = False
     expert_placement_strategy: str = "linear"
+    # The ``ray`` executor: how its placement group (one bundle per rank) spreads the ranks
+    # over the cluster's nodes (core/executor/ray_placement.py).
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -162,6 +168,9 @@ class ParallelConfig:
         if self.expert_placement_strategy not in EXPERT_PLACEMENTS:
             raise ValueError(f"expert_placement_strategy must be one of {EXPERT_PLACEMENTS}, "
                              f"got {self.expert_placement_strategy!r}")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement_strategy must be one of "
+                             f"{RAY_PLACEMENT_STRATEGIES}, got {self.ray_placement_strategy!r}")
         executor = self.distributed_executor_backend
         if executor is not None and executor not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "

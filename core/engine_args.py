@@ -15,6 +15,7 @@ from cadence.config import (
     EXECUTOR_BACKENDS,
     EXPERT_PLACEMENTS,
     POLICIES,
+    RAY_PLACEMENT_STRATEGIES,
     CacheConfig,
     EngineConfig,
     FaultConfig,
@@ -54,6 +55,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
     expert_placement_strategy: str = "linear"
+    ray_placement_strategy: str = "PACK"
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -116,7 +118,8 @@ class EngineArgs:
                 pipeline_parallel_size=int(args["pipeline_parallel_size"]),
                 distributed_executor_backend=args["distributed_executor_backend"],
                 enable_expert_parallel=bool(args["enable_expert_parallel"]),
-                expert_placement_strategy=args["expert_placement_strategy"]),
+                expert_placement_strategy=args["expert_placement_strategy"],
+                ray_placement_strategy=args["ray_placement_strategy"]),
         )
 
     @staticmethod
@@ -203,6 +206,15 @@ class EngineArgs:
                        help="which experts a rank holds under expert parallel: 'linear' (a "
                             "contiguous run each) or 'round_robin' (every N-th) "
                             "(default: %(default)s)")
+        p.add_argument("--ray-placement-strategy", default="PACK",
+                       choices=RAY_PLACEMENT_STRATEGIES,
+                       help="--distributed-executor-backend ray: how the ranks (one Ray "
+                            "placement group bundle each: a CPU, plus the backend's GPU or "
+                            "HPU) share the cluster's nodes: PACK on as few nodes as "
+                            "possible, SPREAD on as many as possible (both best effort), "
+                            "STRICT_PACK all on one node, STRICT_SPREAD each on a node of its "
+                            "own; start-up fails if the cluster cannot place them within "
+                            "--step-timeout (default: %(default)s)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

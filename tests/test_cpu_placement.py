@@ -28,7 +28,9 @@ def test_unbound_ranks_share_the_cores(monkeypatch):
     assert placement.shared_threads(ParallelConfig(data_parallel_size=2,
                                                    tensor_parallel_size=2), False,
                                     list(range(8))) == 4
-    assert placement.place(ParallelConfig(), "none", ranks=True) is None
+    assert placement.place(ParallelConfig(), "none", ranks=False) is None  # torch's default
+    # A rank is always told its count (Ray starts actors with OMP_NUM_THREADS=1).
+    assert placement.place(ParallelConfig(), "none", ranks=True) == 2
     with pytest.raises(ValueError, match=r"bind must be one of \('cores', 'none'\), got 'all'"):
         placement.place(both, "all", ranks=True)
 
@@ -54,6 +56,63 @@ def test_reserved_cores_are_left_to_the_engine(monkeypatch):
     assert placement.place(ParallelConfig(), "cores", False) is None  # nothing to do
     with pytest.raises(ValueError, match="--cpu-reserved-cores 8 leaves no core"):
         placement.compute_cpus(8)
+
+
+def test_ranks_split_the_cores_of_their_own_node(monkeypatch):
+    """Ray may put a model's ranks on several hosts: each host's cores are split among the
+    ranks on that host (LOCAL_RANK of LOCAL_WORLD_SIZE), a rank alone on its host takes all
+    of them; with every rank on one host (mp) the split is the global one."""
+    from cadence.backends.cpu import placement
+
+    eight = list(range(8))
+    tp2pp2 = [ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).with_rank(r)
+              for r in range(4)]
+    # Stages on two hosts, two ranks each: every rank gets half its host, not a quarter.
+    assert [placement.rank_cpus(p, eight, r % 2, 2) for r, p in enumerate(tp2pp2)] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert placement.rank_cpus(tp2pp2[3], eight, 0, 1) == eight  # alone on its host
+    global_split = [placement.rank_cpus(p, eight) for p in tp2pp2]
+    assert global_split == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [placement.rank_cpus(p, eight, r, 4) for r, p in enumerate(tp2pp2)] == global_split
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 x --pipeline-parallel-size "
+                                         "2, with 3 of its 4 ranks on this node, needs at "
+                                         "least 3 CPU cores"):
+        placement.rank_cpus(tp2pp2[0], [0, 1], 0, 3)
+    # Unbound: the pool is an equal share of the host's cores among the ranks there.
+    assert placement.place(tp2pp2[1], "none", True, local_rank=0, local_world_size=1) \
+        == len(placement.available_cpus())
+    monkeypatch.setattr(placement, "available_cpus", lambda: eight)
+    monkeypatch.setattr(placement, "bind_to", lambda cpus: cpus)
+    assert placement.place(tp2pp2[2], "cores", True, local_rank=1, local_world_size=3) == \
+        [3, 4, 5]
+    assert placement.place(tp2pp2[2], "none", True, local_rank=1, local_world_size=2) == 4
+    # Bound, alone on its host with nothing to pin: still told how many threads to run.
+    assert placement.place(ParallelConfig(), "cores", True) == 8
+
+
+def test_a_rank_reads_its_place_on_the_node_from_the_executor(monkeypatch, tiny_model_dir):
+    """The executor sets LOCAL_RANK and LOCAL_WORLD_SIZE (core/executor/worker.py) before a
+    rank's backend joins the group; the CPU backend places itself by them."""
+    import dataclasses
+
+    from cadence.backend import Backend
+    from cadence.backends.cpu import placement
+    from cadence.backends.cpu.backend import CpuBackend
+    from cadence.engine_args import EngineArgs
+
+    config = EngineArgs(model=tiny_model_dir("qwen2"), tensor_parallel_size=2,
+                        pipeline_parallel_size=2,
+                        backend_options={"overlap": "sync"}).create_engine_config()
+    config = dataclasses.replace(config, parallel_config=config.parallel_config.with_rank(3))
+    seen = []
+    monkeypatch.setattr(placement, "place", lambda *args: seen.append(args))
+    monkeypatch.setattr(Backend, "init_distributed", lambda *args: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    CpuBackend(config).init_distributed(3, 4, "tcp://127.0.0.1:1", 1.0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not from an executor: the global split
+    CpuBackend(config).init_distributed(3, 4, "tcp://127.0.0.1:1", 1.0)
+    assert [args[-2:] for args in seen] == [(0, 1), (None, None)]
 
 
 def test_placement_options_are_checked(tiny_model_dir):

@@ -272,6 +272,33 @@ def test_init_makes_the_backend_device_current(monkeypatch) -> None:
     assert be.runner == ("runner", be.device)
 
 
+def test_a_rank_takes_the_gpu_it_can_see(monkeypatch) -> None:
+    """mp: every GPU of the host is visible and a rank takes cuda:LOCAL_RANK. ray: Ray makes
+    the one GPU of the rank's bundle its only visible device (CUDA_VISIBLE_DEVICES), so the
+    second rank on a node takes cuda:0, not cuda:1."""
+    from cadence.backends.cuda import runtime
+
+    assert [runtime.rank_device(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [runtime.rank_device(r, 1) for r in range(3)] == [0, 0, 0]
+    with pytest.raises(ValueError, match="rank 5 is rank 2 on its host, which has 2 visible"):
+        runtime.rank_device(2, 2, 5)
+    with pytest.raises(ValueError, match="which has 0 visible GPUs"):
+        runtime.rank_device(0, 0)
+
+    current: list[torch.device] = []
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(runtime, "ModelRunner", lambda config, device: ("runner", device))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "3")
+    parallel = SimpleNamespace(world_size=4)
+    for visible, expected in ((1, 0), (2, 1)):
+        monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda n=visible: n)
+        be = SimpleNamespace(options=CudaOptions(),
+                             config=SimpleNamespace(parallel_config=parallel))
+        runtime.init(be)
+        assert be.device == torch.device("cuda", expected) and current[-1] == be.device
+
+
 def _config(**opts: object) -> SimpleNamespace:
     return SimpleNamespace(backend_option=lambda k, d=None: opts.get(k, d),
                            scheduler_config=SimpleNamespace(max_num_seqs=64))

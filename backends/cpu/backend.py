@@ -73,13 +73,19 @@ class CpuBackend(Backend):
 
         super().check_parallel_config(config)
         bind, reserved = placement_options(config)
-        if bind == "cores":  # too few cores for the ranks: say so now
+        # Too few cores for the ranks: say so now. Ray's ranks may be on other nodes: each
+        # checks its own node's cores when it starts.
+        if bind == "cores" and config.parallel_config.executor != "ray":
             rank_cpus(config.parallel_config, compute_cpus(reserved))
 
     def init_distributed(self, rank: int, world_size: int, init_method: str,
                          join_timeout: float) -> None:
         """In a rank's own process: the model runs here (``sync``: the process is the
-        worker), bound to this rank's share of the cores before torch starts its pool."""
+        worker), bound to this rank's share of its node's cores before torch starts its
+        pool. The ranks on this node split them: LOCAL_RANK of LOCAL_WORLD_SIZE, which the
+        executor set (torchrun's names; every rank under ``mp``)."""
+        import os
+
         import torch
 
         from cadence.backends.cpu.placement import place, placement_options
@@ -87,7 +93,11 @@ class CpuBackend(Backend):
         self._in_rank = True
         self.overlap = "sync"
         bind, reserved = placement_options(self.config)
-        num_threads = place(self.config.parallel_config, bind, True, reserved)
+        env = os.environ
+        on_node = "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env
+        num_threads = place(self.config.parallel_config, bind, True, reserved,
+                            int(env["LOCAL_RANK"]) if on_node else None,
+                            int(env["LOCAL_WORLD_SIZE"]) if on_node else None)
         if num_threads:
             torch.set_num_threads(num_threads)
         super().init_distributed(rank, world_size, init_method, join_timeout)

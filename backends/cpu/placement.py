@@ -6,7 +6,8 @@ slower than one. Each replica's worker instead takes a contiguous 1/N of the cor
 process may use (its affinity mask, which respects ``taskset`` and container limits),
 binds itself to them and sizes its pool to match, as vLLM's CPU backend binds each rank's
 OpenMP threads to its own cores. The ranks of a model split by tensor or pipeline parallel
-are placed the same way inside their engine's share.
+are placed the same way inside their engine's share, split among the ranks on the same
+node (all of them under ``mp``; under ``ray`` those its placement group put there).
 
 ``--cpu-bind none`` (backend option ``bind``) binds nothing: every process may run on every
 core and sizes its pool to its equal share of them (at least one thread). Slower where the
@@ -54,27 +55,44 @@ def replica_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> lis
     return cpus[start:start + base + (1 if rank < extra else 0)]
 
 
-def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> list[int] | None:
+def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None,
+              local_rank: int | None = None,
+              local_world_size: int | None = None) -> list[int] | None:
     """The cores of rank ``parallel.rank`` (a tensor-parallel rank or a pipeline stage): its
     contiguous share of its replica's cores (of all of them for a lone engine), so the
     ranks' thread pools never share a core. None for an unsplit model (it keeps the
-    replica's share). ValueError when there are fewer cores than ranks."""
-    size, rank = parallel.world_size, parallel.rank
-    if size == 1:
+    replica's share). ValueError when there are fewer cores than ranks.
+
+    The cores are split among the ranks on this node: rank ``local_rank`` of
+    ``local_world_size`` (the ``ray`` executor's ranks may be spread over several hosts, and a
+    rank alone on its node takes all of it). Both default to the global rank and world size:
+    one host holds every rank (``mp``)."""
+    size = parallel.world_size if local_world_size is None else local_world_size
+    rank = parallel.rank if local_rank is None else local_rank
+    assert 0 <= rank < size, f"local rank {rank} of {size}"
+    if parallel.world_size == 1:
         return replica_cpus(parallel, cpus)
     share = replica_cpus(parallel, cpus) or (available_cpus() if cpus is None else cpus)
     if len(share) < size:
-        split = (f"--tensor-parallel-size {parallel.tensor_parallel_size} x "
-                 f"--pipeline-parallel-size {parallel.pipeline_parallel_size}"
-                 if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1
-                 else f"--pipeline-parallel-size {size}" if parallel.pipeline_parallel_size > 1
-                 else f"--tensor-parallel-size {size}")
-        raise ValueError(f"{split} needs at least {size} CPU cores, one per rank; this "
-                         f"engine may use {len(share)} ({share}); --cpu-bind none runs the "
-                         f"ranks on shared cores instead")
+        raise ValueError(f"{_split_flags(parallel, size)} needs at least {size} CPU cores, "
+                         f"one per rank; this engine may use {len(share)} ({share}); "
+                         f"--cpu-bind none runs the ranks on shared cores instead")
     base, extra = divmod(len(share), size)
     start = rank * base + min(rank, extra)
     return share[start:start + base + (1 if rank < extra else 0)]
+
+
+def _split_flags(parallel: ParallelConfig, local_world_size: int) -> str:
+    """The flags that asked for ``local_world_size`` ranks on this node, for errors."""
+    size = parallel.world_size
+    split = (f"--tensor-parallel-size {parallel.tensor_parallel_size} x "
+             f"--pipeline-parallel-size {parallel.pipeline_parallel_size}"
+             if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1
+             else f"--pipeline-parallel-size {size}" if parallel.pipeline_parallel_size > 1
+             else f"--tensor-parallel-size {size}")
+    if local_world_size != size:
+        return f"{split}, with {local_world_size} of its {size} ranks on this node,"
+    return split
 
 
 def bind_to(cpus: list[int] | None) -> int | None:
@@ -119,22 +137,32 @@ def compute_cpus(reserved: int, cpus: list[int] | None = None) -> list[int]:
 
 
 def shared_threads(parallel: ParallelConfig, ranks: bool,
-                   cpus: list[int] | None = None) -> int | None:
-    """Unbound (``bind`` none): the threads of one of the engine's ranks (``ranks``) or of
-    one replica's worker, an equal share of ``cpus`` (this process's cores by default) and
-    at least one; None for a lone, unsplit engine given no cores (torch's default)."""
-    parts = parallel.data_parallel_size * (parallel.world_size if ranks else 1)
-    if parts == 1 and cpus is None:
+                   cpus: list[int] | None = None,
+                   local_world_size: int | None = None) -> int | None:
+    """Unbound (``bind`` none): the threads of one of the engine's ranks (``ranks``; one of
+    ``local_world_size`` on this node, all of them by default) or of one replica's worker,
+    an equal share of ``cpus`` (this process's cores by default) and at least one; None for
+    a lone, unsplit engine's worker given no cores (torch's default). A rank always gets a
+    count: Ray starts its actors with OMP_NUM_THREADS=1, which torch's default would keep."""
+    on_node = parallel.world_size if local_world_size is None else local_world_size
+    parts = parallel.data_parallel_size * (on_node if ranks else 1)
+    if parts == 1 and cpus is None and not ranks:
         return None
     return max(1, len(available_cpus() if cpus is None else cpus) // parts)
 
 
-def place(parallel: ParallelConfig, bind: str, ranks: bool, reserved: int = 0) -> int | None:
+def place(parallel: ParallelConfig, bind: str, ranks: bool, reserved: int = 0,
+          local_rank: int | None = None, local_world_size: int | None = None) -> int | None:
     """Bind this process (a rank when ``ranks``, else the worker process of an engine or
     of a replica) to its cores, or not with ``bind`` none, leaving the first ``reserved``
-    cores alone; the thread count its pool should have (None: torch's)."""
+    cores alone; the thread count its pool should have (None: torch's). A rank's share is
+    of its node's cores, by ``local_rank`` of ``local_world_size`` (``rank_cpus``)."""
     cpus = compute_cpus(reserved) if reserved else None
     if check_bind(bind) == "none":
-        return shared_threads(parallel, ranks, cpus)
-    mine = rank_cpus(parallel, cpus) if ranks else replica_cpus(parallel, cpus)
-    return bind_to(mine if mine is not None else cpus)
+        return shared_threads(parallel, ranks, cpus, local_world_size)
+    mine = rank_cpus(parallel, cpus, local_rank, local_world_size) if ranks \
+        else replica_cpus(parallel, cpus)
+    threads = bind_to(mine if mine is not None else cpus)
+    if threads is None and ranks:  # the whole node, counted (see ``shared_threads``)
+        threads = len(available_cpus())
+    return threads

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from cadence.backend import (
     Backend,
@@ -201,6 +201,9 @@ class CudaBackend(Backend):
     # the last samples nothing (``sample``). Stages run eagerly too (``warmup``).
     supports_pipeline_parallel = True
     distributed_backend = "nccl"
+    # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
+    # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).
+    ray_resources: ClassVar[dict[str, float]] = {"GPU": 1}
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -38,18 +38,30 @@ if TYPE_CHECKING:
     from cadence.backends.cuda.backend import CudaBackend
 
 
+def rank_device(local_rank: int, num_visible: int, rank: object = "?") -> int:
+    """The index of the GPU a rank takes among the ``num_visible`` it can see: its
+    ``local_rank`` (its index among its host's ranks) when every GPU of the host is visible
+    (the ``mp`` executor), and the only one when one is visible (the ``ray`` executor: Ray
+    gives each rank's actor one GPU through CUDA_VISIBLE_DEVICES, whatever its local rank).
+    ValueError when the rank has no GPU of its own."""
+    if num_visible == 1:
+        return 0
+    if not 0 <= local_rank < num_visible:
+        raise ValueError(f"rank {rank} is rank {local_rank} on its host, which has "
+                         f"{num_visible} visible GPUs")
+    return local_rank
+
+
 def init(be: CudaBackend) -> None:
     """Resolve the device and build the model runner (the torch half of ``__init__``)."""
     device = torch.device(be.options.device or "cuda")
     if device.type == "cuda":
         if device.index is None and be.config.parallel_config.world_size > 1:
-            # A rank of tensor or pipeline parallel: the GPU its LOCAL_RANK names (set by
-            # the executor before this backend was built).
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            if local >= torch.cuda.device_count():
-                raise ValueError(f"rank {os.environ.get('RANK', '?')} is rank {local} on its "
-                                 f"host, which has {torch.cuda.device_count()} visible GPUs")
-            device = torch.device("cuda", local)
+            # A rank of tensor or pipeline parallel (LOCAL_RANK set by the executor before
+            # this backend was built).
+            device = torch.device("cuda", rank_device(int(os.environ.get("LOCAL_RANK", "0")),
+                                                      torch.cuda.device_count(),
+                                                      os.environ.get("RANK", "?")))
         elif device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         # Triton launches on the *current* device whatever the tensors' device, and the

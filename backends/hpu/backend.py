@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cadence.backend import (
     Backend,
@@ -77,6 +77,9 @@ class HpuBackend(Backend):
     # stage before the last samples nothing. See the NOTE at ``warmup``.
     supports_pipeline_parallel = True
     distributed_backend = "hccl"
+    # Under the ray executor each rank's bundle holds one Gaudi card: the "HPU" resource
+    # Ray detects on Gaudi nodes (vLLM asks for the same).
+    ray_resources: ClassVar[dict[str, float]] = {"HPU": 1}
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

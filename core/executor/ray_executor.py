@@ -6,6 +6,11 @@ a step's ``ModelInput`` is put in Ray's object store once and each actor's ``ste
 it; replies are Ray object refs, waited for with ``ray.wait``. Ray runs one caller's calls
 to an actor in the order they were made, so steps never overlap on a rank.
 
+Placement (ray_placement.py): a placement group with one bundle per rank, ``{"CPU": 1}``
+plus the backend's ``ray_resources``, under ``--ray-placement-strategy``; rank ``r``'s actor
+runs in bundle ``r``. The group lives as long as its actors: it is removed whenever they are
+killed (a lost group, a failed start, ``shutdown``), and a restart reserves a new one.
+
 Connecting: ``ray.init()`` joins the cluster this host belongs to (``ray start --head`` /
 ``ray start --address``, or ``RAY_ADDRESS``) and otherwise starts a local one in this
 process. The ranks meet for their collectives at rank 0's node address.
@@ -14,30 +19,43 @@ process. The ranks meet for their collectives at rank 0's node address.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from typing import Any
 
 from cadence.backend import Backend, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.multiproc import MultiprocExecutor, _free_port, _RankGone
+from cadence.executor.ray_placement import (
+    actor_options,
+    node_local_ranks,
+    placement_request,
+    rank_bundles,
+)
 from cadence.executor.worker import RankRunner
+
+logger = logging.getLogger(__name__)
+# After this long without a placement group, the engine logs what it waits for.
+RESERVE_NOTICE_S = 10.0
 
 
 class RankActor(RankRunner):
     """A rank inside a Ray actor: the runner plus where it runs."""
 
-    def placement(self) -> tuple[str, int, int]:
-        """(this node's address, a free port on it, this process's id)."""
+    def placement(self) -> tuple[str, int, int, str | None]:
+        """(this node's address, a free port on it, this process's id, the placement group
+        this actor runs in as a hex id, None outside one)."""
         import os
 
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port(), os.getpid()
+        return (ray.util.get_node_ip_address(), _free_port(), os.getpid(),
+                ray.get_runtime_context().get_placement_group_id())
 
 
 class RayExecutor(MultiprocExecutor):
     """Runs ``backend_cls`` as ``world_size`` Ray actors (tensor-parallel ranks or pipeline
-    stages); see the module doc."""
+    stages) in a placement group of their own; see the module doc."""
 
     executor_name = "ray"
     sends_bitmask_late = False  # an actor runs one call at a time: inside the step
@@ -47,6 +65,14 @@ class RayExecutor(MultiprocExecutor):
         self._actors: list[Any] = []
         self._queues: list[deque] = []
         self._pids: list[int] = []
+        self._group: Any = None  # the ranks' placement group while they exist
+        #: Each rank's placement group id as the rank itself reports it (operators, tests).
+        self.rank_placement_groups: list[str | None] = []
+
+    @property
+    def placement_group_id(self) -> str | None:
+        """The hex id of the ranks' placement group; None while there is none."""
+        return None if self._group is None else self._group.id.hex()
 
     def load_model(self) -> None:
         try:
@@ -54,28 +80,73 @@ class RayExecutor(MultiprocExecutor):
         except ImportError:
             raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
                              "'cadence[ray]' (or pip install ray)") from None
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, log_to_driver=False)
         self._in_flight = 0
         self._failure = None
-        actor_cls = ray.remote(num_cpus=1)(RankActor)
-        self._actors = [actor_cls.remote(self.rank_spec(r, "")) for r in range(self.world_size)]
+        bundles = rank_bundles(self.world_size, self.backend_cls.ray_resources)
+        self._reserve(bundles)
+        actor_cls = ray.remote(RankActor)
+        self._actors = [actor_cls.options(
+            **actor_options(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._group, placement_group_bundle_index=r),
+        ).remote(self.rank_spec(r, "")) for r, bundle in enumerate(bundles)]
         self._queues = [deque() for _ in self._actors]
         try:
             places = ray.get([a.placement.remote() for a in self._actors],
                              timeout=self.step_timeout_s)
         except Exception as e:
             self._kill_ranks()
-            raise RuntimeError(f"Ray could not place the {self.world_size} ranks: "
+            raise RuntimeError(f"Ray could not start the {self.world_size} ranks: "
                                f"{type(e).__name__}: {e}") from e
-        host, port, _ = places[0]
-        self._pids = [pid for _, _, pid in places]
+        host, port, _, _ = places[0]
+        self._pids = [place[2] for place in places]
+        self.rank_placement_groups = [place[3] for place in places]
         init_method = f"tcp://{host}:{port}"
-        # A rank's index among the ranks Ray put on its node: the device it takes there.
-        nodes = [node for node, _, _ in places]
-        local_ranks = [nodes[:r].count(nodes[r]) for r in range(len(nodes))]
-        for actor, queue, local in zip(self._actors, self._queues, local_ranks, strict=True):
-            queue.append(actor.start.remote(init_method, local))
+        # Per rank, its index among the ranks on its host and their number: the device it
+        # takes there, and its share of the host's cores.
+        local = node_local_ranks([place[0] for place in places])
+        for actor, queue, (rank, size) in zip(self._actors, self._queues, local, strict=True):
+            queue.append(actor.start.remote(init_method, rank, size))
+
+    def _reserve(self, bundles: list[dict[str, float]]) -> None:
+        """Reserve the ranks' placement group, waiting up to the step timeout; ValueError
+        (nothing left reserved) when the cluster cannot hold it."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        def request() -> str:
+            nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+            return placement_request(bundles, strategy, ray.cluster_resources(),
+                                     ray.available_resources(), nodes)
+
+        self._remove_group()  # never two groups for one set of ranks
+        strategy = self.config.parallel_config.ray_placement_strategy
+        self._group = placement_group(bundles, strategy=strategy)
+        # A busy cluster may free the resources later (autoscaling, other jobs ending): say
+        # so early, then keep waiting for the rest of the timeout.
+        first = min(RESERVE_NOTICE_S, self.step_timeout_s)
+        if self._group.wait(timeout_seconds=first):
+            return
+        left = self.step_timeout_s - first
+        if left > 0:
+            logger.warning("waiting for Ray to place the ranks: %s", request())
+            if self._group.wait(timeout_seconds=left):
+                return
+        message = (f"Ray could not place the {len(bundles)} ranks within "
+                   f"{self.step_timeout_s:g} s (--step-timeout): {request()}")
+        self._remove_group()
+        raise ValueError(message)
+
+    def _remove_group(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # already gone with the cluster
+                remove_placement_group(group)
 
     # -- the transport (multiproc.py calls these) -------------------------------------------
 
@@ -116,6 +187,8 @@ class RayExecutor(MultiprocExecutor):
                 ray.kill(actor)
         for queue in self._queues:
             queue.clear()
+        # The actors are gone for good (a restart reserves a new group): free their bundles.
+        self._remove_group()
 
     # -- health and shutdown ----------------------------------------------------------------
 
@@ -139,4 +212,5 @@ class RayExecutor(MultiprocExecutor):
                 ray.get([a.shutdown.remote() for a in self._actors], timeout=10)
         self._kill_ranks()
         self._actors, self._queues, self._pids = [], [], []
+        self.rank_placement_groups = []
         self._in_flight = 0

@@ -37,11 +37,12 @@ class RankRunner:
         self.backend = None
         self.spec = spec
 
-    def start(self, init_method: str | None = None, local_rank: int | None = None) -> tuple:
+    def start(self, init_method: str | None = None, local_rank: int | None = None,
+              local_world_size: int | None = None) -> tuple:
         """("ready", num_blocks, env_info) or ("error", is_user_error, message, traceback).
         ``init_method`` replaces the spec's (an address known only once ranks are placed),
-        ``local_rank`` the rank's index among the ranks on its host (the rank itself when
-        they all share one)."""
+        ``local_rank`` the rank's index among the ranks on its host and ``local_world_size``
+        their number (the rank itself and the world size when they all share one)."""
         from cadence.distributed import experts_held, set_expert_parallel
         from cadence.plugins import get_registry
 
@@ -50,10 +51,13 @@ class RankRunner:
             spec["init_method"] = init_method
         # torchrun's variables, set before the backend exists: device stacks pick a rank's
         # device from LOCAL_RANK when they are first imported (Gaudi's bridge does, and a
-        # CUDA plugin can follow the same convention).
+        # CUDA plugin can follow the same convention); the CPU backend splits its node's
+        # cores by LOCAL_RANK among LOCAL_WORLD_SIZE.
         os.environ["RANK"] = str(self.rank)
         os.environ["LOCAL_RANK"] = str(self.rank if local_rank is None else local_rank)
         os.environ["WORLD_SIZE"] = str(spec["world_size"])
+        os.environ["LOCAL_WORLD_SIZE"] = str(spec["world_size"] if local_world_size is None
+                                             else local_world_size)
         try:
             config = spec["config"]
             # The class the engine's process probed and chose: a rank does not probe again
