@@ -19,7 +19,7 @@ Imports no torch at module level: ``import cadence`` stays torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Communicator:
@@ -36,8 +36,9 @@ class Communicator:
     #: NCCL and HCCL sum bfloat16 and float16 themselves (each reduction step rounds its sum
     #: to the dtype), so widening would only double the bytes on the wire, where tensor
     #: parallel on GPUs spends its time. Two ranks' sum is the same either way.
-    LIBRARY_DTYPES = {"nccl": ("float32", "bfloat16", "float16"),
-                      "hccl": ("float32", "bfloat16", "float16")}
+    LIBRARY_DTYPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "nccl": ("float32", "bfloat16", "float16"),
+        "hccl": ("float32", "bfloat16", "float16")}
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
