@@ -177,17 +177,9 @@ def test_top_k_outside_the_experts_is_refused():
         SparseMoE(8, 8, num_experts=4, top_k=5, renormalize=True)
 
 
-def test_stacked_expert_checkpoints_load_like_per_expert_ones(tokenizer_dir, tmp_path):
-    """transformers 5 holds experts as stacks (experts.gate_up_proj [E, 2I, H],
-    experts.down_proj [E, H, I]); a checkpoint saved that way loads to the same weights."""
-    from family_factory import build_family_model
-
-    from cadence.config import ModelConfig
-    from cadence.model_loader import iterate_weights, load_model
-
-    path = build_family_model("qwen3_moe", tmp_path / "m", tokenizer_dir)
-    ours, _ = load_model(ModelConfig(model=path, max_model_len=128))
-    per_expert = dict(iterate_weights(path))
+def _stacked(per_expert: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Qwen-MoE checkpoint's tensors in transformers 5's stacked layout
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
     stacked: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, t in per_expert.items():
@@ -204,11 +196,58 @@ def test_stacked_expert_checkpoints_load_like_per_expert_ones(tokenizer_dir, tmp
             [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order])
         stacked[f"{prefix}.mlp.experts.down_proj"] = torch.stack(
             [experts[e]["down_proj"] for e in order])
+    return stacked
+
+
+def test_stacked_expert_checkpoints_load_like_per_expert_ones(tokenizer_dir, tmp_path):
+    """transformers 5 holds experts as stacks (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); a checkpoint saved that way loads to the same weights."""
+    from family_factory import build_family_model
+
+    from cadence.config import ModelConfig
+    from cadence.model_loader import iterate_weights, load_model
+
+    path = build_family_model("qwen3_moe", tmp_path / "m", tokenizer_dir)
+    ours, _ = load_model(ModelConfig(model=path, max_model_len=128))
+    stacked = _stacked(dict(iterate_weights(path)))
     again, _ = load_model(ModelConfig(model=path, max_model_len=128))
     again.load_weights(stacked.items())
     for (n, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(),
                               strict=True):
         assert torch.equal(a, b), n
+
+
+def test_an_expert_parallel_rank_takes_its_experts_from_stacked_tensors(tokenizer_dir,
+                                                                        tmp_path,
+                                                                        checkpoint_reads):
+    """A checkpoint in the stacked layout holds every expert of a layer in one tensor, so
+    each expert-parallel rank reads it whole (docs/distributed.md) and keeps only its own
+    experts' slices, with one process's values."""
+    from ep_helpers import as_rank
+    from family_factory import build_family_model
+    from safetensors.torch import save_file
+
+    from cadence.config import ModelConfig
+    from cadence.model_loader import iterate_weights, load_model
+
+    path = tmp_path / "m"
+    build_family_model("qwen3_moe", path, tokenizer_dir)
+    config = ModelConfig(model=str(path), max_model_len=128)
+    whole = dict(load_model(config)[0].named_parameters())
+    stacked = _stacked(dict(iterate_weights(str(path))))
+    for f in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        f.unlink(missing_ok=True)
+    save_file({n: t.contiguous() for n, t in stacked.items()}, str(path / "model.safetensors"))
+    for rank, held in ((0, {0, 2, 4}), (1, {1, 3, 5})):
+        checkpoint_reads.clear()
+        with as_rank(rank, 2, "round_robin"):
+            part, _ = load_model(config)
+        assert {n for n in checkpoint_reads if ".experts." in n} == \
+            {n for n in stacked if ".experts." in n}
+        experts = {n: p for n, p in part.named_parameters() if ".experts." in n}
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in experts} == held
+        for name, param in experts.items():
+            assert torch.equal(param, whole[name]), name
 
 
 def test_moe_families_window_rules():
