@@ -269,12 +269,17 @@ def test_missing_xgrammar_is_a_clear_error(monkeypatch):
         import_xgrammar()
 
 
-def test_tensor_parallel_ranks_get_the_bitmask_after_the_step(model, monkeypatch):
-    """TP=2 (mp executor): greedy constrained requests give one process's tokens. A
-    constrained step goes to the ranks before its bitmask exists; the bitmask follows it as
-    a message of its own, computed while the ranks run the forward. A bitmask that cannot
-    be computed fails its step on every rank with the engine's own error, the group
-    stays up, and the engine runs the step's requests again."""
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2},
+                                   {"pipeline_parallel_size": 2}])
+def test_ranks_get_the_bitmask_after_the_step(model, monkeypatch, caplog, split):
+    """TP=2 and PP=2 (mp executor): greedy constrained requests give one process's tokens.
+    A constrained step goes to the ranks before its bitmask exists; the bitmask follows it
+    as a message of its own, computed while the ranks run the forward (a first stage, which
+    samples nothing, leaves it unread). A bitmask that cannot be computed fails its step on
+    the ranks that sample, collecting it raises the engine's own error, the group stays
+    up, and the engine runs the step's requests again."""
+    import logging
+
     from cadence.structured_output import manager
 
     kinds = [so(regex=REGEX), so(choice=CHOICES), so(json=PERSON, disable_any_whitespace=True),
@@ -287,7 +292,7 @@ def test_tensor_parallel_ranks_get_the_bitmask_after_the_step(model, monkeypatch
         want = [o.outputs[0].token_ids for o in generate(single, prompts, params)]
     finally:
         single.shutdown()
-    llm = make_llm(model, tensor_parallel_size=2)
+    llm = make_llm(model, **split)
     try:
         eng, executor = llm.engine, llm.engine.backend
         pids, sent, real_send = list(executor.worker_pids), [], executor._send_all
@@ -325,8 +330,10 @@ def test_tensor_parallel_ranks_get_the_bitmask_after_the_step(model, monkeypatch
 
         monkeypatch.setattr(manager, "fill_bitmask", fails_once)
         sent.clear()
-        again = generate(llm, prompts, params)
+        with caplog.at_level(logging.WARNING):
+            again = generate(llm, prompts, params)
         assert "no bitmask" in sent  # the ranks were told, and failed that step
+        assert "matcher state lost" in caplog.text  # what collect raised
         assert [o.outputs[0].token_ids for o in again] == want
         assert executor.worker_pids == pids  # no rank was lost or restarted
         assert eng.block_manager.num_free_blocks == eng.num_blocks
