@@ -94,23 +94,32 @@ def test_no_token_gives_an_empty_output() -> None:
     assert out.shape == (0, HIDDEN)
 
 
+# Each rank's expert map: global expert -> its row in the rank's stack, -1 for the other's.
+EXPERT_MAPS = {"linear": [[0, 1, 2, -1, -1, -1], [-1, -1, -1, 0, 1, 2]],
+               "round_robin": [[0, -1, 1, -1, 2, -1], [-1, 0, -1, 1, -1, 2]]}
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+@pytest.mark.parametrize("num_tokens", [1, 33])
 @pytest.mark.parametrize("style", ["mixtral", "qwen"])
-def test_fused_moe_under_expert_parallel_runs_only_the_ranks_experts(style) -> None:
+def test_fused_moe_under_expert_parallel_runs_only_the_ranks_experts(style, num_tokens,
+                                                                     placement) -> None:
     """Two ranks (6 experts, 3 each): a rank's fused layer stacks its own experts only,
     equals the core layer of the same rank (other ranks' pairs add nothing), and the two
-    ranks' outputs add up to one process's."""
+    ranks' outputs add up to one process's; one token (decode-sized blocks; Mixtral's picks
+    experts 3 and 5, so rank 0 skips every block) and 33, with each rank's experts
+    contiguous or interleaved."""
     from ep_helpers import as_rank, rank_share
 
     full = _moe(style, 2)
-    x = _inputs(33)
+    x = _inputs(num_tokens)
     parts = []
     for rank in (0, 1):
-        with as_rank(rank, 2):
+        with as_rank(rank, 2, placement):
             part = rank_share(full, HIDDEN, INTER, SHARED if style == "qwen" else None)
             fused = FusedSparseMoE(part, moe_kernels)
             assert fused.w13.shape == (3, 2 * INTER, HIDDEN)
-            assert fused.expert_map.tolist() == ([0, 1, 2, -1, -1, -1] if rank == 0
-                                                 else [-1, -1, -1, 0, 1, 2])
+            assert fused.expert_map.tolist() == EXPERT_MAPS[placement][rank]
             with torch.no_grad():
                 got = fused(x)
                 torch.testing.assert_close(got, part(x), atol=1e-5, rtol=1e-5)
