@@ -138,6 +138,16 @@ def test_expert_parallel_flags_reach_the_parallel_config(tiny_model_dir):
         build_parser().parse_args(argv[:-1] + ["packed"])
 
 
+def test_expert_parallel_with_one_rank_runs_and_says_it_changes_nothing(tiny_model_dir,
+                                                                        caplog):
+    from engine_helpers import make_llm
+
+    llm = make_llm(tiny_model_dir("llama"), enable_expert_parallel=True)
+    llm.shutdown()
+    assert "--enable-expert-parallel has no effect with one tensor-parallel rank" in \
+        caplog.text
+
+
 def test_an_expert_parallel_rank_reads_only_its_own_experts(tokenizer_dir, tmp_path,
                                                            checkpoint_reads):
     """Mixtral's 4 experts round-robin over 2 ranks: each rank reads every tensor but the

@@ -15,6 +15,7 @@ server's /health work unchanged whichever runs.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from cadence.executor.checks import check_pipeline_parallel_model, check_tensor_parallel_model
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from cadence.config import EngineConfig
 
 __all__ = ["check_pipeline_parallel_model", "check_tensor_parallel_model", "create_executor"]
+
+logger = logging.getLogger(__name__)
 
 
 def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend:
@@ -35,6 +38,10 @@ def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend
     if parallel.tensor_parallel_size > 1:
         check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size,
                                     parallel.enable_expert_parallel)
+    elif parallel.enable_expert_parallel:
+        # Accepted (a deployment may pass it whatever the size, as vLLM's does), but said.
+        logger.warning("--enable-expert-parallel has no effect with one tensor-parallel "
+                       "rank: it holds every expert")
     if parallel.pipeline_parallel_size > 1:
         check_pipeline_parallel_model(config.model_config.model,
                                       parallel.pipeline_parallel_size)
