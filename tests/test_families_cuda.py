@@ -43,7 +43,7 @@ def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_p
     fused_calls = []  # the MoE families run the fused Triton kernels, not the expert loop
     fused = moe_kernels.fused_experts
     monkeypatch.setattr(moe_kernels, "fused_experts",
-                        lambda *a: fused_calls.append(1) or fused(*a))
+                        lambda *a, **kw: fused_calls.append(1) or fused(*a, **kw))
     model = build_family_model(name, tmp_path / "m", tokenizer_dir)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,

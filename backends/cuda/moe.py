@@ -30,7 +30,8 @@ class FusedSparseMoE(nn.Module):
     """``SparseMoE``'s contract (x [T, hidden] -> [T, hidden], same routing) run by one
     ``fused_experts`` call instead of a GEMM pair per expert.
 
-    ``kernels``: any module with ``fused_experts`` (the Triton one by default).
+    ``kernels``: any module with ``fused_experts`` (the Triton one by default; under expert
+    parallel it is also given ``expert_map``).
     """
 
     def __init__(self, moe: SparseMoE, kernels: ModuleType | None = None) -> None:
@@ -60,8 +61,10 @@ class FusedSparseMoE(nn.Module):
         weights, ids = route(logits, self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
-        out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids,
-                                         expert_map=self.expert_map)
+        # ``expert_map`` only when this rank holds a share: a kernels module written for
+        # the whole set of experts keeps working.
+        extra = {} if self.expert_map is None else {"expert_map": self.expert_map}
+        out = self.kernels.fused_experts(x, self.w13, self.w2, weights, ids, **extra)
         if self.shared_expert is not None:
             out = out + shared_expert_scale(self.shared_expert_gate(x)) * self.shared_expert(x)
         # The ranks' slices of every expert (tensor parallel) or their own experts' outputs
