@@ -77,11 +77,11 @@ class _ScriptedRanks:
 
 
 def test_the_group_rules_for_replies(monkeypatch):
-    """Which replies fail one step and which lose the group (core/executor/multiproc.py)."""
+    """Which replies fail one step and which lose the group (core/executor/rank_group.py)."""
     from cadence.backend import WorkerLostError
-    from cadence.executor import multiproc
+    from cadence.executor import rank_group
 
-    monkeypatch.setattr(multiproc, "PEER_GRACE_S", 0.05)
+    monkeypatch.setattr(rank_group, "PEER_GRACE_S", 0.05)
     ok = _ScriptedRanks({0: ["samples"], 1: [None]})
     assert ok.collect() == "samples" and not ok.killed
     alike = _ScriptedRanks({0: [("error", "bad id")], 1: [("error", "bad id")]})

@@ -8,6 +8,9 @@
   parallel, with one micro-batch in flight per stage).
 - ``ray``: each rank a Ray actor, on this host or across a cluster (ray_executor.py).
 
+``mp`` and ``ray`` share the step protocol and its failure rules (``RankGroup``,
+rank_group.py) and differ in the transport only.
+
 An executor is a ``Backend`` to the engine (same lifecycle, ``execute``/``submit``/
 ``collect``, ``check_health``, ``restart``), so the step loops, the fault guard and the
 server's /health work unchanged whichever runs.

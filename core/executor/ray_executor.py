@@ -1,7 +1,7 @@
 """The ``ray`` executor: each rank is a Ray actor, on this host or any host of the cluster.
 
 The same ranks as the ``mp`` executor (each actor holds a ``RankRunner``, worker.py) and the
-same step protocol, error rules and deadlines (multiproc.py); only the transport differs:
+same step protocol, error rules and deadlines (rank_group.py); only the transport differs:
 a step's ``ModelInput`` is put in Ray's object store once and each actor's ``step`` reads
 it; replies are Ray object refs, waited for with ``ray.wait``. Ray runs one caller's calls
 to an actor in the order they were made, so steps never overlap on a rank.
@@ -25,7 +25,8 @@ from typing import Any
 
 from cadence.backend import Backend, WorkerLostError
 from cadence.config import EngineConfig
-from cadence.executor.multiproc import MultiprocExecutor, _free_port, _RankGone
+from cadence.executor.multiproc import _free_port
+from cadence.executor.rank_group import RankGroup, _RankGone
 from cadence.executor.ray_placement import (
     actor_options,
     node_local_ranks,
@@ -53,7 +54,7 @@ class RankActor(RankRunner):
                 ray.get_runtime_context().get_placement_group_id())
 
 
-class RayExecutor(MultiprocExecutor):
+class RayExecutor(RankGroup):
     """Runs ``backend_cls`` as ``world_size`` Ray actors (tensor-parallel ranks or pipeline
     stages) in a placement group of their own; see the module doc."""
 
@@ -148,7 +149,7 @@ class RayExecutor(MultiprocExecutor):
             with contextlib.suppress(Exception):  # already gone with the cluster
                 remove_placement_group(group)
 
-    # -- the transport (multiproc.py calls these) -------------------------------------------
+    # -- the transport (rank_group.py calls these) ------------------------------------------
 
     def _send_all(self, msg: Any) -> None:
         import ray
