@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.pipes import read_inputs, read_reply, reply, send
-from cadence.structured_output.bitmask import bitmask_from
+from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
 
 
 def _serve(inp: BinaryIO, out: BinaryIO) -> None:
@@ -67,16 +67,13 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         if msg == "ping":
             reply(out, "pong")
             continue
-        if isinstance(msg, tuple) and msg and msg[0] == "bitmask":
+        if is_bitmask_message(msg):
             continue  # for a step that failed before it needed its bitmask
         try:
             mi: ModelInput = msg
+            expect_after_step(mi.sampling.grammar, inbox)
             t0 = time.perf_counter()
             logits = runner.forward(mi)
-            if mi.sampling.grammar is not None and not mi.sampling.grammar.is_ready:
-                # Sent after the step: the engine computes it while this process runs
-                # the forward.
-                mi.sampling.grammar.set(bitmask_from(inbox))
             result = runner.to_host(runner.sample(logits, mi.sampling))
             result.device_seconds = time.perf_counter() - t0
             result.device_done_at = time.monotonic()

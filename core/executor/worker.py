@@ -24,7 +24,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from cadence.executor.pipes import read_inputs, reply
-from cadence.structured_output.bitmask import bitmask_from
+from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
 
 
 class RankRunner:
@@ -125,17 +125,13 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         msg = inbox.get()
         if msg is None:
             break
-        if isinstance(msg, tuple) and msg and msg[0] == "bitmask":
+        if is_bitmask_message(msg):
             # For a stage that samples nothing, or a step that failed before it sampled.
             continue
         if msg == "ping":
             reply(out, runner.ping())
             continue
-        grammar = msg.sampling.grammar
-        if grammar is not None and not grammar.is_ready:
-            # Structured output: the engine sends the bitmask after the step (it computes
-            # it while the ranks run the forward); the sampler waits for it here.
-            grammar.fetch_with(lambda: bitmask_from(inbox))
+        expect_after_step(msg.sampling.grammar, inbox)
         reply(out, runner.step(msg))
     runner.shutdown()
 

@@ -10,8 +10,9 @@ forward thread and the engine thread.
 
 Pickled (to a worker process), a handle keeps its rows and its bitmask if one was computed,
 never the function that computes it (vLLM #9931): a worker then receives the bitmask
-separately (backends/cpu/worker.py, core/executor/worker.py) and ``set`` or
-``fetch_with`` fills it in.
+separately, after the step (backends/cpu/worker.py, core/executor/worker.py): its input loop
+hands the step's handle that message as its source (``expect_after_step``), read when the
+sampler first asks.
 """
 
 from __future__ import annotations
@@ -98,13 +99,27 @@ def _padded(bitmask: Any, order: list[int | None]) -> Any:
     return out
 
 
-def bitmask_from(inbox: Any) -> Any:
-    """The next message of ``inbox`` (a queue of a process's inputs), which must be the
-    bitmask the engine sends after a step that needs one: ``("bitmask", array)``; the
-    engine sends ``("bitmask", None)`` when computing it failed, and the step fails."""
+
+def is_bitmask_message(msg: Any) -> bool:
+    """Whether ``msg`` is a late bitmask, ``("bitmask", array or None)``: an input loop
+    skips one that no step read (a stage that samples nothing, a step that failed first)."""
+    return isinstance(msg, tuple) and bool(msg) and msg[0] == "bitmask"
+
+
+def expect_after_step(grammar: GrammarBitmask | None, inbox: Any) -> None:
+    """For a process that received a step whose bitmask the engine sends after it (it
+    computes it while this process runs the forward): the handle's bitmask is the next
+    message of ``inbox`` (a queue of this process's inputs), read when the sampler first
+    asks. Nothing to do without a grammar or with the bitmask already inside the step."""
+    if grammar is not None and not grammar.is_ready:
+        grammar.fetch_with(lambda: _bitmask_from(inbox))
+
+
+def _bitmask_from(inbox: Any) -> Any:
+    # ("bitmask", None): computing it failed in the engine, and the step fails here.
     msg = inbox.get()
     if msg is None:
         inbox.put(None)  # the engine is closing: the input loop sees it next
-    if not (isinstance(msg, tuple) and msg[0] == "bitmask" and msg[1] is not None):
+    if not (is_bitmask_message(msg) and msg[1] is not None):
         raise RuntimeError("the engine sent no grammar bitmask for a step that needs one")
     return msg[1]
