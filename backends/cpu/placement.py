@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 from cadence.config import EngineConfig, ParallelConfig
+from cadence.distributed import even_share
 
 BIND_CHOICES = ("cores", "none")
 
@@ -50,9 +51,8 @@ def replica_cpus(parallel: ParallelConfig, cpus: list[int] | None = None) -> lis
         raise ValueError(f"--data-parallel-size {size} needs at least {size} CPU cores, one "
                          f"per replica; this process may use {len(cpus)} ({cpus})")
     # The first len % size replicas get one core more; every core belongs to one replica.
-    base, extra = divmod(len(cpus), size)
-    start = rank * base + min(rank, extra)
-    return cpus[start:start + base + (1 if rank < extra else 0)]
+    share = even_share(len(cpus), rank, size)
+    return cpus[share.start:share.stop]
 
 
 def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None,
@@ -77,9 +77,8 @@ def rank_cpus(parallel: ParallelConfig, cpus: list[int] | None = None,
         raise ValueError(f"{_split_flags(parallel, size)} needs at least {size} CPU cores, "
                          f"one per rank; this engine may use {len(share)} ({share}); "
                          f"--cpu-bind none runs the ranks on shared cores instead")
-    base, extra = divmod(len(share), size)
-    start = rank * base + min(rank, extra)
-    return share[start:start + base + (1 if rank < extra else 0)]
+    mine = even_share(len(share), rank, size)
+    return share[mine.start:mine.stop]
 
 
 def _split_flags(parallel: ParallelConfig, local_world_size: int) -> str:

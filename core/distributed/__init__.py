@@ -171,7 +171,7 @@ def held_experts(num_experts: int) -> list[int]:
     if _experts["placement"] == "round_robin":
         held = list(range(rank, num_experts, size))
     else:
-        held = list(_share(num_experts, rank, size))
+        held = list(even_share(num_experts, rank, size))
     _experts["held"] = f"{','.join(map(str, held))} of {num_experts}"
     return held
 
@@ -218,12 +218,12 @@ def pp_layer_range(num_layers: int, stage: int | None = None,
     if num_layers < num_stages:
         raise ValueError(f"--pipeline-parallel-size {num_stages} needs at least one decoder "
                          f"layer per stage; the model has {num_layers} (num_hidden_layers)")
-    return _share(num_layers, stage, num_stages)
+    return even_share(num_layers, stage, num_stages)
 
 
-def _share(count: int, index: int, parts: int) -> range:
-    # Part ``index`` of ``count`` items split in ``parts`` contiguous runs, the first
-    # ``count % parts`` one longer.
+def even_share(count: int, index: int, parts: int) -> range:
+    """Part ``index`` of ``count`` items split in ``parts`` contiguous runs, the first
+    ``count % parts`` one longer: a stage's layers, a rank's experts, a rank's cores."""
     base, extra = divmod(count, parts)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
