@@ -156,6 +156,14 @@ for dt in ("bf16", "fp16", "fp32"):
 compile_sm90(tk._scatter_sampled_kernel, {"input_ids_ptr": "*i64", "idx_ptr": "*i64",
                                           "src_ptr": "*i64", "sampled_ptr": "*i64"},
              dict(BLOCK=128))
+# Integers that change from step to step must not be specialized on (1, multiple of 16):
+# each new variant would be compiled while requests are being served.
+from cadence.backends.cuda import moe_kernels as mk
+for kernel, per_step in ((tk._paged_decode_kernel, {"stride_bt"}),
+                         (tk._scatter_sampled_kernel, {"n"}),
+                         (mk._gate_up_kernel, {"num_pairs"}), (mk._down_kernel, {"num_pairs"})):
+    flagged = {p.name for p in kernel.params if p.do_not_specialize}
+    assert per_step <= flagged, (kernel.fn.__name__, flagged)
 print("compiled")
 """
 

@@ -55,7 +55,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_experts.to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per step: see triton_kernels.py
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K,
     stride_xt, stride_we, stride_wn, stride_ht,
@@ -102,7 +102,7 @@ def _gate_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per step: see triton_kernels.py
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K,
     stride_ht, stride_we, stride_wn, stride_ot,

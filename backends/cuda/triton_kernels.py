@@ -43,7 +43,11 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Triton compiles one variant per integer argument that is 1, divisible by 16, or neither.
+# An argument that changes from step to step (the block table's width, a count of rows)
+# would compile new variants while requests are being served (~0.35 s each on an H200,
+# seen as the first runs of a benchmark being slower); such arguments are excluded.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
     scale, window, soft_cap,
@@ -148,7 +152,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _scatter_sampled_kernel(input_ids_ptr, idx_ptr, src_ptr, sampled_ptr, n,
                             BLOCK: tl.constexpr):
     # input_ids[idx[i]] = sampled[src[i]] for i < n: async scheduling's placeholders.
