@@ -26,6 +26,7 @@ from cadence.bench.throughput import (
     release_engine,
     run_engine,
     vocab_size_of,
+    warm_up,
     workload_from_args,
     workload_tokens,
 )
@@ -86,6 +87,7 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
             if prompts is None:
                 prompts = workload.prompts(vocab_size_of(engine))
             _record_env(engine, info)
+            warm_up(engine, workload, prompts, bs)
             if mode in runs:
                 out.append(run_engine(engine, workload, prompts, out_lens, ns.breakdown,
                                       not ns.disable_tqdm, mode))

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from cadence.bench.report import format_table
+from cadence.bench.throughput import WARMUP_TOKENS
 
 PEERS = ("vllm",)
 PEER_CONFIGS = ("eager", "default")
 SCRIPTS = {"vllm": Path(__file__).resolve().with_name("peer_vllm.py")}
-WARMUP_TOKENS = 4
 TAIL_LINES = 25
 
 
@@ -194,8 +194,7 @@ def async_rounds_with_peer(ns: argparse.Namespace, opts: PeerOptions, version: s
     Each round builds a fresh engine (``on_engine`` sees it first), warms it up as the peer
     is warmed up (one prompt, a few tokens), runs it and releases it, so that the peer has
     the machine to itself. Returns the async run records and the ``peer`` section."""
-    from cadence.bench.throughput import build_engine, release_engine, run_engine
-    from cadence.output_state import OutputKind
+    from cadence.bench.throughput import build_engine, release_engine, run_engine, warm_up
 
     records: list[dict] = []
 
@@ -203,11 +202,7 @@ def async_rounds_with_peer(ns: argparse.Namespace, opts: PeerOptions, version: s
         engine = build_engine(ns, max_num_seqs=bs)
         try:
             on_engine(engine)
-            engine.add_request("peer-warmup", {"prompt_token_ids": warmup_prompt(prompts)},
-                               workload.sampling_params(WARMUP_TOKENS),
-                               output_kind=OutputKind.FINAL_ONLY)
-            while engine.has_unfinished_requests():
-                engine.step()
+            warm_up(engine, workload, prompts, 1)
             rec = run_engine(engine, workload, prompts, workload.output_lens(), ns.breakdown,
                              not ns.disable_tqdm, "async")
             rec.update(round=rnd, dtype=engine.config.model_config.dtype)
