@@ -144,3 +144,14 @@ def build_family_model(name: str, out_dir: str | Path, tokenizer_dir: str | Path
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return str(out_dir)
+
+
+def load_reference(path: str | Path) -> Any:
+    """transformers' float32 model of a family folder, with eager attention: some releases
+    (5.17 among them) run Gemma 2 through SDPA, which drops its attention soft-capping, so
+    only eager is every release's exact reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()

@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from family_factory import FAMILIES, build_family_model
+from family_factory import FAMILIES, build_family_model, load_reference
 
 from cadence import SamplingParams
 from cadence.config import ModelConfig
@@ -64,10 +64,8 @@ def family(tokenizer_dir, tmp_path_factory):
 
     def make(name: str) -> tuple[str, list[list[int]]]:
         if name not in built:
-            from transformers import AutoModelForCausalLM
-
             path = build_family_model(name, tmp_path_factory.mktemp(name), tokenizer_dir)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            hf = load_reference(path)
             want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
                                 min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(p):].tolist()
                     for p in PROMPTS]
@@ -79,14 +77,12 @@ def family(tokenizer_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers(family, name) -> None:
-    from transformers import AutoModelForCausalLM
-
     path, _ = family(name)
     with open(f"{path}/config.json") as f:
         assert json.load(f)["architectures"][0] in supported_architectures()
     # 256: within Phi-3's original_max_position_embeddings, so LongRoPE's short factors.
     ours, _ = load_model(ModelConfig(model=path, max_model_len=256))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_reference(path)
     ids = torch.tensor([t for p in PROMPTS for t in p])
     positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
     with torch.no_grad():
@@ -179,11 +175,9 @@ def test_older_checkpoint_names_load(family, name, rename) -> None:
 def test_longrope_long_factors_past_the_original_context(family, attention) -> None:
     """max_model_len past original_max_position_embeddings (256) takes LongRoPE's long
     factors for every position; transformers takes them for a prompt that long too."""
-    from transformers import AutoModelForCausalLM
-
     path, _ = family("phi3")
     prompt = [(11 * i + 5) % 600 + 2 for i in range(300)]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_reference(path)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
                        do_sample=False)[0, len(prompt):].tolist()
     from engine_helpers import make_llm

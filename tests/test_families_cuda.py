@@ -1,6 +1,6 @@
-"""Model families through the whole CUDA backend on the CPU (interpreted Triton kernels,
-graph padding, the side-stream copier, the fused MoE kernels): greedy tokens equal
-transformers' ``generate``.
+"""Model families through the whole CUDA backend (on the CPU: interpreted Triton kernels,
+graph padding, the side-stream copier, the fused MoE kernels; on a GPU: the same, compiled):
+greedy tokens equal transformers' ``generate``.
 
 As in tests/test_cuda_kernels.py, ``TRITON_INTERPRET=1`` is set before triton is first
 imported when there is no GPU; one launch costs ~0.2 s there, so prompts stay short.
@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from family_factory import FAMILIES, build_family_model
+from family_factory import FAMILIES, build_family_model, load_reference
 
 from cadence import LLM, SamplingParams
 
@@ -29,28 +29,30 @@ PROMPTS = [[(7 * i + 3) % 600 + 2 for i in range(12)], [(5 * i + 11) % 600 + 2 f
 NUM_TOKENS = 6
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests cover this on a GPU")
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_cuda_backend_code_on_cpu_equals_transformers(name, tokenizer_dir, tmp_path,
-                                                      monkeypatch) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_cuda_backend_equals_transformers(name, tokenizer_dir, tmp_path, monkeypatch) -> None:
+    """On the CPU with interpreted kernels; on a GPU with the compiled ones (float32 there
+    too, against transformers on the CPU: TF32 stays off for matmuls by default)."""
     from cadence.backend import ProbeResult
     from cadence.backends.cuda import moe_kernels
     from cadence.backends.cuda.backend import CudaBackend
 
-    monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        monkeypatch.setattr(CudaBackend, "probe",
+                            classmethod(lambda cls: ProbeResult(True, "")))
     fused_calls = []  # the MoE families run the fused Triton kernels, not the expert loop
     fused = moe_kernels.fused_experts
     monkeypatch.setattr(moe_kernels, "fused_experts",
                         lambda *a, **kw: fused_calls.append(1) or fused(*a, **kw))
     model = build_family_model(name, tmp_path / "m", tokenizer_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = load_reference(model)
     want = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS,
                         min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(p):].tolist()
             for p in PROMPTS]
     llm = LLM(model=model, backend="cuda", dtype="float32", max_model_len=64,
-              num_kv_blocks=32, backend_options={"device": "cpu", "cuda_graph_max_bs": 4})
+              num_kv_blocks=32, backend_options={"device": "cuda" if on_gpu else "cpu",
+                                               "cuda_graph_max_bs": 4})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
