@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check cadence's CUDA backend on your NVIDIA GPU: the GPU tests, then the throughput with
-# async output processing on and off next to the bare forward floor (`engine bench compare`),
+# async scheduling, async output processing alone, and neither, next to the bare forward
+# floor (`engine bench compare`),
 # gathered in one summary file. Run it from a cadence checkout:
 #
 #   bash scripts/cuda_device_check.sh [--dry-run] [OUTPUT_DIR]   (default ./cuda-check-results)
@@ -60,9 +61,9 @@ if (( dry )); then
   has install && (( INSTALL )) && echo "+ $PY -m pip install -e .[cuda,test]"
   has model && [[ -z "$MODEL" ]] && echo "+ $PY (builds the random-weight model in $model_dir)"
   has tests && echo "+ $PY -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py" \
-    "tests/test_cuda_logic.py -q -rs"
+    "tests/test_cuda_logic.py tests/test_families_cuda.py -q -rs"
   has bench && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
-    "--dtype $DTYPE --batch-sizes $BATCH_SIZES --runs async,sync,floor --skip-hf ..."
+    "--dtype $DTYPE --batch-sizes $BATCH_SIZES --runs async,async_sched,sync,floor --skip-hf ..."
   [[ -n "$problem" ]] && echo "(without a GPU the check stops here)"
   exit 0
 fi
@@ -157,18 +158,19 @@ fi
 if has tests; then
   say "GPU tests"
   limited tests "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
-    tests/test_cuda_logic.py -q -rs >"$results/pytest.log" 2>&1
+    tests/test_cuda_logic.py tests/test_families_cuda.py -q -rs -p no:cacheprovider \
+    >"$results/pytest.log" 2>&1
   echo "pytest exit $?" | tee -a "$results/summary.txt"
   tail -5 "$results/pytest.log" | tee -a "$results/summary.txt"
 fi
 
 if has bench; then
-  say "engine bench compare: async output processing on, off, and the forward floor"
+  say "engine bench compare: async scheduling, async output alone, sync, and the forward floor"
   limited bench "$PY" -m cadence.cli.main bench compare --backend cuda --model "$model_dir" \
     --dtype "$DTYPE" --max-model-len 512 --max-num-seqs 256 --input-len 128 \
-    --output-len 128 --batch-sizes "$BATCH_SIZES" --waves 2 --runs async,sync,floor \
-    --skip-hf --disable-tqdm --output-json "$results/bench.json" >"$results/bench.log" 2>&1
+    --output-len 128 --batch-sizes "$BATCH_SIZES" --waves 2 --runs async,async_sched,sync,floor \
+    --breakdown --skip-hf --disable-tqdm --output-json "$results/bench.json" >"$results/bench.log" 2>&1
   echo "bench exit $?" | tee -a "$results/summary.txt"
-  tail -20 "$results/bench.log" | tee -a "$results/summary.txt"
+  grep -E "^(run|async|async_sched|sync|floor) " "$results/bench.log" | tee -a "$results/summary.txt"
 fi
 say "done: $results/summary.txt"

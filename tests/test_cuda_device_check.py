@@ -101,4 +101,5 @@ def test_the_bench_flags_it_passes_exist() -> None:
     for name, value in values.items():
         cmd = cmd.replace(name, value)
     ns = build_parser().parse_args(shlex.split(cmd.replace("\\\n", " ")))
-    assert ns.backend == "cuda" and ns.runs == "async,sync,floor" and ns.skip_hf
+    assert ns.backend == "cuda" and ns.runs == "async,async_sched,sync,floor" and ns.skip_hf
+    assert ns.breakdown
