@@ -43,7 +43,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     disable_async_output_proc: bool = False
-    async_scheduling: bool = False
+    # None: the backend's choice (cadence_configure may turn it on where it was measured
+    # faster, as the CUDA backend does); False or True: as asked.
+    async_scheduling: bool | None = None
     tokenizer: str | None = None
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
@@ -165,10 +167,12 @@ class EngineArgs:
         p.add_argument("--disable-async-output-proc", action="store_true",
                        help="run the output work right after sampling instead of overlapping "
                             "it with the next step (outputs are identical; default: off)")
-        p.add_argument("--async-scheduling", action="store_true",
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None,
                        help="plan each step while the previous one computes, with placeholders "
                             "the backend fills on the device (outputs are identical; backends "
-                            "that support it: see docs/async_scheduling.md; default: off)")
+                            "that support it: see docs/async_scheduling.md; default: the "
+                            "backend's choice, on for cuda, off elsewhere)")
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer folder (default: the model folder)")
         p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",

@@ -75,7 +75,7 @@ def test_greedy_matches_cpu_backend(tiny_model_dir, kind: str) -> None:
 
 def test_overlap_on_equals_off(tiny_model_dir) -> None:
     model = tiny_model_dir("llama")
-    on = _run(model, _seeded())
+    on = _run(model, _seeded(), async_scheduling=False)
     off = _run(model, _seeded(), disable_async_output_proc=True)
     assert on == off
 
@@ -111,8 +111,8 @@ def test_graphs_on_equals_off_across_buckets(tiny_model_dir) -> None:
 
 
 def test_graph_replays_and_event_order(tiny_model_dir) -> None:
-    llm = _llm(tiny_model_dir("llama"), backend_options={"record_events": True,
-                                                         "cuda_graph_max_bs": 8})
+    llm = _llm(tiny_model_dir("llama"), async_scheduling=False,  # the overlap path's order
+               backend_options={"record_events": True, "cuda_graph_max_bs": 8})
     backend = llm.engine.backend
     replays: list[int] = []
     original = backend.graphs.replay

@@ -247,8 +247,10 @@ def test_cuda_backend_code_on_cpu_matches_cpu_backend(tiny_model_dir, monkeypatc
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 5, 4)]
 
     def run(backend: str, **opts: object) -> list[list[int]]:
+        # async_scheduling=False: the overlap order below is the one-step-at-a-time path's
+        # (CUDA's default, async scheduling, is tests/test_cuda_async_scheduling.py's).
         llm = LLM(model=model, backend=backend, dtype="float32", max_model_len=64,
-                  num_kv_blocks=32, backend_options=opts)
+                  num_kv_blocks=32, backend_options=opts, async_scheduling=False)
         replays: list[int] = []
         graphs = getattr(llm.engine.backend, "graphs", None)
         if graphs is not None:

@@ -332,6 +332,27 @@ def test_cli_options_and_configure() -> None:
     assert "backend_options" not in other
 
 
+def test_async_scheduling_is_on_by_default_unless_asked_otherwise() -> None:
+    from dataclasses import asdict
+
+    from cadence.cli.main import build_parser
+    from cadence.engine_args import EngineArgs
+
+    def resolved(argv: list[str], backend: str = "cuda") -> object:
+        ns = build_parser().parse_args(["generate", "--prompt", "x", "--backend", backend,
+                                        *argv])
+        config = asdict(EngineArgs.from_cli_args(ns)[0])
+        plugin.cadence_configure(config=config)
+        return config["async_scheduling"]
+
+    assert resolved([]) is True
+    assert resolved(["--no-async-scheduling"]) is False
+    assert resolved(["--async-scheduling"]) is True
+    # Async output turned off asks for the sync engine; the default does not override it.
+    assert resolved(["--disable-async-output-proc"]) is None
+    assert resolved([], backend="cpu") is None  # another backend's choice, not CUDA's
+
+
 _PROBE_SCRIPT = """
 import json, sys
 from cadence.plugins import get_registry
