@@ -136,6 +136,13 @@ class BlockManager:
         total = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return total - self._num_dead(request.num_computed_tokens)
 
+    def holds(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the table already covers ``num_new_tokens`` more tokens (nothing to
+        allocate): the per-step check of a running decode, kept to one lookup."""
+        table = self._tables.get(request.request_id)
+        return table is not None and \
+            request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+
     def _num_missing(self, request: Request, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(self._tables.get(request.request_id, ())))

@@ -197,3 +197,21 @@ def test_random_operations_keep_invariants(data: st.DataObject) -> None:
         bm.free(req)
     bm.check_invariants()
     assert bm.num_free_blocks == num_blocks
+
+
+@given(prompt_len=st.integers(1, 40), computed=st.integers(0, 40), new=st.integers(1, 20))
+@settings(max_examples=200, deadline=None)
+def test_holds_is_exactly_nothing_to_allocate(prompt_len, computed, new) -> None:
+    """The scheduler's fast path for a running request (``holds``) says yes exactly when
+    ``allocate`` would take no block."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    req = make_request("a", range(prompt_len))
+    assert not bm.holds(req, new)  # no table yet
+    bm.allocate(req, prompt_len)
+    req.num_computed_tokens = min(computed, prompt_len)
+    free_before = bm.num_free_blocks
+    held = bm.holds(req, new)
+    assert held == (bm._num_missing(req, new) == 0)
+    if held:
+        bm.allocate(req, new)
+        assert bm.num_free_blocks == free_before
