@@ -242,6 +242,10 @@ def test_cuda_backend_code_on_cpu_matches_cpu_backend(tiny_model_dir, monkeypatc
     from cadence.backends.cuda.backend import CudaBackend
 
     monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
+    batched = []  # fresh prompts of similar length share one prefill call per layer
+    one_call = ref.run_fresh_batch
+    monkeypatch.setattr(ref, "run_fresh_batch",
+                        lambda batch, *a: batched.append(batch.count) or one_call(batch, *a))
     model = tiny_model_dir("llama")
     prompts = ["Hello", "The quick brown fox", "1 2 3"]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 5, 4)]
@@ -265,6 +269,8 @@ def test_cuda_backend_code_on_cpu_matches_cpu_backend(tiny_model_dir, monkeypatc
                 assert be.event_log and be.event_log[:5] == ["launch", "post_sample",
                                                              "sample", "copy", "sync"]
                 assert (be.graphs is None) == bool(opts.get("enforce_eager"))
+                assert batched and max(batched) >= 2
+                batched.clear()
             return [list(o.outputs[0].token_ids) for o in outs]
         finally:
             llm.shutdown()

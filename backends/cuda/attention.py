@@ -7,7 +7,7 @@ torch reference there is the oracle for the kernels and for the prefill here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from cadence.backend import ModelInput
 from cadence.backends.cuda.buffers import StagedViews
 from cadence.layers.paged_attention import PrefillSeq, run_prefills
+from cadence.layers.prefill_batch import FreshPrefillBatch, plan_fresh_batches
 
 
 @dataclass(slots=True)
@@ -26,6 +27,8 @@ class CudaAttentionMetadata:
     block_tables: torch.Tensor | None  # [num_decodes, W] block ids of the decode rows
     seq_lens: torch.Tensor | None  # [num_decodes] tokens in the cache, this one included
     prefills: list[PrefillSeq]
+    # Fresh prompts grouped to run in one attention call per layer (prefill_batch.py).
+    fresh_batches: list[FreshPrefillBatch] = field(default_factory=list)
 
 
 def sample_token_indices(query_lens: list[int], sample_seq_indices: list[int]) -> list[int]:
@@ -55,7 +58,8 @@ def build_metadata(mi: ModelInput, views: StagedViews, block_size: int) -> CudaA
         prefills.append(PrefillSeq(start, qlen, slen - qlen, gather))
         start += qlen
     return CudaAttentionMetadata(views.slot_mapping, nd, views.block_tables[:nd],
-                                 views.seq_lens[:nd], prefills)
+                                 views.seq_lens[:nd], prefills,
+                                 plan_fresh_batches(prefills, views.block_tables.device))
 
 
 def decode_metadata(views: StagedViews, num_rows: int) -> CudaAttentionMetadata:
@@ -104,5 +108,6 @@ class TritonPagedAttention:
                                       sliding_window=sliding_window, soft_cap=soft_cap)
         # fused_context: the math kernel's [H, Lq, Lk] scores would not fit for long contexts.
         run_prefills(q, k, v, kc, vc, metadata.prefills, scale, out, fused_context=True,
-                     sliding_window=sliding_window, soft_cap=soft_cap)
+                     sliding_window=sliding_window, soft_cap=soft_cap,
+                     fresh_batches=metadata.fresh_batches)
         return out

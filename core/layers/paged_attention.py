@@ -13,12 +13,14 @@ still gathered, and masked out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from cadence.backend import ModelInput
+from cadence.layers.prefill_batch import FreshPrefillBatch, run_fresh_batch
 
 
 @dataclass(slots=True)
@@ -206,12 +208,22 @@ def _capped_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_l
 def run_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, prefills: list[PrefillSeq], scale: float,
                  out: torch.Tensor, fused_context: bool = False,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-    """Prefill chunks one sequence at a time into ``out``; shared by the device backends.
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 fresh_batches: Sequence[FreshPrefillBatch] = ()) -> None:
+    """Prefill chunks into ``out``, one sequence at a time; shared by the device backends.
+    ``fresh_batches`` (``plan_fresh_batches``) run their prompts in one call each where
+    this layer allows it, and the rest go one at a time.
 
     Under a sliding window a chunk gathers its context from the first key its first query
     sees, so blocks freed behind the window are not read."""
-    for p in prefills:
+    done: set[int] = set()
+    for batch in fresh_batches:
+        if batch.usable(sliding_window, soft_cap):
+            run_fresh_batch(batch, q, k, v, scale, out)
+            done |= batch.members
+    for i, p in enumerate(prefills):
+        if i in done:
+            continue
         s, e = p.query_start, p.query_start + p.query_len
         context_len = p.context_len
         if p.gather_slots is None:
