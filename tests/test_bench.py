@@ -232,3 +232,30 @@ def test_serve_bench_through_a_server_process(tiny_model_dir, tmp_path):
     assert serve["ratio_to_offline"] == pytest.approx(
         serve["output_tokens_per_s"] / offline["output_tokens_per_s"])
     assert ENV_KEYS <= set(data["env"])
+
+
+def test_warm_up_serves_reversed_prompts_untimed() -> None:
+    """Each engine run of compare/throughput first serves ``count`` prompts shaped like the
+    measured ones, reversed (no prefix for the cache to give away), for a few tokens."""
+    from cadence.bench.throughput import WARMUP_TOKENS, Workload, warm_up
+
+    class Engine:
+        def __init__(self) -> None:
+            self.added, self.steps = [], 0
+
+        def add_request(self, rid, prompt, params, output_kind=None) -> None:
+            self.added.append((rid, prompt["prompt_token_ids"], params.max_tokens))
+
+        def has_unfinished_requests(self) -> bool:
+            return self.steps < 3
+
+        def step(self) -> list:
+            self.steps += 1
+            return []
+
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    eng = Engine()
+    warm_up(eng, Workload(input_len=3, num_prompts=3), prompts, 2)
+    assert [ids for _, ids, _ in eng.added] == [[3, 2, 1], [6, 5, 4]]
+    assert {n for _, _, n in eng.added} == {WARMUP_TOKENS} and eng.steps == 3
+    assert prompts[0] == [1, 2, 3]  # the measured prompts are untouched
