@@ -213,17 +213,21 @@ class BlockManager:
         self.num_cached_hits += len(hits) * bs
         return len(hits) * bs
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request, num_done: int | None = None) -> None:
         """Register the request's blocks that became full and computed since the last call,
         then free those that fell behind a sliding window (``free_out_of_window``).
 
         Call once the step that computed ``request.num_computed_tokens`` has finished and
         before a later step is counted in it, as every engine loop does after a commit.
+        ``num_done``: the tokens actually computed when ``num_computed_tokens`` already
+        counts later chunks still in flight (pipeline parallel): blocks those write are
+        neither registered nor freed yet.
         """
-        self._register_full_blocks(request)
-        self.free_out_of_window(request)
+        done = request.num_computed_tokens if num_done is None else num_done
+        self._register_full_blocks(request, done)
+        self.free_out_of_window(request, done)
 
-    def _register_full_blocks(self, request: Request) -> None:
+    def _register_full_blocks(self, request: Request, num_done: int) -> None:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request.request_id)
@@ -233,7 +237,7 @@ class BlockManager:
         if chain.is_broken:
             return
         bs = self.block_size
-        num_full = min(request.num_computed_tokens // bs, len(table))
+        num_full = min(num_done // bs, len(table))
         for i in range(chain.num_blocks, num_full):
             token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
             block_hash = hash_block_tokens(chain.last_hash, token_ids)
@@ -260,14 +264,15 @@ class BlockManager:
             return 0
         return max(0, num_computed_tokens + 1 - self.sliding_window) // self.block_size
 
-    def free_out_of_window(self, request: Request) -> None:
+    def free_out_of_window(self, request: Request, num_done: int | None = None) -> None:
         """Free the request's blocks that fell behind every layer's window (module NOTE);
         ``cache_full_blocks`` calls it once the blocks are registered."""
         table = self._tables.get(request.request_id)
         if self.sliding_window is None or not table:
             return
         done = self._num_freed.get(request.request_id, 0)
-        num_dead = min(self._num_dead(request.num_computed_tokens), len(table))
+        computed = request.num_computed_tokens if num_done is None else num_done
+        num_dead = min(self._num_dead(computed), len(table))
         if num_dead <= done:
             return
         for i in range(done, num_dead):

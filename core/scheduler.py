@@ -49,6 +49,9 @@ class ScheduledRequest:
     num_new_tokens: int
     samples: bool = field(init=False)
     is_decode: bool = field(init=False)
+    # Pipeline parallel counts an entry's tokens as computed when it is submitted; this is
+    # the request's count before that (-1: counted at commit, as everywhere else).
+    counted_from: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
         end = self.request.num_computed_tokens + self.num_new_tokens
@@ -171,10 +174,14 @@ class Scheduler:
             # are gone or were given back; nothing to advance.
             if status != RequestStatus.RUNNING and not finished_now:
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
+            self._account(entry)
             if finished_now:
                 self.free_request(request)
+
+    def _account(self, entry: ScheduledRequest) -> None:
+        """Count a committed entry's tokens as computed and register its full blocks."""
+        entry.request.num_computed_tokens += entry.num_new_tokens
+        self.block_manager.cache_full_blocks(entry.request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute this step; 0 when a prefill must wait for a later step.

@@ -48,19 +48,34 @@ def pp_pair(request, tiny_model_dir):
 
 
 def _watch_micro_batches(engine) -> dict:
-    """Record, at each submit, how many micro-batches were in flight, and check that no
-    request is in two of them at once."""
-    seen = {"most": 0, "submits": 0}
-    scheduler, hold = engine.scheduler, engine.scheduler.hold
+    """Record, at each submit, how many micro-batches were in flight and the most chunks of
+    one request among them, and check that no request is planned while the token it waits
+    for is in flight (only a prompt's non-final chunks may follow each other)."""
+    seen = {"most": 0, "submits": 0, "chunks_of_one": 0}
+    scheduler, hold, release = engine.scheduler, engine.scheduler.hold, engine.scheduler.release
+    sampling: set[str] = set()  # requests whose token is in flight
+    chunks: dict[str, int] = {}
 
     def checked_hold(plan):
         ids = {sr.request.request_id for sr in plan.scheduled}
-        assert not ids & scheduler.in_flight, "a request in two micro-batches at once"
+        assert not ids & sampling, "a request planned before its token came back"
+        sampling.update(sr.request.request_id for sr in plan.scheduled if sr.samples)
+        for rid in ids:
+            chunks[rid] = chunks.get(rid, 0) + 1
+            seen["chunks_of_one"] = max(seen["chunks_of_one"], chunks[rid])
         seen["submits"] += 1
         seen["most"] = max(seen["most"], len(engine._loop.in_flight))
         hold(plan)
 
+    def checked_release(plan):
+        for sr in plan.scheduled:
+            rid = sr.request.request_id
+            sampling.discard(rid)
+            chunks[rid] -= 1
+        release(plan)
+
     scheduler.hold = checked_hold
+    scheduler.release = checked_release
     return seen
 
 
@@ -74,7 +89,7 @@ def test_pp2_matches_one_process_with_two_micro_batches_in_flight(pp_pair):
     try:
         outputs = generate(llm, PROMPTS, GREEDY)
     finally:
-        del engine.scheduler.hold  # back to the class's method
+        del engine.scheduler.hold, engine.scheduler.release  # back to the class's methods
     assert_same_as(reference, outputs)
     # Six requests over two stages: two micro-batches of three each side by side.
     assert seen["most"] == 2
@@ -190,6 +205,48 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
         assert not set(engine.backend.worker_pids) & set(pids)
 
 
+def test_a_long_prompt_alone_fills_the_pipeline(tiny_model_dir):
+    """One prompt of 100 tokens at 16 a micro-batch: its chunks are in both stages at once
+    (each stage runs them in order, so each finds the K/V of those before it), the tokens
+    and logprobs are one process's, and blocks all come back. Then another such prompt with
+    its first micro-batch failing while its second chunk is in flight: the request goes
+    back to where the failed chunk began, that chunk runs again on its own, and the answer
+    is unchanged."""
+    model = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": [(k * i + 3) % 500 + 2 for i in range(100)]}
+               for k in (7, 11)]
+    kw = {"num_kv_blocks": 40, "max_num_batched_tokens": 16}
+    single = make_llm(model, **kw)
+    try:
+        want = [generate(single, [p], GREEDY) for p in prompts]
+    finally:
+        single.shutdown()
+    llm = make_llm(model, pipeline_parallel_size=2, **kw)
+    engine = llm.engine
+    try:
+        seen = _watch_micro_batches(engine)
+        assert_same_as(want[0], generate(llm, [prompts[0]], GREEDY))
+        assert seen["chunks_of_one"] == 2 and seen["most"] == 2
+        collect, in_flight_then = engine.backend.collect, []
+
+        def first_fails():
+            out = collect()  # the ranks ran it; its result is thrown away
+            if not in_flight_then:
+                in_flight_then.append(dict(engine.scheduler.in_flight))
+                raise RuntimeError("injected: the first micro-batch failed")
+            return out
+
+        engine.backend.collect = first_fails
+        assert_same_as(want[1], generate(llm, [prompts[1]], GREEDY))
+        assert list(in_flight_then[0].values()) == [32]  # two chunks of 16 were in flight
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+        assert not engine.scheduler.in_flight
+    finally:
+        for name in ("hold", "release"):
+            engine.scheduler.__dict__.pop(name, None)
+        llm.shutdown()
+
+
 def test_async_scheduling_under_pp_is_the_pipelines_planning(tiny_model_dir):
     """``--async-scheduling`` with PP=2: the pipeline's scheduler and loop plan each
     micro-batch while the others compute, no request in two micro-batches, so no
@@ -214,7 +271,7 @@ def test_async_scheduling_under_pp_is_the_pipelines_planning(tiny_model_dir):
         try:
             got = generate(llm, PROMPTS, params)
         finally:
-            del engine.scheduler.hold
+            del engine.scheduler.hold, engine.scheduler.release
         assert [row[1:] for row in summarize(got)] == [row[1:] for row in summarize(want)]
         assert_same_as(want[:1], got[:1])
         assert seen["most"] == 2
@@ -249,7 +306,7 @@ def test_tensor_parallel_inside_pipeline_stages(tiny_model_dir):
         try:
             outputs = generate(llm, PROMPTS, GREEDY)
         finally:
-            del engine.scheduler.hold
+            del engine.scheduler.hold, engine.scheduler.release
         assert_same_as(reference, outputs)
         assert seen["most"] == 2
         params = [SamplingParams(temperature=0.8, seed=i, max_tokens=6, stop=["e"])
@@ -381,13 +438,73 @@ def test_bad_pipeline_configs_are_refused(tmp_path, tiny_model_dir):
         check_pipeline_parallel_model(str(tmp_path), 2)
 
 
-def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8):
+def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
+               prefix_caching: bool = False):
     from cadence.block_manager import BlockManager
     from cadence.config import SchedulerConfig
     from cadence.scheduling import PipelineScheduler
 
-    bm = BlockManager(num_blocks, 4, False)
-    return PipelineScheduler(SchedulerConfig(max_num_seqs, 64, 64), bm, num_stages=2)
+    bm = BlockManager(num_blocks, 4, prefix_caching)
+    return PipelineScheduler(SchedulerConfig(max_num_seqs, budget, 64), bm, num_stages=2)
+
+
+def _chunks(plan) -> list[tuple[str, int, int]]:
+    return [(sr.request.request_id, sr.request.num_computed_tokens, sr.num_new_tokens)
+            for sr in plan.scheduled]
+
+
+def test_a_long_prompts_chunks_follow_each_other_through_the_stages():
+    """A 40-token prompt alone, 16 tokens a micro-batch: its second chunk is planned while
+    the first is in flight, the final one waits for nothing but is itself waited for (its
+    token). Blocks enter the prefix cache only as their chunk is committed."""
+    s = _scheduler(budget=16, prefix_caching=True)
+    bm = s.block_manager
+    r = _request("long", 40)
+    s.add_request(r)
+    plans = []
+    for want in (("long", 0, 16), ("long", 16, 16), ("long", 32, 8)):
+        plan = s.schedule()
+        assert _chunks(plan) == [want]
+        s.hold(plan)
+        plans.append(plan)
+    assert s.schedule().is_empty  # the final chunk's token is in flight
+    assert r.num_computed_tokens == 40 and s.in_flight == {"long": 40}
+    s.release(plans[0])
+    s.update_after_step(plans[0])
+    assert r.num_computed_tokens == 40  # counted when submitted, not again
+    assert len(bm._cached) == 4  # the first chunk's 4 blocks, not the ones in flight
+    s.release(plans[1])
+    s.update_after_step(plans[1])
+    assert len(bm._cached) == 8
+    s.release(plans[2])
+    r.output_token_ids.append(5)
+    s.update_after_step(plans[2])
+    assert len(bm._cached) == 10 and not s.in_flight
+    assert _chunks(s.schedule()) == [("long", 40, 1)]  # its first decode
+
+
+def test_a_failed_chunk_takes_its_request_back_to_where_it_began():
+    """The first chunk's micro-batch fails while the second is in flight: the request goes
+    back to 0, the second chunk's commit counts nothing (it ran on K/V the first did not
+    write), the first runs again on its own and is counted then, and the second is planned
+    again from 16."""
+    s = _scheduler(budget=16, prefix_caching=True)
+    r = _request("long", 40)
+    s.add_request(r)
+    first, second = s.schedule(), None
+    s.hold(first)
+    second = s.schedule()
+    s.hold(second)
+    assert r.num_computed_tokens == 32
+    s.roll_back(first)
+    s.release(first)
+    assert r.num_computed_tokens == 0
+    s.release(second)
+    s.update_after_step(second)
+    assert r.num_computed_tokens == 0 and not s.block_manager._cached
+    s.update_after_step(first)  # its rerun alone, committed
+    assert r.num_computed_tokens == 16 and len(s.block_manager._cached) == 4
+    assert _chunks(s.schedule()) == [("long", 16, 16)]
 
 
 def _request(rid: str, num_prompt: int = 4):
@@ -408,8 +525,13 @@ def test_micro_batches_split_the_requests_and_skip_those_in_flight():
     assert [sr.request.request_id for sr in b.scheduled] == ["r3", "r4"]
     s.hold(b)
     assert s.schedule().is_empty  # everyone is in flight
-    s.release(a)
-    assert [sr.request.request_id for sr in s.schedule().scheduled] == ["r0", "r1", "r2"]
+    s.release(a)  # committed: each prompt sampled one token
+    for sr in a.scheduled:
+        sr.request.output_token_ids.append(7)
+    s.update_after_step(a)
+    again = s.schedule()
+    assert [sr.request.request_id for sr in again.scheduled] == ["r0", "r1", "r2"]
+    assert all(sr.is_decode for sr in again.scheduled)
 
 
 def test_preemption_never_takes_a_request_in_flight():

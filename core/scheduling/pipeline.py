@@ -2,17 +2,20 @@
 
 With the layers split over S stages (docs/distributed.md), one batch at a time would leave
 S - 1 stages idle. So the engine keeps up to S micro-batches in flight, each of other
-requests: a request is in at most one, and is scheduled again only once its micro-batch is
-committed, so nothing is planned on a token the host does not have (no placeholders, unlike
-async scheduling). With S = 2::
+requests: a request waiting for a token is in at most one, and is scheduled again only once
+its micro-batch is committed, so nothing is planned on a token the host does not have (no
+placeholders, unlike async scheduling). A prompt longer than a micro-batch's token budget
+is the one exception: its chunks follow each other through the stages (nothing is sampled
+from a non-final chunk). With S = 2::
 
     host:    plan A | submit A | plan B | submit B | finalize | collect A | commit A | plan A'...
     stage 0: ==== A ====|==== B ====|            |==== A' ====
     stage 1:            |==== A ====|==== B ====|           |==== A' ====
 
 NOTE the invariants that keep it exact:
-- A request in flight is never scheduled, preempted or counted in another micro-batch
-  (``PipelineScheduler``): each request sees exactly the steps a single batch would give it.
+- A request in flight is never preempted, and never scheduled again while the token it
+  waits for is in flight (``PipelineScheduler``): each request sees the steps a single
+  batch would give it, its prompt cut into the same chunks.
 - Every stage runs micro-batches in the order they were submitted, so blocks freed while a
   micro-batch is in flight (an abort, a stop string found in finalize) are written by
   their next owner only after it, on every stage.
@@ -44,6 +47,17 @@ class PipelineScheduler(Scheduler):
     """``Scheduler`` for micro-batches: requests in flight sit out, and each micro-batch
     takes its share (1/S) of the active requests so the stages get balanced work.
 
+    A prompt longer than one micro-batch's token budget is the exception: its next chunk
+    may go into the next micro-batch while the chunks before it are in flight, so one long
+    prompt fills the pipeline instead of crossing it chunk by chunk. Nothing is sampled
+    from a non-final chunk, so no token is planned before it is known, and every stage runs
+    the chunks in order, so each finds the K/V of those before it. A chunk's tokens count as
+    computed from the moment it is submitted (``hold``), which is what places the next one;
+    its blocks enter the prefix cache (and leave a sliding window) only once it is
+    committed, and a micro-batch that fails takes its requests back to where its chunk
+    began (``roll_back``), so their later chunks, computed on what it did not write, are
+    computed again.
+
     Preemption picks its victim from the tail among requests not in flight (the blocks of
     one in flight are in use on the device). When that would be the request that needs room
     itself while a lower-ranked request is in flight, it waits instead: this micro-batch
@@ -54,14 +68,45 @@ class PipelineScheduler(Scheduler):
     def __init__(self, *args, num_stages: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.num_stages = num_stages
-        self.in_flight: set[str] = set()  # request ids of submitted micro-batches
+        self.in_flight: dict[str, int] = {}  # request id -> its tokens in flight
         self._cap = 1
 
     def hold(self, plan: StepPlan) -> None:
-        self.in_flight.update(sr.request.request_id for sr in plan.scheduled)
+        for sr in plan.scheduled:
+            rid = sr.request.request_id
+            self.in_flight[rid] = self.in_flight.get(rid, 0) + sr.num_new_tokens
+            sr.counted_from = sr.request.num_computed_tokens
+            sr.request.num_computed_tokens += sr.num_new_tokens
 
     def release(self, plan: StepPlan) -> None:
-        self.in_flight.difference_update(sr.request.request_id for sr in plan.scheduled)
+        for sr in plan.scheduled:
+            rid = sr.request.request_id
+            left = self.in_flight.get(rid, 0) - sr.num_new_tokens
+            if left > 0:
+                self.in_flight[rid] = left
+            else:
+                self.in_flight.pop(rid, None)
+
+    def roll_back(self, plan: StepPlan) -> None:
+        """A submitted micro-batch failed: its requests go back to where its chunks began
+        (later chunks of theirs in flight were computed on what it did not write)."""
+        for sr in plan.scheduled:
+            if sr.counted_from >= 0:
+                sr.request.num_computed_tokens = min(sr.request.num_computed_tokens,
+                                                     sr.counted_from)
+                sr.counted_from = -1  # run again on its own, it is counted at its commit
+
+    def forget_in_flight(self) -> None:
+        """The backend lost every micro-batch in flight (its recovery recomputes them)."""
+        self.in_flight.clear()
+
+    def _account(self, entry: ScheduledRequest) -> None:
+        if entry.counted_from < 0:
+            super()._account(entry)  # run outside the pipeline (a micro-batch run again)
+            return
+        request = entry.request
+        self.block_manager.cache_full_blocks(
+            request, request.num_computed_tokens - self.in_flight.get(request.request_id, 0))
 
     def schedule(self) -> StepPlan:
         active = sum(1 for r in self.running if not r.is_finished) + len(self.waiting)
@@ -73,17 +118,25 @@ class PipelineScheduler(Scheduler):
         return len(scheduled) >= self._cap
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        if request.request_id in self.in_flight:
+        # In flight with its prompt not all submitted: the next chunk may follow (class
+        # docstring). A decode or a final chunk in flight has a token still to come.
+        if request.request_id in self.in_flight and \
+                request.num_computed_tokens >= request.num_tokens:
             return 0
         return super()._num_new_tokens(request, budget)
 
     def _preemption_victim(self, request: Request, num_new: int) -> Request | None:
-        # From the tail, as the base rule; ``request`` itself is not in flight, so the
-        # victim is never one scheduled earlier in this micro-batch.
-        victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
-        if victim is request and self.running[-1] is not request:
-            return None  # the tail is in flight: giving up this place would invert the policy
-        return victim
+        # From the tail, as the base rule, among requests not in flight and after
+        # ``request`` (those before it may be in this micro-batch already). ``request``
+        # itself only as the tail and not in flight (a prompt's next chunk may be).
+        for r in reversed(self.running):
+            if r is request:
+                if self.running[-1] is request and request.request_id not in self.in_flight:
+                    return request
+                return None  # the tail is in flight: giving up this place would invert
+            if r.request_id not in self.in_flight:
+                return r
+        return None
 
 
 @dataclass(eq=False, slots=True)
@@ -162,7 +215,7 @@ class PipelineLoop:
     def discard(self) -> None:
         """Forget the micro-batches in flight: the backend lost them."""
         self.in_flight.clear()
-        self.engine.scheduler.in_flight.clear()
+        self.engine.scheduler.forget_in_flight()
 
     # ---- the parts of a step ----------------------------------------------------------
     def _finalize_previous(self) -> None:
@@ -179,6 +232,7 @@ class PipelineLoop:
             return
         except Exception as err:  # noqa: BLE001  # that micro-batch failed; the ranks live
             failed = self.in_flight.popleft()
+            e.scheduler.roll_back(failed.plan)
             e.scheduler.release(failed.plan)
             logger.warning("a micro-batch failed (%r); running it again on its own", err)
             while self.in_flight:
