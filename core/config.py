@@ -229,8 +229,9 @@ class EngineConfig:
         """Whether steps are planned with placeholders for tokens not yet sampled (the
         async scheduling strategy). Under pipeline parallel, async scheduling is the
         pipeline's own strategy instead: it already plans each micro-batch while the others
-        compute, and a request is never in two micro-batches at once, so no token is ever
-        planned before it is known (docs/distributed.md)."""
+        compute, and a request is never planned while its token is in flight (only a
+        long prompt's non-final chunks follow each other), so no token is ever planned
+        before it is known (docs/distributed.md)."""
         return self.async_scheduling and self.parallel_config.pipeline_parallel_size == 1
 
     def backend_option(self, name: str, default: object = None) -> object:

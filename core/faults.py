@@ -13,8 +13,9 @@ Two kinds of failure reach the engine from ``Backend.execute``:
   does not depend on the batch costs about ``2 * log2(batch)`` extra forwards, once.
 
 NOTE re-running is safe because nothing of a failed step was committed: the scheduler
-advances ``num_computed_tokens`` only after a step succeeds, and the backend contract says
-writing the same K/V to the same slots again is harmless.
+advances ``num_computed_tokens`` only after a step succeeds (under pipeline parallel it is
+advanced at submit, and a failed micro-batch's ``roll_back`` undoes that first), and the
+backend contract says writing the same K/V to the same slots again is harmless.
 """
 
 from __future__ import annotations

@@ -208,13 +208,14 @@ def test_a_stage_lost_mid_run_fails_every_pending_request(pp_pair, request):
 def test_a_long_prompt_alone_fills_the_pipeline(tiny_model_dir):
     """One prompt of 100 tokens at 16 a micro-batch: its chunks are in both stages at once
     (each stage runs them in order, so each finds the K/V of those before it), the tokens
-    and logprobs are one process's, and blocks all come back. Then another such prompt with
-    its first micro-batch failing while its second chunk is in flight: the request goes
-    back to where the failed chunk began, that chunk runs again on its own, and the answer
-    is unchanged."""
+    and logprobs are one process's, and blocks all come back. Then with the first
+    micro-batch failing without writing its K/V (its input is spoiled, then its collect
+    raises) while the next chunk is in flight: the request goes back to where the failed
+    chunk began, and the answer is unchanged, also when the chunk in flight was the
+    prompt's last (24 tokens: 16 + 8), whose token is then dropped, not kept."""
     model = tiny_model_dir("llama")
-    prompts = [{"prompt_token_ids": [(k * i + 3) % 500 + 2 for i in range(100)]}
-               for k in (7, 11)]
+    prompts = [{"prompt_token_ids": [(k * i + 3) % 500 + 2 for i in range(n)]}
+               for k, n in ((7, 100), (11, 100), (13, 24))]
     kw = {"num_kv_blocks": 40, "max_num_batched_tokens": 16}
     single = make_llm(model, **kw)
     try:
@@ -227,20 +228,30 @@ def test_a_long_prompt_alone_fills_the_pipeline(tiny_model_dir):
         seen = _watch_micro_batches(engine)
         assert_same_as(want[0], generate(llm, [prompts[0]], GREEDY))
         assert seen["chunks_of_one"] == 2 and seen["most"] == 2
-        collect, in_flight_then = engine.backend.collect, []
+        submit, collect = engine.backend.submit, engine.backend.collect
+        armed: dict = {}
+
+        def spoiled_submit(mi):
+            if not armed.get("spoiled"):
+                armed["spoiled"] = True
+                mi.input_ids = [5] * len(mi.input_ids)  # K/V of other tokens
+            return submit(mi)
 
         def first_fails():
-            out = collect()  # the ranks ran it; its result is thrown away
-            if not in_flight_then:
-                in_flight_then.append(dict(engine.scheduler.in_flight))
+            out = collect()
+            if not armed.get("failed"):
+                armed["failed"] = dict(engine.scheduler.in_flight)
                 raise RuntimeError("injected: the first micro-batch failed")
             return out
 
-        engine.backend.collect = first_fails
-        assert_same_as(want[1], generate(llm, [prompts[1]], GREEDY))
-        assert list(in_flight_then[0].values()) == [32]  # two chunks of 16 were in flight
-        assert engine.block_manager.num_free_blocks == engine.num_blocks
-        assert not engine.scheduler.in_flight
+        engine.backend.submit, engine.backend.collect = spoiled_submit, first_fails
+        for prompt, expected, in_flight in ((prompts[1], want[1], 32),
+                                            (prompts[2], want[2], 24)):
+            armed.clear()
+            assert_same_as(expected, generate(llm, [prompt], GREEDY))
+            assert list(armed["failed"].values()) == [in_flight]  # two chunks were in flight
+            assert engine.block_manager.num_free_blocks == engine.num_blocks
+            assert not engine.scheduler.in_flight
     finally:
         for name in ("hold", "release"):
             engine.scheduler.__dict__.pop(name, None)
@@ -549,16 +560,16 @@ def test_preemption_never_takes_a_request_in_flight():
     second = s.schedule()
     assert [sr.request.request_id for sr in second.scheduled] == ["r1"]
     s.hold(second)
-    for plan in (first, second):  # both prompts computed; each sampled one token
-        s.release(plan)
-        plan.scheduled[0].request.output_token_ids.append(7)
-        s.update_after_step(plan)
-        if plan is first:
-            s.hold(second)  # r1's micro-batch is still in flight while r0 is planned
-            waiting = s.schedule()
-            assert waiting.is_empty and not waiting.preempted
-            assert [r.request_id for r in s.running] == ["r0", "r1"]
-            s.release(second)
+    # r0's micro-batch is committed (its prompt sampled one token) while r1's is in flight.
+    s.release(first)
+    first.scheduled[0].request.output_token_ids.append(7)
+    s.update_after_step(first)
+    waiting = s.schedule()
+    assert waiting.is_empty and not waiting.preempted
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
+    s.release(second)  # now r1's
+    second.scheduled[0].request.output_token_ids.append(7)
+    s.update_after_step(second)
     plan = s.schedule()  # nothing in flight now: the tail goes, as in one batch
     assert [sr.request.request_id for sr in plan.scheduled] == ["r0"]
     assert [r.request_id for r in plan.preempted] == ["r1"]

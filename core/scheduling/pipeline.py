@@ -25,13 +25,14 @@ NOTE the invariants that keep it exact:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cadence.backend import ModelInput, WorkerLostError
+from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.outputs import RequestOutput
 from cadence.request import Request
 from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
@@ -56,7 +57,10 @@ class PipelineScheduler(Scheduler):
     its blocks enter the prefix cache (and leave a sliding window) only once it is
     committed, and a micro-batch that fails takes its requests back to where its chunk
     began (``roll_back``), so their later chunks, computed on what it did not write, are
-    computed again.
+    computed again (a token the prompt's final chunk sampled meanwhile is dropped,
+    ``PipelineLoop._complete``). When two micro-batches in a row fail, the reruns may cut
+    the prompt differently from one process; each still computes the right tokens at the
+    right positions.
 
     Preemption picks its victim from the tail among requests not in flight (the blocks of
     one in flight are in use on the device). When that would be the request that needs room
@@ -105,8 +109,9 @@ class PipelineScheduler(Scheduler):
             super()._account(entry)  # run outside the pipeline (a micro-batch run again)
             return
         request = entry.request
-        self.block_manager.cache_full_blocks(
-            request, request.num_computed_tokens - self.in_flight.get(request.request_id, 0))
+        # Below zero while a failed micro-batch's later chunks drain: nothing to register.
+        done = request.num_computed_tokens - self.in_flight.get(request.request_id, 0)
+        self.block_manager.cache_full_blocks(request, max(0, done))
 
     def schedule(self) -> StepPlan:
         active = sum(1 for r in self.running if not r.is_finished) + len(self.waiting)
@@ -157,6 +162,8 @@ class PipelineLoop:
         self.engine = engine
         self.depth = num_stages
         self.in_flight: deque[MicroBatch] = deque()
+        # Requests of a failed micro-batch while the ones after it are drained (_complete).
+        self._void: frozenset[str] = frozenset()
 
     @property
     def has_in_flight(self) -> bool:
@@ -235,16 +242,25 @@ class PipelineLoop:
             e.scheduler.roll_back(failed.plan)
             e.scheduler.release(failed.plan)
             logger.warning("a micro-batch failed (%r); running it again on its own", err)
-            while self.in_flight:
-                self._complete()
+            # Later chunks of its requests still in flight ran on K/V it did not write: a
+            # token one of them sampled (a prompt's final chunk) is dropped, not committed.
+            outer = self._void
+            self._void = outer | {sr.request.request_id for sr in failed.plan.scheduled}
+            try:
+                while self.in_flight:
+                    self._complete()
+            finally:
+                self._void = outer
             rerun_alone(self.engine, failed.plan)
             return
         t1 = time.perf_counter()
         e.stats.times.add("execute", t1 - t0)
         mb = self.in_flight.popleft()
         e.scheduler.release(mb.plan)
-        touched = e.output_processor.commit(mb.plan.scheduled,
-                                            mb.model_input.sample_seq_indices, out)
+        indices = mb.model_input.sample_seq_indices
+        if self._void:
+            indices, out = _without(self._void, mb.plan, indices, out)
+        touched = e.output_processor.commit(mb.plan.scheduled, indices, out)
         e.scheduler.update_after_step(mb.plan)
         e._stamp_token_times(touched)
         e._pending += touched
@@ -253,3 +269,14 @@ class PipelineLoop:
     def _lost(self, err: WorkerLostError) -> None:
         self.discard()
         self.engine.guard.recover(err)
+
+
+def _without(void: frozenset[str], plan: StepPlan, indices: list[int],
+             out: SamplerOutput) -> tuple[list[int], SamplerOutput]:
+    """The samples of ``plan`` minus those of requests in ``void``."""
+    keep = [k for k, i in enumerate(indices) if plan.scheduled[i].request.request_id not in void]
+    if len(keep) == len(indices):
+        return indices, out
+    logprobs = None if out.logprobs is None else [out.logprobs[k] for k in keep]
+    return [indices[k] for k in keep], dataclasses.replace(
+        out, sampled_token_ids=[out.sampled_token_ids[k] for k in keep], logprobs=logprobs)
