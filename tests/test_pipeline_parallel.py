@@ -209,13 +209,13 @@ def test_a_long_prompt_alone_fills_the_pipeline(tiny_model_dir):
     """One prompt of 100 tokens at 16 a micro-batch: its chunks are in both stages at once
     (each stage runs them in order, so each finds the K/V of those before it), the tokens
     and logprobs are one process's, and blocks all come back. Then with the first
-    micro-batch failing without writing its K/V (its input is spoiled, then its collect
-    raises) while the next chunk is in flight: the request goes back to where the failed
-    chunk began, and the answer is unchanged, also when the chunk in flight was the
-    prompt's last (24 tokens: 16 + 8), whose token is then dropped, not kept."""
+    micro-batch of a 24-token prompt (16 + 8) failing without writing its K/V (its input
+    is spoiled, then its collect raises) while the final chunk is in flight: the request
+    goes back to where the failed chunk began, the final chunk's token is dropped, not
+    kept, and the answer is unchanged."""
     model = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": [(k * i + 3) % 500 + 2 for i in range(n)]}
-               for k, n in ((7, 100), (11, 100), (13, 24))]
+               for k, n in ((7, 100), (13, 24))]
     kw = {"num_kv_blocks": 40, "max_num_batched_tokens": 16}
     single = make_llm(model, **kw)
     try:
@@ -245,13 +245,10 @@ def test_a_long_prompt_alone_fills_the_pipeline(tiny_model_dir):
             return out
 
         engine.backend.submit, engine.backend.collect = spoiled_submit, first_fails
-        for prompt, expected, in_flight in ((prompts[1], want[1], 32),
-                                            (prompts[2], want[2], 24)):
-            armed.clear()
-            assert_same_as(expected, generate(llm, [prompt], GREEDY))
-            assert list(armed["failed"].values()) == [in_flight]  # two chunks were in flight
-            assert engine.block_manager.num_free_blocks == engine.num_blocks
-            assert not engine.scheduler.in_flight
+        assert_same_as(want[1], generate(llm, [prompts[1]], GREEDY))
+        assert list(armed["failed"].values()) == [24]  # both chunks were in flight
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+        assert not engine.scheduler.in_flight
     finally:
         for name in ("hold", "release"):
             engine.scheduler.__dict__.pop(name, None)
