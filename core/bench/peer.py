@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.bench.report import format_table
-from cadence.bench.throughput import WARMUP_TOKENS
+from cadence.bench.throughput import WARMUP_TOKENS, warmup_prompt
 
 PEERS = ("vllm",)
 PEER_CONFIGS = ("eager", "default")
@@ -129,13 +129,8 @@ def write_peer_input(path: Path, workload: Any, prompts: list[list[int]], out_le
             "top_p": 1.0, "stop": HEAVY_STOP if heavy else None,
             "logprobs": HEAVY_LOGPROBS if heavy else None, "detokenize": workload.detokenize,
             "seed": 0, "max_num_seqs": batch_size, "tokenizer": tokenizer,
-            "warmup_prompt": warmup_prompt(prompts), "warmup_tokens": WARMUP_TOKENS}
+            "warmup_prompt": warmup_prompt(prompts[0]), "warmup_tokens": WARMUP_TOKENS}
     path.write_text(json.dumps(data))
-
-
-def warmup_prompt(prompts: list[list[int]]) -> list[int]:
-    """The first prompt reversed: the measured prompts' length, and no prefix they share."""
-    return list(reversed(prompts[0]))
 
 
 def run_peer(opts: PeerOptions, config: str, round_: int, input_path: Path, model: str,

@@ -168,6 +168,11 @@ def release_engine(engine: Any) -> None:
 WARMUP_TOKENS = 4
 
 
+def warmup_prompt(prompt: list[int]) -> list[int]:
+    """``prompt`` reversed: the measured prompt's length, and no prefix they share."""
+    return list(reversed(prompt))
+
+
 def warm_up(engine: Any, workload: Workload, prompts: list[list[int]], count: int) -> None:
     """Run ``count`` prompts shaped like the measured ones for a few tokens, untimed.
 
@@ -179,7 +184,7 @@ def warm_up(engine: Any, workload: Workload, prompts: list[list[int]], count: in
     from cadence.output_state import OutputKind
 
     for i, ids in enumerate(prompts[:max(1, count)]):
-        engine.add_request(f"warmup-{i}", {"prompt_token_ids": list(reversed(ids))},
+        engine.add_request(f"warmup-{i}", {"prompt_token_ids": warmup_prompt(ids)},
                            workload.sampling_params(WARMUP_TOKENS),
                            output_kind=OutputKind.FINAL_ONLY)
     while engine.has_unfinished_requests():
