@@ -110,6 +110,11 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
                     default="async,async_sched,sync,floor,hf_generate,hf_generate_batch",
                     help="comma list of runs to measure")
     cp.add_argument("--skip-hf", action="store_true", help="drop the transformers runs")
+    cp.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="> 1: keep every engine of a batch size alive and run them in N "
+                         "interleaved rounds (fresh prompts each round, rotating order); "
+                         "prints each pair's per-round ratios, geometric mean and 95 %% "
+                         "interval")
     cp.add_argument("--chart", default=None, metavar="FILE.png",
                     help="draw output tokens/s against batch size (needs matplotlib)")
     g = cp.add_argument_group("peer engine (the same prompts through another engine)")

@@ -1,5 +1,6 @@
 """``engine bench compare`` (async, sync, floor and the transformers baselines on the same
-prompts, for each batch size and host-work setting, and with ``--peer`` another engine in
+prompts, for each batch size and host-work setting; with ``--rounds N`` interleaved rounds
+and paired ratios, see ``cadence.bench.rounds``; with ``--peer`` another engine in
 alternating rounds, see ``cadence.bench.peer``) and ``engine bench scale`` (host cost per
 step with a short and a long waiting queue)."""
 
@@ -18,6 +19,7 @@ from cadence.bench.peer import (
     print_peer,
 )
 from cadence.bench.report import draw_chart, env_info, format_table, machine_info, write_json
+from cadence.bench.rounds import interleaved_runs, paired_summary, print_paired
 from cadence.bench.throughput import (
     Workload,
     build_engine,
@@ -133,6 +135,12 @@ def _check_peer_workload(runs: list[str], batch_sizes: list[int], host_works: li
 def cmd_compare(ns: argparse.Namespace) -> int:
     runs = selected_runs(ns)
     peer = peer_options(ns)
+    num_rounds = getattr(ns, "rounds", 1)
+    if num_rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {num_rounds}")
+    if num_rounds > 1 and peer is not None:
+        raise ValueError("--rounds interleaves cadence's own runs; against a peer the rounds "
+                         "are --peer-rounds")
     batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
                                  "batch_sizes")
     host_works = [h.strip() for h in ns.host_work.split(",")]
@@ -147,7 +155,11 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         for hw in host_works:
             for bs in batch_sizes:
                 workload = workload_from_args(ns, bs * ns.waves if ns.waves else None, hw)
-                if peer is None:
+                if peer is None and num_rounds > 1:
+                    recs, prompts = interleaved_runs(
+                        ns, runs, ENGINE_MODES, workload, bs, num_rounds,
+                        lambda engine: _record_env(engine, info))
+                elif peer is None:
                     recs, prompts = _engine_runs(ns, runs, workload, bs, None, info)
                 else:
                     prompts = workload_tokens(ns, workload)[0]
@@ -168,17 +180,25 @@ def cmd_compare(ns: argparse.Namespace) -> int:
                     recs += _hf_runs(ns, runs, hf_model, workload, bs, prompts)
                 for r in recs:
                     r.setdefault("host_work", hw)
-                _add_ratios(recs)
+                if num_rounds > 1:  # each round's ratios are its own
+                    for rnd in range(num_rounds):
+                        _add_ratios([r for r in recs if r.get("round") == rnd])
+                else:
+                    _add_ratios(recs)
                 records += recs
     finally:
         del hf_model
     _print_compare(records, ns.breakdown)
+    paired = paired_summary(records) if num_rounds > 1 else []
+    print_paired(paired)
     if peer_section is not None:
         print_peer(peer_section)
     env = info.get("env", {})
     data = {"runs": records, "config": config_of(ns), "env": env,
             "machine": info.get("machine") or machine_info(ns=ns),
             "elapsed_s": time.perf_counter() - started}
+    if paired:
+        data["paired"] = paired
     if peer_section is not None:
         data["peer"] = peer_section
     if ns.output_json:

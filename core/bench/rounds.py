@@ -1,0 +1,141 @@
+"""``engine bench compare --rounds N``: the engine runs of one batch size interleaved.
+
+Two strategies that differ by a few per cent cannot be told apart by one run of each on a
+shared machine, where the same run varies by 10-30 % from one minute to the next. Here every
+engine of the comparison is built and warmed up once and kept alive (an idle engine waits on
+a pipe and costs nothing), then the runs go in rounds: each round generates a fresh set of
+prompts (so the prefix cache of an earlier round gives nothing away) through every engine
+in turn, the order rotating from round to round so that none always goes first. What the
+machine does over minutes then touches both sides of a pair alike, and each round gives one
+paired ratio. The summary is the geometric mean of those ratios with a 95 % interval from
+their spread (Student's t over the log ratios), and how many rounds each side won.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+from cadence.bench.floor import run_floor
+from cadence.bench.report import format_table
+from cadence.bench.throughput import (
+    Workload,
+    build_engine,
+    release_engine,
+    run_engine,
+    vocab_size_of,
+    warm_up,
+)
+
+# The ratios a comparison reports, numerator first, where both runs were made.
+PAIRS = (("async", "sync"), ("async_sched", "async"), ("async_sched", "sync"),
+         ("async", "floor"), ("async_sched", "floor"), ("sync", "floor"))
+
+# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (beyond: ~normal).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    return _T95[df - 1] if df <= len(_T95) else 1.96
+
+
+def round_workload(workload: Workload, rnd: int) -> Workload:
+    """Round ``rnd``'s prompts and lengths: the same for every engine of the round, new for
+    each round."""
+    return dataclasses.replace(workload, seed=workload.seed + 7919 * rnd)
+
+
+def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, dict],
+                     workload: Workload, bs: int, rounds: int, on_engine: Any
+                     ) -> tuple[list[dict], list[list[int]]]:
+    """Every run of ``runs`` (engine modes of ``modes`` and ``floor``) at batch size ``bs``,
+    ``rounds`` times, interleaved. Returns one record per run per round (``round`` set) and
+    the first round's prompts."""
+    names = [m for m in modes if m in runs] + (["floor"] if "floor" in runs else [])
+    engines: dict[str, Any] = {}
+    out: list[dict] = []
+    try:
+        for mode, overrides in modes.items():
+            if mode not in runs and not (mode == "async" and "floor" in runs):
+                continue
+            try:
+                engines[mode] = build_engine(ns, max_num_seqs=bs, **overrides)
+            except ValueError as e:
+                if mode != "async_sched":
+                    raise
+                out.append({"name": mode, "batch_size": bs, "num_prompts": workload.num_prompts,
+                            "output_tokens_per_s": None, "skipped": str(e)})
+                names.remove(mode)
+        first = next(iter(engines.values()))
+        on_engine(first)
+        vocab = vocab_size_of(first)
+        prompts0 = workload.prompts(vocab)
+        for engine in engines.values():
+            warm_up(engine, workload, prompts0, bs)
+        for rnd in range(rounds):
+            wl = round_workload(workload, rnd)
+            prompts, out_lens = wl.prompts(vocab), wl.output_lens()
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:
+                if name == "floor":
+                    engine = engines["async"]
+                    cfg = engine.config
+                    rec = run_floor(engine.backend, prompts, out_lens,
+                                    [wl.sampling_params(n) for n in out_lens], bs,
+                                    cfg.cache_config.block_size, engine.num_blocks,
+                                    cfg.scheduler_config.max_num_batched_tokens,
+                                    not ns.disable_tqdm)
+                else:
+                    rec = run_engine(engines[name], wl, prompts, out_lens, ns.breakdown,
+                                     not ns.disable_tqdm, name)
+                rec["round"] = rnd
+                out.append(rec)
+    finally:
+        for engine in engines.values():
+            release_engine(engine)
+    return out, prompts0
+
+
+def paired_summary(records: list[dict]) -> list[dict]:
+    """Per (host work, batch size) and pair of runs: the per-round ratios, their geometric
+    mean, its 95 % interval and the rounds the numerator won."""
+    cells: dict[tuple, dict[int, dict[str, float]]] = {}
+    for r in records:
+        if "round" not in r or not r.get("output_tokens_per_s"):
+            continue
+        key = (r.get("host_work"), r["batch_size"])
+        cells.setdefault(key, {}).setdefault(r["round"], {})[r["name"]] = \
+            r["output_tokens_per_s"]
+    out = []
+    for (hw, bs), by_round in cells.items():
+        for num, den in PAIRS:
+            ratios = [v[num] / v[den] for v in by_round.values() if num in v and den in v]
+            if len(ratios) < 2:
+                continue
+            logs = [math.log(x) for x in ratios]
+            mean = statistics.fmean(logs)
+            half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+            out.append({"host_work": hw, "batch_size": bs, "pair": f"{num}/{den}",
+                        "rounds": len(ratios), "ratios": ratios,
+                        "geomean": math.exp(mean), "ci95_low": math.exp(mean - half),
+                        "ci95_high": math.exp(mean + half),
+                        "wins": sum(x >= 1.0 for x in ratios)})
+    return out
+
+
+def print_paired(summary: list[dict]) -> None:
+    if not summary:
+        return
+    rows = [{**s, "ci95": f"{s['ci95_low']:.3f}..{s['ci95_high']:.3f}",
+             "won": f"{s['wins']}/{s['rounds']}",
+             "range": f"{min(s['ratios']):.3f}..{max(s['ratios']):.3f}"} for s in summary]
+    print("\npaired ratios over interleaved rounds (output tok/s of the pair in each round):")
+    print(format_table(rows, ["host_work", "batch_size", "pair", "geomean", "ci95", "range",
+                              "won"],
+                       ["host work", "batch", "pair", "geo-mean", "95 % interval", "range",
+                        "rounds won"]))
