@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cadence.backend import SamplerOutput
-from cadence.detokenizer import IncrementalDetokenizer, find_stop_string
+from cadence.detokenizer import IncrementalDetokenizer, find_stop_string, token_text_decoder
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
 from cadence.outputs import Logprob, RequestOutput
@@ -48,6 +48,7 @@ class OutputProcessor:
         # top-k logprobs every sampled token asks for k + 1 of them, and the tokenizer's
         # ``decode`` costs ~40 us a call in Python wrappers; the vocabulary is finite.
         self._token_text: dict[int, str | None] = {}
+        self._decode_text = None if tokenizer is None else token_text_decoder(tokenizer)
 
     def add(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
@@ -195,7 +196,7 @@ class OutputProcessor:
         return d
 
     def _decode_one(self, token: int) -> str | None:
-        text = None if self.tokenizer is None else self.tokenizer.decode([token])
+        text = None if self._decode_text is None else self._decode_text(token)
         self._token_text[token] = text
         return text
 

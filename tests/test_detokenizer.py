@@ -47,3 +47,33 @@ def test_find_stop_string_searches_only_the_new_tail():
     assert find_stop_string("abcSTO" + "P!", 2, ["STOP"]) == ("STOP", 3)
     # The earliest match wins when several end in the new text.
     assert find_stop_string("xx ab cd", 5, ["cd", "ab"]) == ("ab", 3)
+
+
+def test_token_text_decoder_equals_decode_for_every_id(tokenizer):
+    from cadence.detokenizer import token_text_decoder
+
+    assert not tokenizer.clean_up_tokenization_spaces  # else the fast path is not taken
+    fast = token_text_decoder(tokenizer)
+    assert fast.__code__ is not token_text_decoder(_SlowOnly(tokenizer)).__code__
+    for i in range(len(tokenizer)):  # special tokens included: logprobs show them too
+        assert fast(i) == tokenizer.decode([i]), i
+
+
+class _SlowOnly:
+    """A tokenizer without a Rust backend, or one that cleans up spaces after decoding."""
+
+    def __init__(self, tok, clean_up: bool = False):
+        self.tok, self.clean_up_tokenization_spaces = tok, clean_up
+
+    def decode(self, ids):
+        return "<" + self.tok.decode(ids) + ">"
+
+
+def test_token_text_decoder_keeps_the_wrapper_where_it_differs(tokenizer):
+    from cadence.detokenizer import token_text_decoder
+
+    class CleansUp(_SlowOnly):
+        _tokenizer = tokenizer._tokenizer
+
+    for tok in (_SlowOnly(tokenizer), CleansUp(tokenizer, clean_up=True)):
+        assert token_text_decoder(tok)(5) == "<" + tokenizer.decode([5]) + ">"
