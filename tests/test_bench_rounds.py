@@ -96,6 +96,7 @@ def test_compare_rounds_interleave_and_rotate(tiny_model_dir, tmp_path, capsys):
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--rounds", "2", "--peer", "vllm", "--peer-python", "/nonexistent/python"],
      "against a peer the rounds are --peer-rounds"),
+    (["--rounds", "2", "--runs", "hf_generate"], "--rounds interleaves engine runs"),
 ])
 def test_compare_rounds_bad_flags(tiny_model_dir, capsys, argv, message):
     rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--skip-hf", *argv,

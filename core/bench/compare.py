@@ -141,6 +141,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if num_rounds > 1 and peer is not None:
         raise ValueError("--rounds interleaves cadence's own runs; against a peer the rounds "
                          "are --peer-rounds")
+    if num_rounds > 1 and not set(runs) & {*ENGINE_MODES, "floor"}:
+        raise ValueError(f"--rounds interleaves engine runs: keep at least one of "
+                         f"{(*ENGINE_MODES, 'floor')} in --runs")
     batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
                                  "batch_sizes")
     host_works = [h.strip() for h in ns.host_work.split(",")]

@@ -71,6 +71,8 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
                 out.append({"name": mode, "batch_size": bs, "num_prompts": workload.num_prompts,
                             "output_tokens_per_s": None, "skipped": str(e)})
                 names.remove(mode)
+        if not names:  # the one engine run asked for cannot run on this backend
+            return out, []
         first = next(iter(engines.values()))
         on_engine(first)
         vocab = vocab_size_of(first)
