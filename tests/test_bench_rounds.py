@@ -70,13 +70,13 @@ def test_compare_rounds_interleave_and_rotate(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "rounds.json"
     rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "2",
                "--batch-sizes", "2", "--runs", "async,sync,floor", "--skip-hf",
-               "--rounds", "3", *WORKLOAD, "--output-json", str(out)])
+               "--rounds", "2", "--cpu-overlap", "thread", *WORKLOAD, "--output-json",
+               str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     order = [(r["round"], r["name"]) for r in data["runs"]]
     assert order == [(0, "async"), (0, "sync"), (0, "floor"),
-                     (1, "sync"), (1, "floor"), (1, "async"),
-                     (2, "floor"), (2, "async"), (2, "sync")]
+                     (1, "sync"), (1, "floor"), (1, "async")]
     for r in data["runs"]:
         assert r["num_output_tokens"] == 8 and r["output_tokens_per_s"] > 0
         if r["name"] != "floor":  # the ratios are the round's own
@@ -88,7 +88,7 @@ def test_compare_rounds_interleave_and_rotate(tiny_model_dir, tmp_path, capsys):
     assert set(pairs) == {"async/sync", "async/floor", "sync/floor"}
     by = {(r["round"], r["name"]): r["output_tokens_per_s"] for r in data["runs"]}
     assert pairs["async/sync"]["ratios"] == pytest.approx(
-        [by[i, "async"] / by[i, "sync"] for i in range(3)])
+        [by[i, "async"] / by[i, "sync"] for i in range(2)])
     assert "paired ratios over interleaved rounds" in capsys.readouterr().out
 
 
