@@ -58,14 +58,27 @@ class IncrementalDetokenizer:
 def token_text_decoder(tokenizer: Any) -> Callable[[int], str]:
     """``id -> tokenizer.decode([id])``, through the Rust tokenizer where that gives the same
     text: the Python wrapper around it costs ~15 us a call (argument conversion, clean-up
-    checks), 6x the decode itself, and logprobs ask for k + 1 texts per token. Tokenizers
-    that clean up spaces after decoding, or are not fast ones, keep the wrapper."""
+    checks), 6x the decode itself, and logprobs ask for k + 1 texts per token. Only a plain
+    transformers fast tokenizer qualifies: one that cleans up spaces after decoding, or
+    whose class rewrites the text in its own ``decode``/``_decode`` (Whisper drops timestamp
+    tokens, CPM maps a placeholder to a space), keeps the wrapper."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode") or \
-            getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            getattr(tokenizer, "clean_up_tokenization_spaces", True) or \
+            not _plain_fast_decode(type(tokenizer)):
         return lambda token: tokenizer.decode([token])
     decode = backend.decode
     return lambda token: decode([token], skip_special_tokens=False)
+
+
+def _plain_fast_decode(cls: type) -> bool:
+    try:
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    except ImportError:
+        return False
+    return (issubclass(cls, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode)
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from cadence.bench.rounds import paired_summary, round_workload, t95
+from cadence.bench.rounds import median_records, paired_summary, round_workload, t95
 from cadence.bench.throughput import Workload
 from cadence.cli.main import main
 
@@ -54,8 +54,14 @@ def test_paired_summary_keeps_cells_apart_and_needs_two_rounds():
 
 def test_t_quantiles():
     assert t95(1) == pytest.approx(12.706) and t95(7) == pytest.approx(2.365)
-    assert t95(200) == pytest.approx(1.96)
-    assert all(t95(d) > t95(d + 1) for d in range(1, 31))
+    assert t95(31) == pytest.approx(2.042) and t95(200) == pytest.approx(1.98)
+    assert all(t95(d) >= t95(d + 1) for d in range(1, 300))
+
+
+def test_median_records_one_point_per_run():
+    recs = [_rec("async", r, v) for r, v in enumerate((3.0, 1.0, 2.0))] + [_rec("sync", 0, 5.0)]
+    med = {r["name"]: r["output_tokens_per_s"] for r in median_records(recs)}
+    assert med == {"async": 2.0, "sync": 5.0}
 
 
 def test_each_round_has_its_own_prompts():

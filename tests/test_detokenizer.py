@@ -77,3 +77,21 @@ def test_token_text_decoder_keeps_the_wrapper_where_it_differs(tokenizer):
 
     for tok in (_SlowOnly(tokenizer), CleansUp(tokenizer, clean_up=True)):
         assert token_text_decoder(tok)(5) == "<" + tokenizer.decode([5]) + ">"
+
+
+def test_token_text_decoder_keeps_a_class_that_rewrites_decoded_text(tokenizer):
+    import copy
+
+    from cadence.detokenizer import token_text_decoder
+
+    class Rewrites(type(tokenizer)):  # as CPM's fast tokenizer maps a placeholder to a space
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).replace("a", "@")
+
+    tok = copy.copy(tokenizer)
+    tok.__class__ = Rewrites
+    ids = [i for i in range(len(tokenizer)) if "a" in tokenizer.decode([i])][:5]
+    assert ids
+    decode = token_text_decoder(tok)
+    assert [decode(i) for i in ids] == [tok.decode([i]) for i in ids]
+    assert all("@" in decode(i) for i in ids)

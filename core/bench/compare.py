@@ -19,7 +19,7 @@ from cadence.bench.peer import (
     print_peer,
 )
 from cadence.bench.report import draw_chart, env_info, format_table, machine_info, write_json
-from cadence.bench.rounds import interleaved_runs, paired_summary, print_paired
+from cadence.bench.rounds import interleaved_runs, median_records, paired_summary, print_paired
 from cadence.bench.throughput import (
     Workload,
     build_engine,
@@ -184,8 +184,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
                 for r in recs:
                     r.setdefault("host_work", hw)
                 if num_rounds > 1:  # each round's ratios are its own
-                    for rnd in range(num_rounds):
-                        _add_ratios([r for r in recs if r.get("round") == rnd])
+                    for rnd in range(num_rounds):  # baselines ran on round 0's prompts
+                        _add_ratios([r for r in recs if r.get("round", 0) == rnd])
                 else:
                     _add_ratios(recs)
                 records += recs
@@ -207,7 +207,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.output_json:
         write_json(ns.output_json, data)
     if ns.chart:
-        draw_chart(records, ns.chart, f"cadence bench compare ({env.get('dtype')}, "
+        draw_chart(median_records(records) if num_rounds > 1 else records, ns.chart, f"cadence bench compare ({env.get('dtype')}, "
                    f"{ns.input_len} in / {ns.output_len} out)")
     return 0
 

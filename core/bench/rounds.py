@@ -34,14 +34,29 @@ from cadence.bench.throughput import (
 PAIRS = (("async", "sync"), ("async_sched", "async"), ("async_sched", "sync"),
          ("async", "floor"), ("async_sched", "floor"), ("sync", "floor"))
 
-# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (beyond: ~normal).
+# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom; beyond, the value
+# at the low end of each range (a slightly wider interval, never a narrower one).
+_T95_BEYOND = ((40, 2.042), (60, 2.021), (120, 2.000))
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def t95(df: int) -> float:
-    return _T95[df - 1] if df <= len(_T95) else 1.96
+    if df <= len(_T95):
+        return _T95[df - 1]
+    return next((t for upto, t in _T95_BEYOND if df <= upto), 1.980)
+
+
+def median_records(records: list[dict]) -> list[dict]:
+    """One record per run, batch size and host work, with the median output tok/s of its
+    rounds (what a chart draws)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("output_tokens_per_s"):
+            groups.setdefault((r["name"], r.get("host_work"), r["batch_size"]), []).append(r)
+    return [{**rs[0], "output_tokens_per_s": statistics.median(
+        x["output_tokens_per_s"] for x in rs)} for rs in groups.values()]
 
 
 def round_workload(workload: Workload, rnd: int) -> Workload:
@@ -52,10 +67,10 @@ def round_workload(workload: Workload, rnd: int) -> Workload:
 
 def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, dict],
                      workload: Workload, bs: int, rounds: int, on_engine: Any
-                     ) -> tuple[list[dict], list[list[int]]]:
+                     ) -> tuple[list[dict], list[list[int]] | None]:
     """Every run of ``runs`` (engine modes of ``modes`` and ``floor``) at batch size ``bs``,
     ``rounds`` times, interleaved. Returns one record per run per round (``round`` set) and
-    the first round's prompts."""
+    the first round's prompts (None when no engine could run)."""
     names = [m for m in modes if m in runs] + (["floor"] if "floor" in runs else [])
     engines: dict[str, Any] = {}
     out: list[dict] = []
@@ -72,7 +87,7 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
                             "output_tokens_per_s": None, "skipped": str(e)})
                 names.remove(mode)
         if not names:  # the one engine run asked for cannot run on this backend
-            return out, []
+            return out, None
         first = next(iter(engines.values()))
         on_engine(first)
         vocab = vocab_size_of(first)
@@ -98,9 +113,20 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
                 rec["round"] = rnd
                 out.append(rec)
     finally:
-        for engine in engines.values():
-            release_engine(engine)
+        release_all(list(engines.values()))
     return out, prompts0
+
+
+def release_all(engines: list[Any]) -> None:
+    """Shut every engine down, even when one of them fails to; the first failure is raised."""
+    error: BaseException | None = None
+    for engine in engines:
+        try:
+            release_engine(engine)
+        except BaseException as e:  # noqa: BLE001  # the rest are released first
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def paired_summary(records: list[dict]) -> list[dict]:
