@@ -70,10 +70,11 @@ def test_throughput_json(tiny_model_dir, tmp_path, capsys, extra):
         assert data["num_output_tokens"] == 30 and data["host_work"] == "heavy"
         _check_breakdown(data["breakdown"])
         # The worker process stamps when each step's results were ready, so the hidden part
-        # of finalize is measured, not estimated; heavy host work outlasts a tiny forward
-        # but starts beside it.
+        # of finalize is measured, not estimated. How much of it overlaps a tiny model's
+        # forward depends on when the OS lets the engine process run after it sends a step
+        # (on two busy cores, sometimes only after the forward): the arithmetic is checked
+        # with fixed timestamps below, not here.
         assert data["breakdown"]["hidden_source"] == "timestamps"
-        assert data["breakdown"]["hidden_finalize_s"] > 0
 
 
 class _FakeOut:
