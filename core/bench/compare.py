@@ -10,7 +10,7 @@ import argparse
 import time
 from typing import Any
 
-from cadence.bench.floor import run_floor
+from cadence.bench.floor import run_floor_of
 from cadence.bench.peer import (
     PeerWorkdir,
     async_rounds_with_peer,
@@ -19,7 +19,13 @@ from cadence.bench.peer import (
     print_peer,
 )
 from cadence.bench.report import draw_chart, env_info, format_table, machine_info, write_json
-from cadence.bench.rounds import interleaved_runs, median_records, paired_summary, print_paired
+from cadence.bench.rounds import (
+    build_mode_engine,
+    interleaved_runs,
+    median_records,
+    paired_summary,
+    print_paired,
+)
 from cadence.bench.throughput import (
     Workload,
     build_engine,
@@ -76,14 +82,9 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
     for mode, overrides in ENGINE_MODES.items():
         if mode not in runs and not (mode == "async" and "floor" in runs):
             continue
-        try:
-            engine = build_engine(ns, max_num_seqs=bs, **overrides)
-        except ValueError as e:
-            if mode != "async_sched":
-                raise
-            # A backend without async scheduling: recorded, the other runs go on.
-            out.append({"name": mode, "batch_size": bs, "num_prompts": workload.num_prompts,
-                        "output_tokens_per_s": None, "skipped": str(e)})
+        engine, skipped = build_mode_engine(ns, mode, overrides, bs, workload.num_prompts)
+        if skipped is not None:
+            out.append(skipped)
             continue
         try:
             if prompts is None:
@@ -94,12 +95,8 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
                 out.append(run_engine(engine, workload, prompts, out_lens, ns.breakdown,
                                       not ns.disable_tqdm, mode))
             if mode == "async" and "floor" in runs:
-                cfg = engine.config
-                params = [workload.sampling_params(n) for n in out_lens]
-                out.append(run_floor(engine.backend, prompts, out_lens, params, bs,
-                                     cfg.cache_config.block_size, engine.num_blocks,
-                                     cfg.scheduler_config.max_num_batched_tokens,
-                                     not ns.disable_tqdm))
+                out.append(run_floor_of(engine, workload, prompts, out_lens, bs,
+                                        not ns.disable_tqdm))
         finally:
             release_engine(engine)
     return out, prompts
@@ -207,7 +204,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.output_json:
         write_json(ns.output_json, data)
     if ns.chart:
-        draw_chart(median_records(records) if num_rounds > 1 else records, ns.chart, f"cadence bench compare ({env.get('dtype')}, "
+        draw_chart(median_records(records) if num_rounds > 1 else records, ns.chart,
+                   f"cadence bench compare ({env.get('dtype')}, "
                    f"{ns.input_len} in / {ns.output_len} out)")
     return 0
 

@@ -153,6 +153,17 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
     }
 
 
+def run_floor_of(engine: Any, workload: Any, prompts: list[list[int]], out_lens: list[int],
+                 batch_size: int, progress: bool = False) -> dict[str, Any]:
+    """``run_floor`` on an engine's backend, with the engine's block and token budgets and
+    the workload's sampling parameters."""
+    cfg = engine.config
+    return run_floor(engine.backend, prompts, out_lens,
+                     [workload.sampling_params(n) for n in out_lens], batch_size,
+                     cfg.cache_config.block_size, engine.num_blocks,
+                     cfg.scheduler_config.max_num_batched_tokens, progress)
+
+
 def run_floor(backend: Any, prompts: list[list[int]], out_lens: list[int], params: list[Any],
               batch_size: int, block_size: int, num_blocks: int, max_batched_tokens: int,
               progress: bool = False) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import math
 import statistics
 from typing import Any
 
-from cadence.bench.floor import run_floor
+from cadence.bench.floor import run_floor_of
 from cadence.bench.report import format_table
 from cadence.bench.throughput import (
     Workload,
@@ -65,6 +65,19 @@ def round_workload(workload: Workload, rnd: int) -> Workload:
     return dataclasses.replace(workload, seed=workload.seed + 7919 * rnd)
 
 
+def build_mode_engine(ns: argparse.Namespace, mode: str, overrides: dict, bs: int,
+                      num_prompts: int) -> tuple[Any, dict | None]:
+    """The engine of one run (``mode``), or None and the run's ``skipped`` record when the
+    backend refuses async scheduling (the other runs go on)."""
+    try:
+        return build_engine(ns, max_num_seqs=bs, **overrides), None
+    except ValueError as e:
+        if mode != "async_sched":
+            raise
+        return None, {"name": mode, "batch_size": bs, "num_prompts": num_prompts,
+                      "output_tokens_per_s": None, "skipped": str(e)}
+
+
 def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, dict],
                      workload: Workload, bs: int, rounds: int, on_engine: Any
                      ) -> tuple[list[dict], list[list[int]] | None]:
@@ -78,14 +91,12 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
         for mode, overrides in modes.items():
             if mode not in runs and not (mode == "async" and "floor" in runs):
                 continue
-            try:
-                engines[mode] = build_engine(ns, max_num_seqs=bs, **overrides)
-            except ValueError as e:
-                if mode != "async_sched":
-                    raise
-                out.append({"name": mode, "batch_size": bs, "num_prompts": workload.num_prompts,
-                            "output_tokens_per_s": None, "skipped": str(e)})
+            engine, skipped = build_mode_engine(ns, mode, overrides, bs, workload.num_prompts)
+            if skipped is not None:
+                out.append(skipped)
                 names.remove(mode)
+            else:
+                engines[mode] = engine
         if not names:  # the one engine run asked for cannot run on this backend
             return out, None
         first = next(iter(engines.values()))
@@ -100,13 +111,8 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
             k = rnd % len(names)
             for name in names[k:] + names[:k]:
                 if name == "floor":
-                    engine = engines["async"]
-                    cfg = engine.config
-                    rec = run_floor(engine.backend, prompts, out_lens,
-                                    [wl.sampling_params(n) for n in out_lens], bs,
-                                    cfg.cache_config.block_size, engine.num_blocks,
-                                    cfg.scheduler_config.max_num_batched_tokens,
-                                    not ns.disable_tqdm)
+                    rec = run_floor_of(engines["async"], wl, prompts, out_lens, bs,
+                                       not ns.disable_tqdm)
                 else:
                     rec = run_engine(engines[name], wl, prompts, out_lens, ns.breakdown,
                                      not ns.disable_tqdm, name)
