@@ -23,6 +23,7 @@ from cadence.bench.rounds import (
     build_mode_engine,
     interleaved_runs,
     median_records,
+    needed_modes,
     paired_summary,
     print_paired,
 )
@@ -79,9 +80,7 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
     """async (+ floor on the same backend), async_sched and sync at one batch size."""
     out = []
     out_lens = workload.output_lens()
-    for mode, overrides in ENGINE_MODES.items():
-        if mode not in runs and not (mode == "async" and "floor" in runs):
-            continue
+    for mode, overrides in needed_modes(ENGINE_MODES, runs):
         engine, skipped = build_mode_engine(ns, mode, overrides, bs, workload.num_prompts)
         if skipped is not None:
             out.append(skipped)

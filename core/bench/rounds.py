@@ -65,6 +65,12 @@ def round_workload(workload: Workload, rnd: int) -> Workload:
     return dataclasses.replace(workload, seed=workload.seed + 7919 * rnd)
 
 
+def needed_modes(modes: dict[str, dict], runs: list[str]) -> list[tuple[str, dict]]:
+    """The engine modes to build for ``runs``: those asked for, and ``async`` for the floor,
+    which runs on its backend."""
+    return [(m, o) for m, o in modes.items() if m in runs or (m == "async" and "floor" in runs)]
+
+
 def build_mode_engine(ns: argparse.Namespace, mode: str, overrides: dict, bs: int,
                       num_prompts: int) -> tuple[Any, dict | None]:
     """The engine of one run (``mode``), or None and the run's ``skipped`` record when the
@@ -88,9 +94,7 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
     engines: dict[str, Any] = {}
     out: list[dict] = []
     try:
-        for mode, overrides in modes.items():
-            if mode not in runs and not (mode == "async" and "floor" in runs):
-                continue
+        for mode, overrides in needed_modes(modes, runs):
             engine, skipped = build_mode_engine(ns, mode, overrides, bs, workload.num_prompts)
             if skipped is not None:
                 out.append(skipped)
