@@ -2,7 +2,11 @@
 choice depend on, and torch's own view of it. Bench JSON headers record this, because figures
 from machines of one name but different CPUs are not comparable.
 
-Reading /proc/cpuinfo needs no torch; ``torch_capability`` imports torch only when asked.
+Reading /proc/cpuinfo needs no torch, and neither does asking for torch's view of the CPU
+(``torch_facts``): where torch is not imported yet it is asked in a child interpreter, so a
+benchmark's engine process stays as torch-free as a user's. That matters for what it
+measures: with torch imported in the engine process, async output processing came out 1-2 %
+behind sync at batch 64 in paired rounds, and level or ahead without (docs/performance.md).
 
 torch's own ``ATEN_CPU_CAPABILITY`` (``default``, ``avx2``) caps the instruction set: set, it
 makes cadence see the CPU as one without the wider vectors too (its kernels are compiled for
@@ -80,13 +84,43 @@ def isa_limit() -> str | None:
     return value if value in _ABOVE else None
 
 
-def torch_capability() -> str:
-    import torch
+_PROBE = ("import json, torch\n"
+          "try:\n    cap = str(torch.backends.cpu.get_cpu_capability())\n"
+          "except AttributeError:\n    cap = 'unknown'\n"
+          "print(json.dumps({'version': torch.__version__, 'capability': cap,"
+          " 'num_threads': torch.get_num_threads()}))")
+
+
+@functools.cache
+def torch_facts() -> dict[str, object]:
+    """torch's version, its CPU capability and its default thread count, as a fresh process
+    (an engine's worker) sees them under this environment. Taken from torch itself when this
+    process has already imported it, else from a child interpreter (about a second, once),
+    so that asking does not load torch and its OpenMP runtime here."""
+    import sys
+
+    if "torch" in sys.modules:
+        import torch
+
+        try:
+            cap = str(torch.backends.cpu.get_cpu_capability())
+        except AttributeError:  # torch < 2.1
+            cap = "unknown"
+        return {"version": torch.__version__, "capability": cap,
+                "num_threads": torch.get_num_threads()}
+    import json
+    import subprocess
 
     try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except AttributeError:  # torch < 2.1
-        return "unknown"
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=120, check=True)
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {"version": "unknown", "capability": "unknown", "num_threads": None}
+
+
+def torch_capability() -> str:
+    return str(torch_facts()["capability"])
 
 
 def describe(num_threads: int | None = None, dtype: str | None = None) -> dict[str, object]:

@@ -85,3 +85,69 @@ def test_packed_bf16_gemm_is_refused_by_name_on_an_avx2_cpu(capped) -> None:
     assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), torch.bfloat16) == "torch"
     # fp32 packs at any level oneDNN runs at.
     assert cpu_linear.PackedLinear(lin.float()).weight_dtype == torch.float32
+
+
+def _run(code: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_torch_facts_come_from_a_child_when_torch_is_not_loaded() -> None:
+    import torch
+
+    got = _run("import json, sys\n"
+               "from cadence.cpuinfo import torch_facts, describe\n"
+               "facts = torch_facts(); machine = describe(facts['num_threads'], 'float32')\n"
+               "loaded = 'torch' in sys.modules\n"
+               "torch_facts.cache_clear(); sys.executable = '/nonexistent/python'\n"
+               "print(json.dumps({'facts': facts, 'machine': machine, 'loaded': loaded,\n"
+               "                  'failed': torch_facts()}))")
+    assert not got["loaded"]
+    assert got["facts"]["version"] == torch.__version__
+    assert got["facts"]["capability"] == str(torch.backends.cpu.get_cpu_capability())
+    assert got["facts"]["num_threads"] >= 1
+    assert got["machine"]["torch_cpu_capability"] == got["facts"]["capability"]
+    # A child that cannot start leaves the facts unknown rather than failing a benchmark.
+    assert got["failed"] == {"version": "unknown", "capability": "unknown", "num_threads": None}
+
+
+def test_torch_facts_ask_torch_itself_once_it_is_loaded(monkeypatch) -> None:
+    import subprocess
+
+    import torch
+
+    def no_child(*a, **kw):
+        raise AssertionError("torch is loaded; no child interpreter should be started")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    cpuinfo.torch_facts.cache_clear()
+    try:
+        facts = cpuinfo.torch_facts()
+    finally:
+        cpuinfo.torch_facts.cache_clear()
+    assert facts == {"version": torch.__version__,
+                     "capability": str(torch.backends.cpu.get_cpu_capability()),
+                     "num_threads": torch.get_num_threads()}
+
+
+def test_bench_records_leave_the_engine_process_without_torch(tiny_model_dir) -> None:
+    """The engine process of a CPU engine whose model runs in a worker process never loads
+    torch; the bench's env and machine blocks must not load it either (it changed what
+    async output processing measured)."""
+    model = tiny_model_dir("llama")
+    got = _run("import json, sys\n"
+               "from cadence import LLM\n"
+               "from cadence.bench.report import env_info, machine_info\n"
+               f"llm = LLM(model={model!r}, backend_options={{'kv_cache_gb': 0.05}})\n"
+               "env, machine = env_info(llm.engine), machine_info(llm.engine)\n"
+               "print(json.dumps({'loaded': 'torch' in sys.modules, 'env': env,\n"
+               "                  'machine': machine}))")
+    assert not got["loaded"]
+    assert got["env"]["backend_env"]["cpu_threads"] == str(got["machine"]["threads"])
+    assert got["env"]["torch"] == got["env"]["backend_env"]["torch"] != "unknown"

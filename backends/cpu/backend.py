@@ -247,6 +247,13 @@ class CpuBackend(Backend):
         self.runner = None
 
     def env_info(self) -> dict[str, str]:
+        if self._worker is not None:
+            # The worker's runtime_info carries its thread count; torch stays out of the
+            # engine process, as it is in use (cadence.cpuinfo.torch_facts says why).
+            from cadence.cpuinfo import torch_facts
+
+            return {"torch": str(torch_facts()["version"]), "cpu_count": str(os.cpu_count()),
+                    **self.runtime_info}
         import torch
 
         return {"torch": torch.__version__, "cpu_threads": str(torch.get_num_threads()),

@@ -84,17 +84,19 @@ def _cpu_model() -> str:
 
 
 def env_info(engine: Any = None) -> dict[str, Any]:
-    """Versions and machine facts recorded in every benchmark JSON."""
-    import torch
+    """Versions and machine facts recorded in every benchmark JSON; torch's from
+    ``torch_facts``, so that the engine process is not made to load torch."""
+    from cadence.cpuinfo import torch_facts
 
+    torch = torch_facts()
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
+        "torch": torch["version"],
+        "torch_num_threads": torch["num_threads"],
         "git_commit": git_commit(),
     }
     try:
@@ -127,12 +129,11 @@ def env_info(engine: Any = None) -> dict[str, Any]:
 def machine_info(engine: Any = None, ns: Any = None) -> dict[str, Any]:
     """The ``machine`` block of every bench JSON (``cadence.cpuinfo.describe``).
 
-    ``threads`` is this process's ``torch.get_num_threads()``; ``dtype`` is the engine's
-    resolved dtype, or, before an engine exists, the one its flags ``ns`` resolve to.
+    ``threads`` is torch's thread count in a fresh process under this environment (what a
+    worker process starts with; ``torch_facts``); ``dtype`` is the engine's resolved dtype,
+    or, before an engine exists, the one its flags ``ns`` resolve to.
     """
-    import torch
-
-    from cadence.cpuinfo import describe
+    from cadence.cpuinfo import describe, torch_facts
 
     if engine is not None:
         dtype = engine.config.model_config.dtype
@@ -140,7 +141,7 @@ def machine_info(engine: Any = None, ns: Any = None) -> dict[str, Any]:
         dtype = resolved_dtype(ns)
     else:
         dtype = None
-    return describe(torch.get_num_threads(), dtype)
+    return describe(torch_facts()["num_threads"], dtype)
 
 
 def resolved_dtype(ns: Any) -> str:
