@@ -108,3 +108,39 @@ def test_compare_rounds_bad_flags(tiny_model_dir, capsys, argv, message):
     rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--skip-hf", *argv,
                *WORKLOAD])
     assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_compare_runs_the_transformers_baselines_after_every_engine_run(
+        tiny_model_dir, monkeypatch, tmp_path):
+    """The baselines load torch into the bench process, which is the engine process: no
+    engine run may come after one (cadence.cpuinfo.torch_facts says why it matters)."""
+    from cadence.bench import compare, hf_baselines
+
+    calls: list[tuple[str, int]] = []
+
+    def engine_runs(ns, runs, workload, bs, prompts, info):
+        calls.append(("engine", bs))
+        return ([{"name": "async", "batch_size": bs, "num_prompts": 2,
+                  "output_tokens_per_s": 10.0 * bs}], [[1, 2, 3]] * 2)
+
+    def hf_runs(ns, runs, hf_model, workload, bs, prompts):
+        assert hf_model == "hf-model" and prompts == [[1, 2, 3]] * 2
+        calls.append(("hf", bs))
+        return [{"name": "hf_generate", "batch_size": bs, "num_prompts": 2,
+                 "output_tokens_per_s": 5.0 * bs}]
+
+    monkeypatch.setattr(compare, "_engine_runs", engine_runs)
+    monkeypatch.setattr(compare, "_hf_runs", hf_runs)
+    monkeypatch.setattr(hf_baselines, "load_hf_model", lambda path, dtype: "hf-model")
+    out = tmp_path / "order.json"
+    rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "2",
+               "--batch-sizes", "1,2", "--host-work", "light,heavy", "--runs",
+               "async,hf_generate", *WORKLOAD, "--output-json", str(out)])
+    assert rc == 0
+    engine_calls = [("engine", bs) for _ in range(2) for bs in (1, 2)]
+    assert calls == engine_calls + [("hf", bs) for _ in range(2) for bs in (1, 2)]
+    data = json.loads(out.read_text())
+    # The records keep their cells together, each cell's ratios its own.
+    assert [(r["host_work"], r["batch_size"], r["name"]) for r in data["runs"]] == [
+        (hw, bs, name) for hw in ("light", "heavy") for bs in (1, 2)
+        for name in ("async", "hf_generate")]

@@ -149,6 +149,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         with PeerWorkdir() as workdir:
             peer_version = check_peer(peer, workdir)
     hf_model, records, info = None, [], {}
+    cells: list[tuple[str, int, Workload, list[list[int]] | None, list[dict]]] = []
     started = time.perf_counter()
     try:
         for hw in host_works:
@@ -168,23 +169,28 @@ def cmd_compare(ns: argparse.Namespace) -> int:
                         ns, peer, peer_version, workload, bs, prompts, _model_dir(ns),
                         lambda engine: _record_env(engine, info))
                     recs = rounds + recs
-                env = info.get("env", {})
-                if any(r.startswith("hf_") for r in runs):
-                    if prompts is None:
-                        raise ValueError("hf runs need an engine run to pick the prompts")
-                    if hf_model is None:
-                        from cadence.bench.hf_baselines import load_hf_model
+                cells.append((hw, bs, workload, prompts, recs))
+        # The transformers baselines load torch and run its thread pool in this process,
+        # which is the engine process: they run after every engine run, so none of those
+        # measures an engine process with torch in it (cadence.cpuinfo.torch_facts).
+        for hw, bs, workload, prompts, recs in cells:
+            if any(r.startswith("hf_") for r in runs):
+                if prompts is None:
+                    raise ValueError("hf runs need an engine run to pick the prompts")
+                if hf_model is None:
+                    from cadence.bench.hf_baselines import load_hf_model
 
-                        hf_model = load_hf_model(_model_dir(ns), env.get("dtype", "float32"))
-                    recs += _hf_runs(ns, runs, hf_model, workload, bs, prompts)
-                for r in recs:
-                    r.setdefault("host_work", hw)
-                if num_rounds > 1:  # each round's ratios are its own
-                    for rnd in range(num_rounds):  # baselines ran on round 0's prompts
-                        _add_ratios([r for r in recs if r.get("round", 0) == rnd])
-                else:
-                    _add_ratios(recs)
-                records += recs
+                    hf_model = load_hf_model(_model_dir(ns),
+                                             info.get("env", {}).get("dtype", "float32"))
+                recs += _hf_runs(ns, runs, hf_model, workload, bs, prompts)
+            for r in recs:
+                r.setdefault("host_work", hw)
+            if num_rounds > 1:  # each round's ratios are its own
+                for rnd in range(num_rounds):  # baselines ran on round 0's prompts
+                    _add_ratios([r for r in recs if r.get("round", 0) == rnd])
+            else:
+                _add_ratios(recs)
+            records += recs
     finally:
         del hf_model
     _print_compare(records, ns.breakdown)
