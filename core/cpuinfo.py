@@ -91,12 +91,17 @@ _PROBE = ("import json, torch\n"
           " 'num_threads': torch.get_num_threads()}))")
 
 
-@functools.cache
 def torch_facts() -> dict[str, object]:
     """torch's version, its CPU capability and its default thread count, as a fresh process
     (an engine's worker) sees them under this environment. Taken from torch itself when this
     process has already imported it, else from a child interpreter (about a second, once),
-    so that asking does not load torch and its OpenMP runtime here."""
+    so that asking does not load torch and its OpenMP runtime here. Where the child fails,
+    the facts are "unknown" / None and a warning says why: a benchmark still runs."""
+    return dict(_torch_facts())
+
+
+@functools.cache
+def _torch_facts() -> dict[str, object]:
     import sys
 
     if "torch" in sys.modules:
@@ -111,11 +116,19 @@ def torch_facts() -> dict[str, object]:
     import json
     import subprocess
 
+    # -P: a module of the current directory named like torch or json must not shadow it.
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=120, check=True)
+        done = subprocess.run([sys.executable, *safe, "-c", _PROBE], capture_output=True,
+                              text=True, timeout=120, check=True)
         return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        import logging
+
+        detail = getattr(e, "stderr", None) or e
+        logging.getLogger(__name__).warning(
+            "could not ask a child interpreter for torch's version, CPU capability and "
+            "thread count; they are recorded as unknown: %s", str(detail).strip()[-500:])
         return {"version": "unknown", "capability": "unknown", "num_threads": None}
 
 

@@ -144,3 +144,16 @@ def test_compare_runs_the_transformers_baselines_after_every_engine_run(
     assert [(r["host_work"], r["batch_size"], r["name"]) for r in data["runs"]] == [
         (hw, bs, name) for hw in ("light", "heavy") for bs in (1, 2)
         for name in ("async", "hf_generate")]
+
+
+def test_compare_refuses_baselines_without_an_engine_run_before_running(
+        tiny_model_dir, monkeypatch, capsys):
+    from cadence.bench import compare
+
+    def no_engine(*a, **kw):
+        raise AssertionError("nothing may run before the refusal")
+
+    monkeypatch.setattr(compare, "_engine_runs", no_engine)
+    rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--runs",
+               "hf_generate,hf_generate_batch", *WORKLOAD])
+    assert rc == 2 and "hf runs need an engine run" in capsys.readouterr().err

@@ -19,11 +19,13 @@ def capped(monkeypatch):
         else:
             monkeypatch.setenv("ATEN_CPU_CAPABILITY", value)
         cpuinfo.cpu_info.cache_clear()
+        cpuinfo._torch_facts.cache_clear()  # a child asked under another cap is stale
         return cpuinfo.cpu_info()
 
     yield cap
     monkeypatch.undo()
     cpuinfo.cpu_info.cache_clear()
+    cpuinfo._torch_facts.cache_clear()
 
 
 def test_avx2_cap_hides_the_wider_flags(capped) -> None:
@@ -102,10 +104,10 @@ def test_torch_facts_come_from_a_child_when_torch_is_not_loaded() -> None:
     import torch
 
     got = _run("import json, sys\n"
-               "from cadence.cpuinfo import torch_facts, describe\n"
+               "from cadence.cpuinfo import _torch_facts, torch_facts, describe\n"
                "facts = torch_facts(); machine = describe(facts['num_threads'], 'float32')\n"
                "loaded = 'torch' in sys.modules\n"
-               "torch_facts.cache_clear(); sys.executable = '/nonexistent/python'\n"
+               "_torch_facts.cache_clear(); sys.executable = '/nonexistent/python'\n"
                "print(json.dumps({'facts': facts, 'machine': machine, 'loaded': loaded,\n"
                "                  'failed': torch_facts()}))")
     assert not got["loaded"]
@@ -126,11 +128,13 @@ def test_torch_facts_ask_torch_itself_once_it_is_loaded(monkeypatch) -> None:
         raise AssertionError("torch is loaded; no child interpreter should be started")
 
     monkeypatch.setattr(subprocess, "run", no_child)
-    cpuinfo.torch_facts.cache_clear()
+    cpuinfo._torch_facts.cache_clear()
     try:
         facts = cpuinfo.torch_facts()
+        facts["version"] = "changed by a caller"  # a copy: the cached facts stay
+        facts = cpuinfo.torch_facts()
     finally:
-        cpuinfo.torch_facts.cache_clear()
+        cpuinfo._torch_facts.cache_clear()
     assert facts == {"version": torch.__version__,
                      "capability": str(torch.backends.cpu.get_cpu_capability()),
                      "num_threads": torch.get_num_threads()}

@@ -247,9 +247,10 @@ class CpuBackend(Backend):
         self.runner = None
 
     def env_info(self) -> dict[str, str]:
-        if self._worker is not None:
+        if self.overlap == "process" and not self._in_rank:
             # The worker's runtime_info carries its thread count; torch stays out of the
-            # engine process, as it is in use (cadence.cpuinfo.torch_facts says why).
+            # engine process, as it is in use (cadence.cpuinfo.torch_facts says why), also
+            # before the worker is up, after shutdown and while it restarts.
             from cadence.cpuinfo import torch_facts
 
             return {"torch": str(torch_facts()["version"]), "cpu_count": str(os.cpu_count()),

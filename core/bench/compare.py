@@ -140,6 +140,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if num_rounds > 1 and not set(runs) & {*ENGINE_MODES, "floor"}:
         raise ValueError(f"--rounds interleaves engine runs: keep at least one of "
                          f"{(*ENGINE_MODES, 'floor')} in --runs")
+    if any(r.startswith("hf_") for r in runs) and not set(runs) & {*ENGINE_MODES, "floor"}:
+        # Checked now, not after the engine runs: the baselines run last.
+        raise ValueError("hf runs need an engine run to pick the prompts: add one of "
+                         f"{(*ENGINE_MODES, 'floor')} to --runs")
     batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
                                  "batch_sizes")
     host_works = [h.strip() for h in ns.host_work.split(",")]

@@ -88,15 +88,15 @@ def env_info(engine: Any = None) -> dict[str, Any]:
     ``torch_facts``, so that the engine process is not made to load torch."""
     from cadence.cpuinfo import torch_facts
 
-    torch = torch_facts()
+    facts = torch_facts()
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "torch": torch["version"],
-        "torch_num_threads": torch["num_threads"],
+        "torch": facts["version"],
+        "torch_num_threads": facts["num_threads"],
         "git_commit": git_commit(),
     }
     try:
@@ -129,19 +129,25 @@ def env_info(engine: Any = None) -> dict[str, Any]:
 def machine_info(engine: Any = None, ns: Any = None) -> dict[str, Any]:
     """The ``machine`` block of every bench JSON (``cadence.cpuinfo.describe``).
 
-    ``threads`` is torch's thread count in a fresh process under this environment (what a
-    worker process starts with; ``torch_facts``); ``dtype`` is the engine's resolved dtype,
-    or, before an engine exists, the one its flags ``ns`` resolve to.
+    ``threads`` is the engine's model thread count where its backend reports one
+    (``cpu_threads`` of the CPU backend's runtime info: the worker's, after placement),
+    else torch's default in a fresh process under this environment (``torch_facts``);
+    ``dtype`` is the engine's resolved dtype, or, before an engine exists, the one its flags
+    ``ns`` resolve to.
     """
     from cadence.cpuinfo import describe, torch_facts
 
+    threads = torch_facts()["num_threads"]
     if engine is not None:
+        reported = getattr(engine.backend, "runtime_info", None) or {}
+        if str(reported.get("cpu_threads", "")).isdigit():
+            threads = int(reported["cpu_threads"])
         dtype = engine.config.model_config.dtype
     elif ns is not None:
         dtype = resolved_dtype(ns)
     else:
         dtype = None
-    return describe(torch_facts()["num_threads"], dtype)
+    return describe(threads, dtype)
 
 
 def resolved_dtype(ns: Any) -> str:
@@ -160,7 +166,7 @@ def machine_line(m: dict[str, Any]) -> str:
         model += f" (family {m['cpu_family']} model {m.get('cpu_model_id')})"
     flags = " ".join(m.get("cpu_flags") or []) or "no vector flags"
     return (f"machine: {model} | {flags} | torch capability {m.get('torch_cpu_capability')} "
-            f"| {m.get('threads')} threads | dtype {m.get('dtype')}")
+            f"| {m.get('threads') or '?'} threads | dtype {m.get('dtype')}")
 
 
 def draw_chart(runs: Sequence[dict[str, Any]], path: str | os.PathLike,
