@@ -84,11 +84,20 @@ def isa_limit() -> str | None:
     return value if value in _ABOVE else None
 
 
-_PROBE = ("import json, torch\n"
-          "try:\n    cap = str(torch.backends.cpu.get_cpu_capability())\n"
-          "except AttributeError:\n    cap = 'unknown'\n"
-          "print(json.dumps({'version': torch.__version__, 'capability': cap,"
-          " 'num_threads': torch.get_num_threads()}))")
+def _facts_here() -> dict[str, object]:
+    import torch
+
+    try:
+        cap = str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # torch < 2.1
+        cap = "unknown"
+    return {"version": torch.__version__, "capability": cap,
+            "num_threads": torch.get_num_threads()}
+
+
+# The child asks the same function; importing cadence.cpuinfo loads no torch of its own.
+_PROBE = ("import json\nfrom cadence.cpuinfo import _facts_here\n"
+          "print(json.dumps(_facts_here()))")
 
 
 def torch_facts() -> dict[str, object]:
@@ -105,14 +114,7 @@ def _torch_facts() -> dict[str, object]:
     import sys
 
     if "torch" in sys.modules:
-        import torch
-
-        try:
-            cap = str(torch.backends.cpu.get_cpu_capability())
-        except AttributeError:  # torch < 2.1
-            cap = "unknown"
-        return {"version": torch.__version__, "capability": cap,
-                "num_threads": torch.get_num_threads()}
+        return _facts_here()
     import json
     import subprocess
 

@@ -137,10 +137,11 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if num_rounds > 1 and peer is not None:
         raise ValueError("--rounds interleaves cadence's own runs; against a peer the rounds "
                          "are --peer-rounds")
-    if num_rounds > 1 and not set(runs) & {*ENGINE_MODES, "floor"}:
+    engine_runs = set(runs) & {*ENGINE_MODES, "floor"}
+    if num_rounds > 1 and not engine_runs:
         raise ValueError(f"--rounds interleaves engine runs: keep at least one of "
                          f"{(*ENGINE_MODES, 'floor')} in --runs")
-    if any(r.startswith("hf_") for r in runs) and not set(runs) & {*ENGINE_MODES, "floor"}:
+    if any(r.startswith("hf_") for r in runs) and not engine_runs:
         # Checked now, not after the engine runs: the baselines run last.
         raise ValueError("hf runs need an engine run to pick the prompts: add one of "
                          f"{(*ENGINE_MODES, 'floor')} to --runs")
