@@ -62,7 +62,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
                 raise ValueError(f"{name} must be {allowed} or None, got "
-                                 f"{type(value).__name__} {value!r:.40}")
+                                 f"{type(value).__name__} {shown(value):.40}")
             setattr(self, name, list(value or []))
         self._validate()
         if self.top_k == -1:
@@ -72,7 +72,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {allowed}, got {shown(getattr(self, name))}")
 
         # numbers.Integral/Real admit numpy scalars; values are stored as plain int/float.
         # bool is an int subclass, but True is not a token count.
@@ -87,7 +87,7 @@ class SamplingParams:
         def number(name: str, allowed: str, ok) -> None:
             v = getattr(self, name)
             if (not isinstance(v, numbers.Real) or isinstance(v, bool)
-                    or not math.isfinite(v) or not ok(v)):
+                    or not _is_finite(v) or not ok(v)):
                 raise bad(name, allowed)
             setattr(self, name, float(v))
 
@@ -132,13 +132,14 @@ class SamplingParams:
             return
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be <= the vocabulary size ({vocab_size}) or 0/-1 "
-                             f"(disabled), got {self.top_k}")
+                             f"(disabled), got {shown(self.top_k)}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
-                             f"{self.logprobs}")
+                             f"{shown(self.logprobs)}")
         bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad_ids:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad_ids[:5]}")
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got "
+                             f"{shown(bad_ids[:5])}")
 
     @property
     def is_greedy(self) -> bool:
@@ -168,6 +169,27 @@ def is_valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters; an int too long
+    for ``repr`` (over 4300 digits) is described instead of raising a ValueError that does
+    not name the field."""
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return "<an integer with too many digits to show>"
+        return f"<a {type(value).__name__} holding an integer with too many digits to show>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _is_finite(value: numbers.Real) -> bool:
+    # math.isfinite raises OverflowError for an int past float's range (10**400).
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _wrap_seed(seed: int) -> int:

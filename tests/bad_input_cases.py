@@ -113,6 +113,8 @@ CASES: list[Case] = [
     Case("temperature-nan-string", "temperature", {"temperature": "NaN"}),
     Case("temperature-bool", "temperature", {"temperature": True}),
     Case("temperature-none", "temperature", {"temperature": None}, on=PYTHON),
+    # An int past float's range: math.isfinite would raise OverflowError.
+    Case("temperature-int-past-float", "temperature", {"temperature": 10**400}),
     Case("temperature-null-is-default", SERVED, {"temperature": None}, on=HTTP),
     Case("temperature-zero", SERVED, {"temperature": 0}),
     Case("temperature-int", SERVED, {"temperature": 1}),
@@ -189,6 +191,8 @@ CASES: list[Case] = [
     Case("seed-bool", "seed", {"seed": True}),
     Case("seed-2**70", "seed", {"seed": 2**70, "temperature": 1.0}),
     Case("seed-below-int64", "seed", {"seed": SEED_MIN - 1}),
+    # Past Python's int-to-str limit (4300 digits): repr() in the message would raise.
+    Case("seed-10**5000", "seed", {"seed": 10**5000}, on=PYTHON),
     Case("seed-int64-max", SERVED, {"seed": SEED_MAX, "temperature": 1.0}),
     Case("seed-int64-min", SERVED, {"seed": SEED_MIN, "temperature": 1.0}),
     Case("seed-int64-max-n2", SERVED, {"seed": SEED_MAX, "n": 2, "temperature": 1.0}),
@@ -230,6 +234,8 @@ CASES: list[Case] = [
     Case("stop_token_ids-out-of-vocab", "stop_token_ids", {"stop_token_ids": [10**6]}),
     Case("stop_token_ids-vocab", "stop_token_ids", {"stop_token_ids": [Vocab(0)]}),
     Case("stop_token_ids-2**70", "stop_token_ids", {"stop_token_ids": [2**70]}),
+    Case("stop_token_ids-10**5000", "stop_token_ids", {"stop_token_ids": [10**5000]},
+         on=PYTHON),
     Case("stop_token_ids-out-of-vocab-below-min_tokens", "stop_token_ids",
          {"stop_token_ids": [10**6], "min_tokens": 2}),
     Case("stop_token_ids-last-id", SERVED, {"stop_token_ids": [Vocab(-1)], "min_tokens": 1}),
