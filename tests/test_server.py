@@ -223,6 +223,34 @@ def test_bad_requests_get_clear_errors_and_queue_nothing(model):
     serve(model, body, max_request_bytes=4096)
 
 
+UNREADABLE_BODIES = [  # (body, content type, words the message must hold)
+    (b"", "application/json", "no body"),
+    (b"[]", "application/json", "JSON object with the request's fields, got an array"),
+    (b"null", "application/json", "JSON object with the request's fields, got null"),
+    (b'"x"', "application/json", "JSON object with the request's fields, got a string"),
+    (b'{"prompt": "x"}', "text/plain",
+     "'Content-Type: application/json', got 'Content-Type: text/plain'"),
+    (b'{"prompt": "x"}', "application/x-www-form-urlencoded", "'Content-Type: application/json'"),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", "nested too deeply"),
+    (b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}", "application/json", "4300 digits"),
+    (b'{"prompt": "caf\xe9"}', "application/json", "not UTF-8"),
+]
+
+
+def test_bodies_that_are_no_request_object_say_why(model):
+    async def body(client, engine):
+        for raw, content_type, words in UNREADABLE_BODIES:
+            r = await client.post("/v1/completions", content=raw,
+                                  headers={"content-type": content_type})
+            assert r.status_code == 400, (raw[:40], r.text)
+            error = r.json()["error"]
+            assert words in error["message"], (raw[:40], error)
+            assert error["type"] == "invalid_request_error"
+        assert engine.stats().num_requests_added == 0
+
+    serve(model, body)
+
+
 def test_overload_is_429_and_the_admitted_requests_finish(model):
     async def body(client, engine):
         long = {"prompt": "x", "max_tokens": 60, "ignore_eos": True, "temperature": 0}

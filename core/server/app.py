@@ -193,6 +193,8 @@ def _install_error_handlers(app: FastAPI) -> None:
                     shapes.append(tags[0])
             message = f"{field} has the wrong type or value; it must be one of: " + \
                 ", ".join(shapes)
+        elif field is None:  # the body as a whole: none, not JSON-typed, or not an object
+            message = _body_problem(request.headers.get("content-type", ""), err)
         elif err.get("type") == "extra_forbidden":
             model = _BODIES.get(request.url.path)
             valid = sorted(model.model_fields) if model is not None else []
@@ -212,7 +214,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # error shape every other answer has.
         message = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
-            message = "the body is not valid JSON (it is not UTF-8 text)"
+            message = _unparsable(exc.__cause__)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestError)
@@ -239,6 +241,32 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DeadlineExceeded)
     async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
         return error_response(504, str(exc), code="request_timeout")
+
+
+def _body_problem(content_type: str, err: dict) -> str:
+    """Why a body that is no request object was refused (its fields were not reached)."""
+    if content_type and "json" not in content_type.split(";")[0]:
+        # FastAPI reads such a body as bytes, never as JSON.
+        return ("the body must be JSON sent with 'Content-Type: application/json', got "
+                f"'Content-Type: {content_type[:60]}'")
+    if err.get("type") == "missing":
+        return "the request has no body; it must be a JSON object"
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    got = kinds.get(type(err.get("input")), "something else")
+    return f"the body must be a JSON object with the request's fields, got {got}"
+
+
+def _unparsable(cause: BaseException | None) -> str:
+    """The message for a body the JSON decoder gave up on with something else than a
+    JSONDecodeError (FastAPI's "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "the body is not valid JSON (it is not UTF-8 text)"
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON this server reads: it is nested too deeply"
+    if isinstance(cause, ValueError):  # an integer past Python's 4300-digit limit
+        return f"the body is not valid JSON this server reads: {str(cause).split(';')[0]}"
+    return "the body could not be parsed as JSON"
 
 
 def _backend_name(engine: AsyncLLM) -> str:
