@@ -201,9 +201,11 @@ class ChatCompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
-        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise RequestError("max_completion_tokens must be an integer >= 1 or null, got "
-                               f"{self.max_completion_tokens}", "max_completion_tokens")
+        # Both, though max_completion_tokens wins: a bad max_tokens beside it is no less bad.
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RequestError(f"{name} must be an integer >= 1 or null, got {value}", name)
         if self.tools or self.tool_choice not in (None, "none"):
             raise RequestError("tools and tool_choice are not supported by cadence", "tools")
         self._structured(self.response_format)  # a bad response_format is a 400 now
@@ -218,6 +220,12 @@ class ChatCompletionRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field ``requested_max_tokens`` comes from, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None \
+            else "max_tokens"
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:

@@ -44,8 +44,8 @@ class OpenAIServing:
         for the sampling fields the body leaves out or sends as null (vLLM's rule)."""
         return lambda max_tokens: req.sampling_params(max_tokens, self.generation_defaults)
 
-    def _params(self, num_prompt: int, requested: int | None, make: Any, prompt_field: str
-                ) -> SamplingParams:
+    def _params(self, num_prompt: int, requested: int | None, make: Any, prompt_field: str,
+                tokens_field: str = "max_tokens") -> SamplingParams:
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise RequestError(
@@ -54,9 +54,9 @@ class OpenAIServing:
         if requested is not None and requested > room:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"{num_prompt} in the prompt + max_tokens={requested} is "
-                f"{num_prompt + requested}; lower max_tokens to {room} or less",
-                "max_tokens", code="context_length_exceeded")
+                f"{num_prompt} in the prompt + {tokens_field}={requested} is "
+                f"{num_prompt + requested}; lower {tokens_field} to {room} or less",
+                tokens_field, code="context_length_exceeded")
         return make(requested if requested is not None else self.limits.max_tokens_for(room))
 
     def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
@@ -90,7 +90,8 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
         return chat.as_engine_prompt(), self._params(
-            len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages")
+            len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages",
+            req.max_tokens_field)
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]], priority: int,
                      kind: OutputKind) -> list[RequestStream]:
