@@ -109,7 +109,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         deadline = Deadline.start(limits.request_timeout)
         inputs = serving.completion_inputs(req)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        streams = await serving.submit(inputs, req.priority, kind)
+        streams = await serving.submit(inputs, req, kind)
         if req.stream:
             return _event_stream(deadline.stream(serving.completion_events(streams, req)))
         return await _unless_disconnected(
@@ -120,7 +120,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         deadline = Deadline.start(limits.request_timeout)
         inputs = [serving.chat_input(req)]
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        streams = await serving.submit(inputs, req.priority, kind)
+        streams = await serving.submit(inputs, req, kind)
         if req.stream:
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))

@@ -96,6 +96,13 @@ class _Common(BaseModel):
                                sorted(asked)[1])
         return next(iter(asked.values()), None)
 
+    @property
+    def structured_field(self) -> str:
+        """The body field that asks for structured output, for the errors of its grammar."""
+        names = ["structured_outputs", *_GUIDED, "response_format"]
+        return next((n for n in names if getattr(self, n, None) is not None),
+                    "structured_outputs")
+
     def _check_common(self) -> None:
         if self.logit_bias:
             raise RequestError("logit_bias is not supported by cadence", "logit_bias")

@@ -93,18 +93,25 @@ class OpenAIServing:
             len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages",
             req.max_tokens_field)
 
-    async def submit(self, inputs: list[tuple[dict, SamplingParams]], priority: int,
-                     kind: OutputKind) -> list[RequestStream]:
+    async def submit(self, inputs: list[tuple[dict, SamplingParams]],
+                     req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
+                     ) -> list[RequestStream]:
         """Queue every prompt, or none: a later prompt's error aborts the earlier ones."""
         streams: list[RequestStream] = []
         base = uuid.uuid4().hex
         try:
             for i, (prompt, params) in enumerate(inputs):
                 streams.append(await self.engine.add_request(
-                    prompt, params, f"{base}-{i}", priority, kind))
-        except BaseException:
+                    prompt, params, f"{base}-{i}", req.priority, kind))
+        except BaseException as e:
             for s in streams:
                 s.abort()
+            # The engine parses the grammar and names it structured_outputs.<kind>; the
+            # client may have sent it as guided_* or response_format.
+            if isinstance(e, ValueError) and str(e).startswith("structured_outputs."):
+                field = req.structured_field
+                message = str(e) if field == "structured_outputs" else f"{field}: {e}"
+                raise RequestError(message, field) from None
             raise
         return streams
 
