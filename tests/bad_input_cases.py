@@ -386,6 +386,11 @@ CASES: list[Case] = [
     Case("chat-response_format-schema-missing", "response_format",
          body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          on=CHAT),
+    Case("chat-response_format-unknown-key", "response_format",
+         body={"response_format": {"type": "json_object", "schema": {}}}, on=CHAT),
+    Case("chat-response_format-json_schema-misspelt-key", "response_format",
+         body={"response_format": {"type": "json_schema", "json_schema": {
+             "name": "x", "schema": {"type": "object"}, "strictt": True}}}, on=CHAT),
     Case("chat-guided_choice-empty", "guided_choice", body={"guided_choice": []}, on=CHAT),
     # The engine parses the grammar; its error must name the field the body used.
     Case("http-guided_regex-unparsable", "guided_regex", body={"guided_regex": "("}, on=HTTP),

@@ -244,6 +244,11 @@ class ChatCompletionRequest(_Common):
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
     """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    # Checked like the body's own fields: a misspelt key must not be silently ignored.
+    _known_keys("response_format", fmt, {"type", "json_schema"})
+    if isinstance(fmt.get("json_schema"), dict):
+        _known_keys("response_format json_schema", fmt["json_schema"],
+                    {"name", "description", "schema", "strict"})
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -258,3 +263,9 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json=schema)
     raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', "
                      f"got {kind!r}")
+
+
+def _known_keys(where: str, obj: dict[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise ValueError(f"{where} has unknown fields {unknown}; allowed: {sorted(known)}")
