@@ -35,7 +35,7 @@ from cadence.request_intake import (
     validate_request,
     vocab_size_from_config,
 )
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, shown
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import check_backend_supports, make_scheduler, make_step_loop
 from cadence.structured_output.manager import StructuredOutputManager
@@ -113,11 +113,11 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams or None, got "
                              f"{type(params).__name__}")
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+            raise ValueError(f"priority must be an integer (lower runs first), got {shown(priority)}")
         priority = int(priority)
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             # vLLM refuses it too: a priority the scheduler ignores would be silently wrong.
-            raise ValueError(f"priority={priority} needs the priority scheduling policy "
+            raise ValueError(f"priority={shown(priority)} needs the priority scheduling policy "
                              f"(--scheduling-policy priority); this engine schedules "
                              f"{self.config.scheduler_config.policy!r}, which ignores it")
         if request_id in self.output_processor.parents:

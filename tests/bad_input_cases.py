@@ -289,6 +289,7 @@ CASES: list[Case] = [
     # The table's engine schedules fcfs, where only the default priority is accepted.
     Case("priority-nonzero-under-fcfs", "priority", request={"priority": 1}),
     Case("priority-huge-negative-under-fcfs", "priority", request={"priority": -10**30}),
+    Case("priority-too-long-to-print", "priority", request={"priority": 10**5000}, on=PYTHON),
     Case("priority-zero", SERVED, request={"priority": 0}),
     Case("priority-numpy", SERVED, request={"priority": np.int64(0)}, on=PYTHON),
     # ---- LLM.generate's own arguments ---------------------------------------------------
