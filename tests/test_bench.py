@@ -117,6 +117,64 @@ def test_hidden_finalize_from_timestamps(overlapped):
         assert b["hidden_finalize_s"] == 0
 
 
+class _DelayedDevice:
+    """A device that starts each step ``delay`` s after it is handed over, runs 5 ms, and
+    reports both: an executor-shaped backend (execute is its own submit + collect)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.queue = delay, []
+
+    def submit(self, model_input):
+        import time
+
+        time.sleep(self.delay)
+        start = time.monotonic()
+        time.sleep(0.005)
+        out = _FakeOut(time.monotonic())
+        out.device_seconds = out.device_done_at - start
+        self.queue.append(out)
+
+    def collect(self):
+        return self.queue.pop(0)
+
+    def execute(self, model_input, post_sample):
+        self.submit(model_input)
+        post_sample()
+        return self.collect()
+
+
+@pytest.mark.parametrize("shape", ["execute", "submit_collect"])
+def test_launch_latency_and_one_span_per_step(shape):
+    """The launch latency is the device's reported start minus the hand-over, and a step
+    that goes through an executor's execute (itself submit + collect) counts once."""
+    from types import SimpleNamespace
+
+    from cadence.backend import PostSample
+    from cadence.bench.floor import StepTimer, breakdown_from
+
+    backend = _DelayedDevice(0.01)
+    engine = SimpleNamespace(backend=backend, output_processor=SimpleNamespace())
+    timer = StepTimer(engine)
+    if shape == "execute":
+        for _ in range(3):
+            backend.execute(None, PostSample(None))
+    else:  # async scheduling: two steps in flight, collected oldest first
+        backend.submit(None)
+        for _ in range(2):
+            backend.submit(None)
+            backend.collect()
+        backend.collect()
+    timer.restore()
+    assert timer.calls["reported"] == 3 and len(timer.spans) == 3
+    assert len(timer.launches) == 3
+    phases = {"schedule": 0.0, "prepare": 0.0, "commit": 0.0, "drain": 0.0}
+    b = breakdown_from(phases, 3, 0.1, timer)
+    assert all(0.009 <= t < 0.06 for t in timer.launches)
+    assert 9 <= b["launch_per_step_ms"] < 60
+    assert b["launch_p50_ms"] <= b["launch_p90_ms"] < 60
+    assert "submit" not in vars(backend) and "collect" not in vars(backend)
+
+
 def test_compare_without_hf(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     chart = tmp_path / "chart.png"

@@ -16,6 +16,7 @@ The **breakdown** splits an engine run's wall time into the engine's step phases
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from cadence.backend import ModelInput
@@ -58,23 +59,56 @@ class StepTimer:
         # Only backends that support async scheduling have collect().
         collect = getattr(engine.backend, "collect", None)
 
-        def record(out: Any) -> None:
+        # Launch latency: from handing a step to the backend (``time.monotonic``, the clock
+        # of ``device_done_at``) to the device starting it. Where the forward and the engine
+        # share the CPUs, a step can wait there for a core the engine's own work holds.
+        self.launches: list[float] = []
+        handed: deque[float] = deque()
+        submit = getattr(engine.backend, "submit", None)
+
+        def record(out: Any, handed_at: float | None) -> None:
             seconds = getattr(out, "device_seconds", 0.0)
             if seconds:
                 self.totals["reported"] += seconds
                 self.calls["reported"] += 1
             done_at = getattr(out, "device_done_at", 0.0)
             if seconds and done_at:
-                self.spans.append((done_at - seconds, done_at))
+                start = done_at - seconds
+                if handed_at is not None:
+                    # A step handed over while the one before it still ran (async
+                    # scheduling) could not start before that one ended.
+                    ready = max(handed_at, self.spans[-1][1]) if self.spans else handed_at
+                    self.launches.append(max(0.0, start - ready))
+                self.spans.append((start, done_at))
+
+        # An executor's execute() is its own submit() then collect(): a step is recorded by
+        # the outermost of the calls only.
+        inside = [False]
+
+        def reporting_submit(model_input: Any) -> None:
+            if not inside[0]:
+                handed.append(time.monotonic())
+            try:
+                submit(model_input)
+            except BaseException:
+                if not inside[0]:
+                    handed.pop()
+                raise
 
         def reporting_collect() -> Any:  # async scheduling: post-sample work is the engine's
             out = collect()
-            record(out)
+            if not inside[0]:
+                record(out, handed.popleft() if handed else None)
             return out
 
         def reporting_execute(model_input: Any, post_sample: Any) -> Any:
-            out = execute(model_input, post_sample)
-            record(out)
+            handed_at = time.monotonic()
+            inside[0] = True
+            try:
+                out = execute(model_input, post_sample)
+            finally:
+                inside[0] = False
+            record(out, handed_at)
             done_at = getattr(out, "device_done_at", 0.0)
             if done_at and post_sample.called:
                 # The part of post_sample that ran before the device's results were ready.
@@ -85,9 +119,10 @@ class StepTimer:
 
         engine.backend.execute = reporting_execute
         self._patched.append((engine.backend, "execute"))
-        if collect is not None:
+        if collect is not None and submit is not None:
             engine.backend.collect = reporting_collect
-            self._patched.append((engine.backend, "collect"))
+            engine.backend.submit = reporting_submit
+            self._patched += [(engine.backend, "collect"), (engine.backend, "submit")]
         for obj, attr, kind in ((engine.backend, "forward", "device"),
                                 (engine.backend, "sample", "device"),
                                 (engine.backend, "to_host", "device"),
@@ -131,6 +166,7 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
     host = phases["schedule"] + phases["prepare"] + phases["commit"] + phases["drain"]
     spans = sorted(timer.spans)
     gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
+    launches = sorted(timer.launches)
     return {
         "num_steps": num_steps,
         "wall_s": wall_s,
@@ -148,6 +184,9 @@ def breakdown_from(phases: dict[str, float], num_steps: int, wall_s: float,
         "host_critical_s": host,
         "exposed_host_s": sum(gaps) if gaps else None,
         "exposed_host_per_step_ms": 1000 * sum(gaps) / len(gaps) if gaps else None,
+        "launch_per_step_ms": 1000 * sum(launches) / len(launches) if launches else None,
+        "launch_p50_ms": 1000 * launches[(len(launches) - 1) // 2] if launches else None,
+        "launch_p90_ms": 1000 * launches[int(0.9 * (len(launches) - 1))] if launches else None,
         "other_s": max(0.0, wall_s - sum(phases.values())),
         "device_idle_fraction": max(0.0, 1.0 - device / wall_s) if wall_s > 0 else 0.0,
     }

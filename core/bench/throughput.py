@@ -264,6 +264,10 @@ def print_breakdown(rec: dict[str, Any]) -> None:
     if b.get("exposed_host_per_step_ms") is not None:
         print(f"exposed host time {b['exposed_host_per_step_ms']:.3f} ms/step (the device "
               f"idle between consecutive steps, from the backend's timestamps)")
+    if b.get("launch_per_step_ms") is not None:
+        print(f"launch latency {b['launch_per_step_ms']:.3f} ms/step (p50 "
+              f"{b['launch_p50_ms']:.3f}, p90 {b['launch_p90_ms']:.3f}): the device's wait "
+              f"for a step it had been handed, after the step before it ended")
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:
