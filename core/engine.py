@@ -35,7 +35,7 @@ from cadence.request_intake import (
     validate_request,
     vocab_size_from_config,
 )
-from cadence.sampling_params import SamplingParams, shown
+from cadence.sampling_params import FieldError, SamplingParams, shown
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import check_backend_supports, make_scheduler, make_step_loop
 from cadence.structured_output.manager import StructuredOutputManager
@@ -103,25 +103,29 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
                     params: SamplingParams | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        """Validate and queue a request; raises ValueError for bad input, queues nothing.
+        """Validate and queue a request; raises ValueError for bad input (a ``FieldError``
+        naming the argument or ``SamplingParams`` field in ``param``), queues nothing.
         ``params=None`` means the model's generation defaults (docs/semantics.md)."""
         if params is None:
             params = default_sampling_params(self.config.model_config)
         if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+            raise FieldError(f"request_id must be a string, got {type(request_id).__name__}",
+                             "request_id")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams or None, got "
-                             f"{type(params).__name__}")
+            raise FieldError(f"params must be SamplingParams or None, got "
+                             f"{type(params).__name__}", "params")
         if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower runs first), got {shown(priority)}")
+            raise FieldError(f"priority must be an integer (lower runs first), got "
+                             f"{shown(priority)}", "priority")
         priority = int(priority)
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             # vLLM refuses it too: a priority the scheduler ignores would be silently wrong.
-            raise ValueError(f"priority={shown(priority)} needs the priority scheduling policy "
+            raise FieldError(f"priority={shown(priority)} needs the priority scheduling policy "
                              f"(--scheduling-policy priority); this engine schedules "
-                             f"{self.config.scheduler_config.policy!r}, which ignores it")
+                             f"{self.config.scheduler_config.policy!r}, which ignores it",
+                             "priority")
         if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         validate_request(ids, params, self.config.scheduler_config,
                          self.vocab_size)
@@ -138,9 +142,9 @@ class LLMEngine:
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.
-            raise ValueError(f"request_id {request_id!r}: the id {clash[0]!r} of one of its "
+            raise FieldError(f"request_id {request_id!r}: the id {clash[0]!r} of one of its "
                              "samples is in use by another request (the samples of n > 1 "
-                             "are named '<index>_<request_id>')")
+                             "are named '<index>_<request_id>')", "request_id")
         self.output_processor.add(ParentRequest(request_id, text, ids, children, output_kind))
         if params.structured_outputs is not None:
             self.structured.hold(children)  # to the scheduler once its grammar compiled

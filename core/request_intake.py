@@ -8,67 +8,71 @@ from collections.abc import Sequence
 from typing import Any
 
 from cadence.config import SchedulerConfig
-from cadence.sampling_params import SamplingParams, is_valid_unicode
+from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | Sequence[int] | dict
                 ) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt as users pass it; ValueError naming what is
-    wrong."""
+    """(text or None, token ids) of a prompt as users pass it; a ValueError naming what is
+    wrong (a ``FieldError`` with ``param="prompt"``)."""
     if isinstance(prompt, dict):
         # A misspelt key ("prompt_token_id") must not leave the other one used silently.
         unknown = sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids"))
         if unknown:
-            raise ValueError(f"a prompt dict takes the keys 'prompt' and "
-                             f"'prompt_token_ids', got {unknown}")
+            raise FieldError(f"a prompt dict takes the keys 'prompt' and "
+                             f"'prompt_token_ids', got {unknown}", "prompt")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            raise FieldError(f"prompt must be a string, got {type(text).__name__}", "prompt")
         if "prompt_token_ids" in prompt:
             return text, token_list(prompt["prompt_token_ids"])
         if text is None:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise FieldError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         prompt = text
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt must not be empty", "prompt")
         if not is_valid_unicode(prompt):
-            raise ValueError("prompt must be valid Unicode text (it has a lone surrogate)")
+            raise FieldError("prompt must be valid Unicode text (it has a lone surrogate)",
+                             "prompt")
         return prompt, tokenizer.encode(prompt)
     if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-        raise ValueError("prompt must be a string, a list of token ids or a dict with "
-                         f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+        raise FieldError("prompt must be a string, a list of token ids or a dict with "
+                         f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}",
+                         "prompt")
     return None, token_list(prompt)
 
 def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig,
                  vocab: int | None) -> None:
-    """Refuse (ValueError) a request the engine could not run as asked."""
+    """Refuse a request the engine could not run as asked: a ``FieldError`` (a ValueError)
+    naming the field, the token ids as ``prompt``."""
     max_len = sc.max_model_len
     if params.n > sc.max_num_samples:
-        raise ValueError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
-                         f"{params.n}")
+        raise FieldError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
+                         f"{params.n}", "n")
     if not ids:
-        raise ValueError("prompt must not be empty (it has no tokens)")
+        raise FieldError("prompt must not be empty (it has no tokens)", "prompt")
     if len(ids) >= max_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
-                         f"max_model_len={max_len} to leave room for output")
+        raise FieldError(f"prompt has {len(ids)} tokens; it must be shorter than "
+                         f"max_model_len={max_len} to leave room for output", "prompt")
     # The server's words for the same mistake (serving.py), so clients that look for
     # "maximum context length" find it either way. None means the rest of the context.
     room = max_len - len(ids)
     if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(
+        raise FieldError(
             f"this model's maximum context length is max_model_len={max_len} tokens; "
             f"{len(ids)} in the prompt + max_tokens={params.max_tokens} is "
             f"{len(ids) + params.max_tokens}; lower max_tokens to {room} or less, or "
-            "pass None for the rest of the context")
+            "pass None for the rest of the context", "max_tokens")
     if params.min_tokens > room:
-        raise ValueError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
-                         f"the prompt's {len(ids)} tokens), got {params.min_tokens}")
+        raise FieldError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
+                         f"the prompt's {len(ids)} tokens), got {params.min_tokens}",
+                         "min_tokens")
     if vocab and any(not 0 <= t < vocab for t in ids):
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        raise FieldError(f"prompt_token_ids must be in [0, {vocab})", "prompt")
     params.check_against_model(vocab)
     if params.stop and not params.detokenize:
-        raise ValueError("stop strings need detokenize=True")
+        raise FieldError("stop strings need detokenize=True", "detokenize")
 
 
 def vocab_size_from_config(model_dir: str) -> int | None:
@@ -106,10 +110,10 @@ def token_list(ids: object) -> list[int]:
     """A prompt's token ids as a list of plain ints (numpy integers accepted); bytes,
     non-sequences, floats and bools are refused (ValueError)."""
     if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
-        raise ValueError("prompt_token_ids must be a list of integers, got "
-                         f"{type(ids).__name__}")
+        raise FieldError("prompt_token_ids must be a list of integers, got "
+                         f"{type(ids).__name__}", "prompt")
     for t in ids:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise ValueError(f"prompt_token_ids must be integers, got {t!r} "
-                             f"({type(t).__name__})")
+            raise FieldError(f"prompt_token_ids must be integers, got {t!r} "
+                             f"({type(t).__name__})", "prompt")
     return [int(t) for t in ids]

@@ -13,12 +13,28 @@ _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+class FieldError(ValueError):
+    """A bad value of one request field: a ``ValueError`` whose ``param`` names the field as
+    the Python API calls it (``top_k``, ``prompt``, ``priority``), so a server can name it in
+    its error body without parsing the message."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple:
+        # The default rebuilds from ``args`` (the message alone) and would lose ``param``.
+        return type(self), (str(self), self.param)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's output.
 
     Every invalid value raises ``ValueError`` naming the field and the allowed range, so a
-    server can turn it into an HTTP 400 without guessing.
+    server can turn it into an HTTP 400 without guessing: a ``FieldError`` with the field in
+    ``param``, except for the contents of ``structured_outputs``, which
+    ``StructuredOutputsParams`` checks.
 
     ``temperature == 0`` means greedy. ``seed`` makes the request's samples reproducible
     whatever else shares its batch and whether async output processing is on. With ``n > 1``
@@ -61,8 +77,8 @@ class SamplingParams:
                               ("stop_token_ids", "a list of non-negative token ids")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be {allowed} or None, got "
-                                 f"{type(value).__name__} {shown(value):.40}")
+                raise FieldError(f"{name} must be {allowed} or None, got "
+                                 f"{type(value).__name__} {shown(value):.40}", name)
             setattr(self, name, list(value or []))
         self._validate()
         if self.top_k == -1:
@@ -71,8 +87,9 @@ class SamplingParams:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
     def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {shown(getattr(self, name))}")
+        def bad(name: str, allowed: str) -> FieldError:
+            return FieldError(f"{name} must be {allowed}, got {shown(getattr(self, name))}",
+                              name)
 
         # numbers.Integral/Real admit numpy scalars; values are stored as plain int/float.
         # bool is an int subclass, but True is not a token count.
@@ -131,15 +148,15 @@ class SamplingParams:
         if not vocab_size:
             return
         if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be <= the vocabulary size ({vocab_size}) or 0/-1 "
-                             f"(disabled), got {shown(self.top_k)}")
+            raise FieldError(f"top_k must be <= the vocabulary size ({vocab_size}) or 0/-1 "
+                             f"(disabled), got {shown(self.top_k)}", "top_k")
         if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
-                             f"{shown(self.logprobs)}")
+            raise FieldError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
+                             f"{shown(self.logprobs)}", "logprobs")
         bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad_ids:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got "
-                             f"{shown(bad_ids[:5])}")
+            raise FieldError(f"stop_token_ids must be in [0, {vocab_size}), got "
+                             f"{shown(bad_ids[:5])}", "stop_token_ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,7 +1,8 @@
 """The bad-input table (tests/bad_input_cases.py) walked through the Python API and over HTTP.
 
 Each bad case must end in a ValueError (Python) or a 400 in OpenAI's error shape (HTTP) whose
-message names the field, with nothing left queued and every KV block free; each served case
+message names the field, and so does its ``param`` (the body's ``param``; a ``FieldError``'s
+from ``add_request``), with nothing left queued and every KV block free; each served case
 must run to its end. After every case a greedy request must give exactly the output it gave
 before the table: no refused request changes what a later one gets.
 """
@@ -35,9 +36,12 @@ from engine_helpers import generate, make_llm
 
 from cadence import SamplingParams
 from cadence.output_state import OutputKind
+from cadence.sampling_params import FieldError
 
 REFERENCE_PROMPT = "the quick brown fox"
 REFERENCE_TOKENS = 8
+# Fields whose Python errors carry no ``param``: StructuredOutputsParams checks its own.
+_NO_PARAM = {"structured_outputs"}
 
 
 def _cases(*surfaces: str) -> list:
@@ -111,6 +115,10 @@ def test_python_api(llm, python_reference, case: Case):
         with pytest.raises(ValueError) as info:
             _run_python(llm, case, f"table-{case.id}")
         assert case.expect in str(info.value), (case, str(info.value))
+        if case.on != GENERATE and case.expect not in _NO_PARAM:
+            # The field also as data: the token ids are the ``prompt`` argument's.
+            assert isinstance(info.value, FieldError), (case, info.value)
+            assert info.value.param in case.expect, (case, info.value.param)
         if case.on != GENERATE:  # generate may queue and abort a batch's earlier prompts
             assert eng.stats.num_requests_added == added
     assert not eng.has_unfinished_requests()
@@ -205,7 +213,9 @@ def test_http(server, http_reference, case: Case):
         assert set(error) == {"message", "type", "param", "code"}, error
         assert error["type"] == "invalid_request_error", error
         assert case.expect in error["message"], (body, error)
-        assert error["param"] is None or case.expect in error["param"], (body, error)
+        # Engine-side errors too (top_k past the vocabulary, fcfs priority): the server
+        # names the body's field, not only the message.
+        assert error["param"] is not None and case.expect in error["param"], (body, error)
     assert engine.num_pending_requests == 0
     # An aborted batch entry is freed by the engine thread, a moment after the answer.
     eng = engine.engine

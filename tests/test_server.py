@@ -159,7 +159,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens",
      "maximum context length is 256"),
     ("/v1/completions", {"prompt": [[5] * 300]}, 400, "prompt", "maximum context length"),
-    ("/v1/completions", {"prompt": [10**6]}, 400, None, "prompt_token_ids must be in"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt", "prompt_token_ids must be in"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
@@ -179,10 +179,14 @@ BAD_REQUESTS = [
                               "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature",
      "valid number"),
-    ("/v1/completions", {"prompt": "x", "top_k": 10**20}, 400, None,
+    ("/v1/completions", {"prompt": "x", "top_k": 10**20}, 400, "top_k",
      "top_k must be <= the vocabulary size"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [10**6]}, 400,
-     None, "stop_token_ids must be in"),
+     "stop_token_ids", "stop_token_ids must be in"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority",
+     "needs the priority scheduling policy"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "priority": -1}, 400, "priority", "scheduling policy"),
     ("/v1/completions", {"prompt": [3, 4.5]}, 400, "prompt", "list[int]"),
 ]
 
@@ -221,6 +225,20 @@ def test_bad_requests_get_clear_errors_and_queue_nothing(model):
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
     serve(model, body, max_request_bytes=4096)
+
+
+def test_engine_field_names_become_the_body_fields():
+    # The engine names fields as the Python API does; chat's body calls some differently.
+    from cadence.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    names = ("prompt", "max_tokens", "logprobs", "top_k")
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    assert [chat.body_field(n) for n in names] == \
+        ["messages", "max_tokens", "top_logprobs", "top_k"]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 max_completion_tokens=3)
+    assert chat.body_field("max_tokens") == "max_completion_tokens"
+    assert [CompletionRequest(prompt="x").body_field(n) for n in names] == list(names)
 
 
 UNREADABLE_BODIES = [  # (body, content type, words the message must hold)

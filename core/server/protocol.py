@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import FieldError, SamplingParams
 from cadence.structured_output.params import StructuredOutputsParams
 
 # vLLM's older request fields -> StructuredOutputsParams fields.
@@ -126,8 +126,14 @@ class _Common(BaseModel):
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured)
-        except ValueError as e:
+        except FieldError as e:
+            raise RequestError(str(e), self.body_field(e.param)) from None
+        except ValueError as e:  # a check without a param: its message starts with the field
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+
+    def body_field(self, name: str) -> str:
+        """The body field behind the Python API's ``name`` (a ``FieldError``'s param)."""
+        return name
 
     @property
     def include_usage(self) -> bool:
@@ -233,6 +239,12 @@ class ChatCompletionRequest(_Common):
         """The field ``requested_max_tokens`` comes from, for error messages."""
         return "max_completion_tokens" if self.max_completion_tokens is not None \
             else "max_tokens"
+
+    def body_field(self, name: str) -> str:
+        # Chat's prompt is rendered from its messages, and its logprobs count is
+        # top_logprobs (logprobs is a flag here).
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field,
+                "logprobs": "top_logprobs"}.get(name, name)
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:

@@ -13,7 +13,7 @@ from cadence.async_engine import AsyncLLM, RequestStream
 from cadence.chat import has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
-from cadence.sampling_params import SamplingParams, is_valid_unicode
+from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats
 from cadence.server.limits import ServerLimits
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
@@ -112,6 +112,8 @@ class OpenAIServing:
                 field = req.structured_field
                 message = str(e) if field == "structured_outputs" else f"{field}: {e}"
                 raise RequestError(message, field) from None
+            if isinstance(e, FieldError):  # the engine's checks: n, top_k, token ids...
+                raise RequestError(str(e), req.body_field(e.param)) from None
             raise
         return streams
 
