@@ -133,6 +133,71 @@ def test_stop_ids_cost_one_planned_step_and_length_none(model):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def _stop_string_at(llm, token_ids: list[int]) -> tuple[int, str]:
+    """(k, s): the first token k >= 3 whose text adds a piece s not in the text before it,
+    so the stop string s ends a request at token k exactly."""
+    tok = llm.engine.tokenizer
+    for k in range(3, len(token_ids)):
+        before, after = tok.decode(token_ids[:k]), tok.decode(token_ids[:k + 1])
+        new = after[len(before):]
+        if after.startswith(before) and new.isascii() and new.strip() and new not in before:
+            return k, new
+    raise AssertionError("no token adds a new piece of text")
+
+
+@pytest.mark.parametrize("case", ["empty_plan", "failed_submit"])
+def test_the_token_after_a_stop_string_is_dropped_at_commit(model, case):
+    """The stop string is in token k; token k + 1 is committed right after token k, with no
+    step call in between: when k + 1 reaches max_tokens (the plan made while it is in flight
+    is empty, so it is committed at once), or when submitting the step after it failed (the
+    step before is committed, then that one runs again). Finalize must see token k first:
+    k + 1 is dropped at commit, not appended and cut back, so it never reaches the
+    inter-token latency or the time per output token, and is not computed again."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = list(generate(make_llm(model), [prompt], greedy)[0].outputs[0].token_ids)
+    llm = make_llm(model, async_scheduling=True)
+    k, stop = _stop_string_at(llm, ref)
+    plans = PlanSpy(llm)
+    eng = llm.engine
+    commit, submit, execute = eng.output_processor.commit, eng.backend.submit, \
+        eng.backend.execute
+    dropped, submits, reruns = [], [0], [0]
+
+    def spy_commit(scheduled, sample_seq_indices, out):
+        dropped.extend(scheduled[s].request.request_id for s in sample_seq_indices
+                       if scheduled[s].request.is_finished)
+        return commit(scheduled, sample_seq_indices, out)
+
+    def flaky_submit(mi):
+        submits[0] += 1
+        # Step 1 is the prefill (token 0); step k + 2 samples token k + 1.
+        if case == "failed_submit" and submits[0] == k + 2:
+            raise RuntimeError("a one-off failure sending the step")
+        return submit(mi)
+
+    def spy_execute(*args):
+        reruns[0] += 1
+        return execute(*args)
+
+    eng.output_processor.commit, eng.backend.submit, eng.backend.execute = (
+        spy_commit, flaky_submit, spy_execute)
+    max_tokens = k + 2 if case == "empty_plan" else 30
+    out = generate(llm, [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                 ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert list(out.token_ids) == ref[:k + 1]
+    if case == "empty_plan":
+        assert [] in plans.steps, "the step in flight was never committed on an empty plan"
+        assert dropped == ["0"]
+    else:
+        assert submits[0] == k + 2 and reruns[0] == 0 and not dropped
+    stats = eng.stats
+    assert stats.num_generation_tokens == k + 1
+    assert stats.inter_token_latency.count == k
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
 @pytest.mark.parametrize("async_output", [True, False])
 def test_streamed_deltas_concatenate_to_the_sync_engine_text(model, async_output):
     """DELTA outputs with stop strings and n = 2 (vLLM #8468, #9017): one final output per

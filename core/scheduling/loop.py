@@ -19,6 +19,9 @@ NOTE the invariants that keep it exact:
   planned into N+1: that step's token is dropped at commit, because the request is finished
   by then. Its blocks are freed at once: a step in flight may still write its slots, but
   the device runs steps in order, so whoever gets the blocks next writes after it.
+- Every commit (``_complete``, ``_rerun``) comes after the finalize of the commits before
+  it, which is what finds a stop string: the token after one is then dropped at commit,
+  never appended and cut back after its time went into the latency metrics.
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class AsyncSchedulingLoop:
     def _complete(self, step: InFlightStep) -> None:
         """Collect the oldest step and commit it (or recover from its failure)."""
         e = self.engine
+        if e._pending:
+            # Committing around an empty plan (``step``) without a finalize in between.
+            finalize_pending(e)
         t0 = time.perf_counter()
         try:
             out = e.backend.collect()
@@ -209,6 +215,9 @@ class AsyncSchedulingLoop:
         self._rerun(failed.plan)
 
     def _rerun(self, plan: StepPlan) -> None:
+        # It follows a commit (of the step before it, or of a failed step run again): a
+        # request that commit's stop string ends is not run again.
+        finalize_pending(self.engine)
         rerun_alone(self.engine, plan)
 
 
