@@ -1,5 +1,6 @@
 """Churn: thousands of requests with random aborts, forced preemption, n > 1, stop strings and
-ids, min_tokens, logprobs and every output kind, through ``LLMEngine`` and ``AsyncLLM``.
+ids, min_tokens, penalties, logprobs, prompts that run into max_model_len and every output
+kind, through ``LLMEngine`` and ``AsyncLLM``, with and without async scheduling.
 
 Every request must end with exactly one final output, streams must agree with the engine's own
 view of each sample, every block must come back, and a request that was not aborted must
@@ -10,6 +11,7 @@ batch, preemption or async output processing).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -36,16 +38,28 @@ MAX_BATCHED_TOKENS = 24
 NUM_REQUESTS = 3000
 NUM_ASYNC_REQUESTS = 600
 NUM_REFERENCES = 30
+# LLMEngine per step strategy: engine arguments, and how many of the specs it runs. Async
+# scheduling's runs are shorter: 500 specs already preempt, abort and stop with a step in
+# flight dozens of times each (InFlightSpy). "process" is the CPU backend's default
+# strategy, its worker filling the placeholders while the engine plans the next step.
+MODES = {
+    "async_output": ({}, NUM_REQUESTS),
+    "sync_output": ({"disable_async_output_proc": True}, NUM_REQUESTS),
+    "async_sched": ({"async_scheduling": True}, 1000),
+    "async_sched_sync_output": ({"async_scheduling": True, "disable_async_output_proc": True},
+                                500),
+    "async_sched_process": ({"async_scheduling": True, "overlap": "process"}, 500),
+}
 STOPS = (["e"], ["th", "中"], [" a"], ["s", "og"], ["ing"])
 # When to abort: each request gets one of these (or none).
 MOMENTS = ("before_step", "prefill", "decode", "preempted", "finished_pending", "after_final",
            "twice", "random")
 
 
-def engine_args(model: str, **kw) -> EngineArgs:
+def engine_args(model: str, overlap: str = "sync", **kw) -> EngineArgs:
     return EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                       num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                      backend_options={"overlap": "sync", "kv_cache_gb": 0.01}, **kw)
+                      backend_options={"overlap": overlap, "kv_cache_gb": 0.01}, **kw)
 
 
 @dataclass(slots=True)
@@ -78,6 +92,11 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["logprobs"] = rng.choice((0, 1, 3))
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
+    if rng.random() < 0.2:
+        # Async scheduling appends the token in flight on the device before counting.
+        kw.update(presence_penalty=rng.choice((0.0, 0.5, -0.5)),
+                  frequency_penalty=rng.choice((0.0, 0.3, 1.0)),
+                  repetition_penalty=rng.choice((1.0, 1.2, 0.8)))
     return SamplingParams(**kw)
 
 
@@ -88,18 +107,74 @@ def make_specs(rng: random.Random, count: int, vocab: int, prefix: str) -> list[
              "night")
     specs = []
     for i in range(count):
-        shape = rng.random()
+        shape, long = rng.random(), False
         if shape < 0.3:
             prompt: str | list[int] = " ".join(rng.choices(words, k=rng.randint(1, 8)))
         else:
             head = rng.choice(heads) if shape < 0.6 else []
-            prompt = head + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 22))]
+            long = rng.random() < 0.1  # runs into max_model_len
+            prompt = head + [rng.randrange(3, vocab)
+                             for _ in range(rng.randint(30, 52) if long else rng.randint(1, 22))]
+        params = random_params(rng, vocab)
+        if long:
+            params = dataclasses.replace(
+                params, max_tokens=None, min_tokens=min(params.min_tokens, 63 - len(prompt)))
         kind = rng.choice((OutputKind.DELTA, OutputKind.DELTA, OutputKind.CUMULATIVE,
                            OutputKind.CUMULATIVE, OutputKind.FINAL_ONLY))
         moment = rng.choice(MOMENTS) if rng.random() < 0.45 else None
-        specs.append(Spec(f"{prefix}{i}", prompt, random_params(rng, vocab), kind, moment,
-                          rng.randint(0, 12)))
+        specs.append(Spec(f"{prefix}{i}", prompt, params, kind, moment, rng.randint(0, 12)))
     return specs
+
+
+class InFlightSpy:
+    """Counts what async scheduling did around the step in flight, so a churn that never
+    reached those cases cannot pass: placeholders sent (penalty rows apart), tokens that
+    commit dropped because their request ended while their step computed (by how it ended),
+    and preemptions and aborts of requests in a step in flight (with a placeholder, and mid
+    prefill)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.counts: Counter[str] = Counter()
+        self.loop = engine._loop
+        backend, proc = engine.backend, engine.output_processor
+        submit, commit, settle, abort = backend.submit, proc.commit, proc.settle, proc.abort
+
+        def spy_submit(mi):
+            self.counts["placeholders"] += len(mi.placeholder_idx)
+            self.counts["penalty_placeholders"] += sum(
+                1 for s in mi.sampling.output_placeholder_src if s >= 0)
+            return submit(mi)
+
+        def spy_commit(scheduled, sample_seq_indices, out):
+            for s in sample_seq_indices:
+                req = scheduled[s].request
+                if req.is_finished:
+                    how = "stop_string" if isinstance(req.stop_reason, str) else \
+                        req.status.finish_reason
+                    self.counts[f"dropped_{how}"] += 1
+            return commit(scheduled, sample_seq_indices, out)
+
+        def spy_settle(req):  # the scheduler settles a request only to preempt it
+            self.count_in_flight("preempted", [req])
+            return settle(req)
+
+        def spy_abort(parent_id, abort_child):
+            if (p := proc.parents.get(parent_id)) is not None:
+                self.count_in_flight("aborted", [c for c in p.children if not c.is_finished])
+            return abort(parent_id, abort_child)
+
+        backend.submit, proc.commit, proc.settle, proc.abort = (
+            spy_submit, spy_commit, spy_settle, spy_abort)
+
+    def count_in_flight(self, what: str, requests: list[Request]) -> None:
+        entries = {id(sr.request): sr for st in self.loop.in_flight for sr in st.plan.scheduled}
+        for req in requests:
+            if (sr := entries.get(id(req))) is not None:
+                self.counts[f"{what}_in_flight"] += 1
+                if req.num_output_placeholders:
+                    self.counts[f"{what}_with_placeholder"] += 1
+                if not sr.samples:
+                    self.counts[f"{what}_mid_prefill"] += 1
 
 
 @dataclass(slots=True)
@@ -353,10 +428,13 @@ class Churn:
             assert self.step_no < 50 * len(specs), "the churn does not finish"
 
 
-@pytest.mark.parametrize("async_output", [True, False], ids=["async_output", "sync_output"])
-def test_churn_through_llm_engine(model, churn_specs, alone, async_output):
-    engine = LLMEngine.from_engine_args(
-        engine_args(model, disable_async_output_proc=not async_output))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_churn_through_llm_engine(model, churn_specs, alone, mode):
+    kw, count = MODES[mode]
+    async_output = not kw.get("disable_async_output_proc", False)
+    churn_specs = churn_specs[:count]
+    engine = LLMEngine.from_engine_args(engine_args(model, **kw))
+    spy = InFlightSpy(engine) if kw.get("async_scheduling") else None
     churn = Churn(engine, random.Random(99))
     churn.run(churn_specs)
 
@@ -404,6 +482,20 @@ def test_churn_through_llm_engine(model, churn_specs, alone, async_output):
     assert any(isinstance(v.stop_reason, str) for v in samples)
     assert any(isinstance(v.stop_reason, int) for v in samples)
     assert reasons["abort"] > 0 and reasons["length"] > 0
+    assert any(v.finish_reason == "length" and c.num_tokens == MAX_MODEL_LEN
+               for rid, vs in views.items() for v, c in zip(vs, churn.children[rid]))
+    # Tokens dropped at commit count nowhere: usage and token times hold the shown ones.
+    assert stats.num_generation_tokens == sum(len(v.token_ids) for v in samples)
+    assert stats.inter_token_latency.count == sum(max(len(v.token_ids) - 1, 0)
+                                                  for v in samples)
+    if spy is not None:
+        # Each case happened with a step in flight; a length limit costs no extra step.
+        c = spy.counts
+        assert c["placeholders"] and c["penalty_placeholders"], c
+        assert c["preempted_with_placeholder"] and c["preempted_mid_prefill"], c
+        assert c["aborted_with_placeholder"] and c["aborted_mid_prefill"], c
+        assert c["dropped_stop"] and c["dropped_stop_string"] and c["dropped_abort"], c
+        assert "dropped_length" not in c, c
 
     # Against the alone runs: requests that were never aborted (a third of them preempted on
     # the way), and a few aborted ones, whose samples must be prefixes of the alone run.
@@ -428,9 +520,12 @@ def async_plan(spec: Spec) -> tuple[str, int]:
     return "leave", 0 if spec.moment == "before_step" else spec.delay % 4
 
 
-def test_churn_through_async_llm(model, vocab, alone):
+@pytest.mark.parametrize("mode", ["async_output", "async_sched"])
+def test_churn_through_async_llm(model, vocab, alone, mode):
     """Concurrent streams that leave at random points, or abort and read on to the end."""
     specs = make_specs(random.Random(4321), NUM_ASYNC_REQUESTS, vocab, "a")
+    kw = {"async_scheduling": True} if mode == "async_sched" else {}
+    spies: list[InFlightSpy] = []
     results: dict[str, list[RequestOutput]] = {}
     aborted: set[str] = set()
 
@@ -454,7 +549,9 @@ def test_churn_through_async_llm(model, vocab, alone):
                 await asyncio.sleep(0)
 
     async def main() -> AsyncLLM:
-        engine = AsyncLLM.from_engine_args(engine_args(model))
+        engine = AsyncLLM.from_engine_args(engine_args(model, **kw))
+        if kw:  # before the first request: the spy runs on the engine thread from then on
+            spies.append(InFlightSpy(engine.engine))
         try:
             gate = asyncio.Semaphore(32)
             await asyncio.gather(*(consume(engine, s, gate) for s in specs))
@@ -490,6 +587,10 @@ def test_churn_through_async_llm(model, vocab, alone):
             check_sample(spec, v, inner.eos_token_id, len(outs[-1].prompt_token_ids))
             assert v.finish_reason != "abort" or rid in aborted, rid
     assert len(whole) > NUM_ASYNC_REQUESTS // 2 and aborted
+    for spy in spies:
+        c = spy.counts
+        assert c["placeholders"] and c["preempted_with_placeholder"], c
+        assert c["aborted_with_placeholder"] and c["dropped_stop"] and c["dropped_abort"], c
 
     pick = random.Random(6)
     kept = [s for s in specs if s.request_id in whole - aborted]
