@@ -98,6 +98,32 @@ def test_compare_rounds_interleave_and_rotate(tiny_model_dir, tmp_path, capsys):
     assert "paired ratios over interleaved rounds" in capsys.readouterr().out
 
 
+def test_async_and_sync_rounds_share_one_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """Two engines of one configuration differ by a few per cent here (their worker
+    processes), so ``sync`` runs on the ``async`` engine with async output processing off
+    for its runs, and each run reports the mode it ran in."""
+    from cadence.bench import rounds
+
+    built = []
+    build = rounds.build_engine
+
+    def counting_build(ns, **overrides):
+        built.append(overrides)
+        return build(ns, **overrides)
+
+    monkeypatch.setattr(rounds, "build_engine", counting_build)
+    out = tmp_path / "shared.json"
+    rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "2",
+               "--batch-sizes", "2", "--runs", "async,sync", "--skip-hf", "--rounds", "3",
+               "--cpu-overlap", "thread", *WORKLOAD, "--output-json", str(out)])
+    assert rc == 0
+    assert len(built) == 1 and not built[0].get("disable_async_output_proc")
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["round"], r["name"]) for r in runs] == [
+        (0, "async"), (0, "sync"), (1, "sync"), (1, "async"), (2, "async"), (2, "sync")]
+    assert all(r["async_output"] == (r["name"] == "async") for r in runs)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--rounds", "2", "--peer", "vllm", "--peer-python", "/nonexistent/python"],
