@@ -170,6 +170,16 @@ class LLMEngine:
                 or bool(self.output_processor.ready)
                 or (self._loop is not None and self._loop.has_in_flight))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), so later prompts are
+        computed from scratch: for benchmarks, or after the weights changed. Only while the
+        engine is idle, since a running request's table names cached blocks; returns False
+        and changes nothing otherwise."""
+        if self.has_unfinished_requests():
+            return False
+        self.block_manager.reset(self.num_blocks)
+        return True
+
     # ---- the step ---------------------------------------------------------------------
     def _settle(self, req: Request) -> None:
         self.output_processor.settle(req)

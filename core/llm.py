@@ -146,5 +146,9 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids] if ids else []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing changed) while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -101,7 +101,8 @@ def test_compare_rounds_interleave_and_rotate(tiny_model_dir, tmp_path, capsys):
 def test_async_and_sync_rounds_share_one_engine(tiny_model_dir, tmp_path, monkeypatch):
     """Two engines of one configuration differ by a few per cent here (their worker
     processes), so ``sync`` runs on the ``async`` engine with async output processing off
-    for its runs, and each run reports the mode it ran in."""
+    for its runs, each run reports the mode it ran in, and each starts with an empty prefix
+    cache."""
     from cadence.bench import rounds
 
     built = []
@@ -112,16 +113,27 @@ def test_async_and_sync_rounds_share_one_engine(tiny_model_dir, tmp_path, monkey
         return build(ns, **overrides)
 
     monkeypatch.setattr(rounds, "build_engine", counting_build)
+    cached_at_start = []
+    run = rounds.run_engine
+
+    def cold_run(engine, *args, **kwargs):
+        cached_at_start.append(engine.block_manager.num_cached_blocks)
+        return run(engine, *args, **kwargs)
+
+    monkeypatch.setattr(rounds, "run_engine", cold_run)
     out = tmp_path / "shared.json"
     rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "2",
                "--batch-sizes", "2", "--runs", "async,sync", "--skip-hf", "--rounds", "3",
-               "--cpu-overlap", "thread", *WORKLOAD, "--output-json", str(out)])
+               "--cpu-overlap", "thread", *WORKLOAD, "--input-len", "40",
+               "--output-json", str(out)])
     assert rc == 0
     assert len(built) == 1 and not built[0].get("disable_async_output_proc")
     runs = json.loads(out.read_text())["runs"]
     assert [(r["round"], r["name"]) for r in runs] == [
         (0, "async"), (0, "sync"), (1, "sync"), (1, "async"), (2, "async"), (2, "sync")]
     assert all(r["async_output"] == (r["name"] == "async") for r in runs)
+    # The runs of a round share their prompts: the second must not find the first's.
+    assert cached_at_start == [0] * 6
 
 
 @pytest.mark.parametrize("argv, message", [

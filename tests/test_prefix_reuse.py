@@ -48,3 +48,23 @@ def test_a_request_gives_its_blocks_back_in_the_step_that_finished_it(model):
     assert finished_seen
     engine.block_manager.check_invariants()
     llm.shutdown()
+
+
+def test_reset_prefix_cache_only_while_idle(model):
+    llm = make_llm(model)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate({"prompt_token_ids": SYSTEM + [11, 12]}, one, use_tqdm=False)
+    engine = llm.engine
+    assert engine.block_manager.num_cached_blocks > 0
+    engine.add_request("busy", {"prompt_token_ids": SYSTEM}, SamplingParams(max_tokens=2))
+    cached = engine.block_manager.num_cached_blocks
+    assert not llm.reset_prefix_cache()  # a request is waiting: nothing changes
+    assert engine.block_manager.num_cached_blocks == cached
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache()
+    assert engine.block_manager.num_cached_blocks == 0
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    again = llm.generate({"prompt_token_ids": SYSTEM + [13, 14]}, one, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    llm.shutdown()

@@ -138,11 +138,18 @@ def _run(engines: dict[str, Any], name: str, wl: Workload, prompts: list[list[in
     with async output processing switched off for the run: two engines of the same
     configuration differ by 1-4 % in throughput here, persistently (their worker processes),
     which is as much as the pair's ratio is asked to resolve. The switch is safe between
-    runs: a run ends with nothing pending, and the engine reads the flag at every step."""
+    runs: a run ends with nothing pending, and the engine reads the flag at every step.
+
+    Every run starts with an empty prefix cache: the runs of a round share their prompts,
+    so on a shared engine the second would reuse the first's prompt blocks, and the floor
+    writes the async engine's KV blocks behind its block manager's back."""
     engine = engines.get(name)
     shared = engine is None and name == "sync"
     if shared:
         engine = engines["async"]
+    if not engine.reset_prefix_cache():
+        raise RuntimeError(f"the {name!r} engine still has requests before its run")
+    if shared:
         engine.async_output = False
     try:
         return run_engine(engine, wl, prompts, out_lens, ns.breakdown, not ns.disable_tqdm,
