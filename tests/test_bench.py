@@ -175,6 +175,42 @@ def test_launch_latency_and_one_span_per_step(shape):
     assert "submit" not in vars(backend) and "collect" not in vars(backend)
 
 
+def test_launch_pairing_survives_a_failed_collect():
+    """A collect that raises drops its hand-over and any other in flight, so the steps
+    after it are paired with their own hand-overs, not older ones."""
+    from types import SimpleNamespace
+
+    from cadence.bench.floor import StepTimer
+
+    backend = _DelayedDevice(0.0)
+    failing = [False]
+    collect = backend.collect
+
+    def flaky_collect():
+        out = collect()
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("the step failed")
+        return out
+
+    backend.collect = flaky_collect
+    engine = SimpleNamespace(backend=backend, output_processor=SimpleNamespace())
+    timer = StepTimer(engine)
+    backend.submit(None)
+    backend.submit(None)
+    failing[0] = True
+    with pytest.raises(RuntimeError):
+        backend.collect()
+    backend.queue.clear()  # the loop discards the other step in flight
+    import time
+
+    time.sleep(0.03)  # a stale hand-over would now read as a 30 ms launch
+    backend.submit(None)
+    backend.collect()
+    timer.restore()
+    assert len(timer.launches) == 1 and timer.launches[0] < 0.02
+
+
 def test_compare_without_hf(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     chart = tmp_path / "chart.png"

@@ -96,9 +96,16 @@ class StepTimer:
                 raise
 
         def reporting_collect() -> Any:  # async scheduling: post-sample work is the engine's
-            out = collect()
+            handed_at = handed.popleft() if handed and not inside[0] else None
+            try:
+                out = collect()
+            except BaseException:
+                # A failed step may take the other one in flight with it uncollected: start
+                # the pairing afresh rather than give later steps older hand-overs.
+                handed.clear()
+                raise
             if not inside[0]:
-                record(out, handed.popleft() if handed else None)
+                record(out, handed_at)
             return out
 
         def reporting_execute(model_input: Any, post_sample: Any) -> Any:
