@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cadence.config import SchedulerConfig
-from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
+from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode, shown
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | Sequence[int] | dict
@@ -49,7 +49,7 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     max_len = sc.max_model_len
     if params.n > sc.max_num_samples:
         raise FieldError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
-                         f"{params.n}", "n")
+                         f"{shown(params.n)}", "n")
     if not ids:
         raise FieldError("prompt must not be empty (it has no tokens)", "prompt")
     if len(ids) >= max_len:
@@ -61,12 +61,12 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     if params.max_tokens is not None and params.max_tokens > room:
         raise FieldError(
             f"this model's maximum context length is max_model_len={max_len} tokens; "
-            f"{len(ids)} in the prompt + max_tokens={params.max_tokens} is "
-            f"{len(ids) + params.max_tokens}; lower max_tokens to {room} or less, or "
+            f"{len(ids)} in the prompt + max_tokens={shown(params.max_tokens)} is "
+            f"{shown(len(ids) + params.max_tokens)}; lower max_tokens to {room} or less, or "
             "pass None for the rest of the context", "max_tokens")
     if params.min_tokens > room:
         raise FieldError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
-                         f"the prompt's {len(ids)} tokens), got {params.min_tokens}",
+                         f"the prompt's {len(ids)} tokens), got {shown(params.min_tokens)}",
                          "min_tokens")
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise FieldError(f"prompt_token_ids must be in [0, {vocab})", "prompt")

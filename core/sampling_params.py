@@ -123,7 +123,7 @@ class SamplingParams:
         integer("max_tokens", "an integer >= 1 or None", lambda v: v >= 1, optional=True)
         integer("min_tokens", "an integer >= 0", lambda v: v >= 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+            raise bad("min_tokens", f"<= max_tokens ({shown(self.max_tokens)})")
         integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
         integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
                 lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)

@@ -290,6 +290,9 @@ CASES: list[Case] = [
     Case("priority-nonzero-under-fcfs", "priority", request={"priority": 1}),
     Case("priority-huge-negative-under-fcfs", "priority", request={"priority": -10**30}),
     Case("priority-too-long-to-print", "priority", request={"priority": 10**5000}, on=PYTHON),
+    Case("n-too-long-to-print", "n", {"n": 10**5000}, on=PYTHON),
+    Case("max-tokens-too-long-to-print", "max_tokens", {"max_tokens": 10**5000}, on=PYTHON),
+    Case("min-tokens-too-long-to-print", "min_tokens", {"min_tokens": 10**5000}, on=PYTHON),
     Case("priority-zero", SERVED, request={"priority": 0}),
     Case("priority-numpy", SERVED, request={"priority": np.int64(0)}, on=PYTHON),
     # ---- LLM.generate's own arguments ---------------------------------------------------

@@ -244,6 +244,8 @@ def test_engine_field_names_become_the_body_fields():
 UNREADABLE_BODIES = [  # (body, content type, words the message must hold)
     (b"", "application/json", "no body"),
     (b"[]", "application/json", "JSON object with the request's fields, got an array"),
+    # Media types are case-insensitive: this one is JSON, and the array is the problem.
+    (b"[]", "Application/JSON", "JSON object with the request's fields, got an array"),
     (b"null", "application/json", "JSON object with the request's fields, got null"),
     (b'"x"', "application/json", "JSON object with the request's fields, got a string"),
     (b'{"prompt": "x"}', "text/plain",

@@ -245,7 +245,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _body_problem(content_type: str, err: dict) -> str:
     """Why a body that is no request object was refused (its fields were not reached)."""
-    if content_type and "json" not in content_type.split(";")[0]:
+    if content_type and "json" not in content_type.split(";")[0].lower():
         # FastAPI reads such a body as bytes, never as JSON.
         return ("the body must be JSON sent with 'Content-Type: application/json', got "
                 f"'Content-Type: {content_type[:60]}'")
