@@ -339,3 +339,43 @@ def test_ranks_get_the_bitmask_after_the_step(model, monkeypatch, caplog, split)
         assert eng.block_manager.num_free_blocks == eng.num_blocks
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_bitmask_fails_its_step_on_the_cpu_worker(model, monkeypatch, caplog,
+                                                           async_scheduling):
+    """The CPU ``process`` strategy sends a constrained step before its bitmask; when the
+    bitmask cannot be computed the worker is told and fails that step. The failure is the
+    step's, raised when its reply is read, so the replies of later steps stay paired with
+    their own steps (with async scheduling too), and the requests run again."""
+    import logging
+
+    from cadence.structured_output import manager
+
+    kinds = [so(regex=REGEX), so(choice=CHOICES), so(json=PERSON, disable_any_whitespace=True)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=k)
+              for k in kinds] + [SamplingParams(temperature=0.0, max_tokens=8)]
+    prompts = PROMPTS[:len(params)]
+    llm = make_llm(model, async_scheduling=async_scheduling,
+                   backend_options={"overlap": "process"})
+    try:
+        eng = llm.engine
+        want = [o.outputs[0].token_ids for o in generate(llm, prompts, params)]
+        pid = eng.backend.worker_pid
+        real_fill, calls = manager.fill_bitmask, []
+
+        def fails_once(reqs, width):
+            calls.append(len(reqs))
+            if len(calls) == 3:
+                raise RuntimeError("matcher state lost")
+            return real_fill(reqs, width)
+
+        monkeypatch.setattr(manager, "fill_bitmask", fails_once)
+        with caplog.at_level(logging.WARNING):
+            again = generate(llm, prompts, params)
+        assert len(calls) > 3 and "matcher state lost" in caplog.text
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert eng.backend.worker_pid == pid  # the worker was not lost or restarted
+        assert eng.block_manager.num_free_blocks == eng.num_blocks
+    finally:
+        llm.shutdown()

@@ -23,7 +23,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from cadence.backend import Backend, ModelInput, PostSample, ProbeResult, SamplerOutput
+from cadence.backend import (
+    Backend,
+    ModelInput,
+    PostSample,
+    ProbeResult,
+    SamplerOutput,
+    WorkerLostError,
+)
 from cadence.config import EngineConfig
 
 # torch is imported inside methods: registering and probing this backend (engine backends,
@@ -58,6 +65,9 @@ class CpuBackend(Backend):
                 f"cpu overlap must be one of {OVERLAP_STRATEGIES}, got {self.overlap!r}")
         self._pool: ThreadPoolExecutor | None = None
         self._futures: deque[Future] = deque()  # thread strategy, async scheduling
+        # process strategy: per step in flight, the error of a late bitmask that could not
+        # be computed (or None), raised when that step's reply is read (_result).
+        self._bitmask_failures: deque[BaseException | None] = deque()
         self._worker = None
         self.runner = None
         self.runtime_info: dict[str, str] = {}
@@ -134,6 +144,7 @@ class CpuBackend(Backend):
             # Started, not waited for: allocate_kv_cache waits, so the engine's own start-up
             # work runs meanwhile.
             self._worker = ForwardWorker(self.config, self._kv_cache_bytes())
+            self._bitmask_failures.clear()
             return
         from cadence.backends.cpu.runtime import build_runtime
 
@@ -178,12 +189,12 @@ class CpuBackend(Backend):
             # here, and waits for it before sampling.
             late = grammar is not None and not grammar.is_ready
             self._worker.submit(model_input)
+            failure = self._send_bitmask(grammar) if late else None
             try:
-                if late:
-                    self._worker.send_bitmask(grammar)
-                post_sample()
+                if failure is None:
+                    post_sample()
             finally:
-                out = self._worker.result()
+                out = self._result(failure)
             return out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
@@ -203,8 +214,9 @@ class CpuBackend(Backend):
         if self._worker is not None:
             self._worker.submit(model_input)
             grammar = model_input.sampling.grammar
-            if grammar is not None and not grammar.is_ready:
-                self._worker.send_bitmask(grammar)  # the worker may be computing meanwhile
+            late = grammar is not None and not grammar.is_ready
+            # The worker may be computing meanwhile.
+            self._bitmask_failures.append(self._send_bitmask(grammar) if late else None)
         elif self.overlap == "thread":
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
@@ -214,10 +226,38 @@ class CpuBackend(Backend):
 
     def collect(self) -> SamplerOutput:
         if self._worker is not None:
-            return self._worker.result()
+            return self._result(
+                self._bitmask_failures.popleft() if self._bitmask_failures else None)
         if self.overlap == "thread":
             return self._futures.popleft().result()
         return super().collect()
+
+    def _send_bitmask(self, grammar: Any) -> BaseException | None:
+        """Send a submitted step's bitmask. One that cannot be computed is returned, not
+        raised: the worker was told and fails the step, and its reply must still be read,
+        or the next step would take it for its own."""
+        try:
+            self._worker.send_bitmask(grammar)
+        except WorkerLostError:
+            raise
+        except Exception as e:  # noqa: BLE001  # raised by _result, once the reply is read
+            return e
+        return None
+
+    def _result(self, failure: BaseException | None) -> SamplerOutput:
+        """The oldest step's reply; a step whose bitmask failed raises that error (the
+        engine's own, not the worker's "no bitmask" that follows from it)."""
+        try:
+            out = self._worker.result()
+        except WorkerLostError:
+            raise
+        except RuntimeError:
+            if failure is not None:
+                raise failure from None
+            raise
+        if failure is not None:
+            raise failure
+        return out
 
     @property
     def worker_pid(self) -> int | None:
@@ -240,6 +280,7 @@ class CpuBackend(Backend):
             self._pool.shutdown(wait=True)
             self._pool = None
         self._futures.clear()
+        self._bitmask_failures.clear()
         self._submitted.clear()
         # Weights and the KV cache go now, not whenever the engine object is collected: a
         # process that builds engines one after another (tests, notebooks, a server that
