@@ -108,6 +108,37 @@ def test_stop_strings_and_discarded_steps_leave_no_trace(model):
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
+def test_step_phases_are_timed_once(model):
+    """Fixed lengths empty the plan while the last step is in flight, which is then
+    committed inside step(): its collect, finalize and commit are timed by themselves, not
+    again as drain, so the phases never add up to more than the time spent stepping."""
+    import time
+
+    llm = make_llm(model, async_scheduling=True)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(str(i), {"prompt_token_ids": list(range(3, 20 + i))}, params)
+    plans = PlanSpy(llm)
+    collect = eng.backend.collect
+
+    def slow_collect():  # makes counting it twice larger than all the untimed work
+        time.sleep(0.05)
+        return collect()
+
+    eng.backend.collect = slow_collect
+    before = dict(eng.stats.times.phases)
+    spent = 0.0
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        spent += time.perf_counter() - t
+    timed = sum(v - before.get(k, 0.0) for k, v in eng.stats.times.phases.items())
+    assert [] in plans.steps  # the empty plan around a step in flight happened
+    assert timed <= spent
+    llm.shutdown()
+
+
 def test_stop_ids_cost_one_planned_step_and_length_none(model):
     prompt = {"prompt_token_ids": list(range(3, 40))}
     ref = generate(make_llm(model), [prompt], SamplingParams(
