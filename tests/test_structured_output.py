@@ -269,6 +269,22 @@ def test_missing_xgrammar_is_a_clear_error(monkeypatch):
         import_xgrammar()
 
 
+def _fail_the_third_bitmask(monkeypatch) -> list[int]:
+    """Make the third bitmask the engine computes fail; returns the calls' row counts."""
+    from cadence.structured_output import manager
+
+    real_fill, calls = manager.fill_bitmask, []
+
+    def fails_once(reqs, width):
+        calls.append(len(reqs))
+        if len(calls) == 3:
+            raise RuntimeError("matcher state lost")
+        return real_fill(reqs, width)
+
+    monkeypatch.setattr(manager, "fill_bitmask", fails_once)
+    return calls
+
+
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2},
                                    {"pipeline_parallel_size": 2}])
 def test_ranks_get_the_bitmask_after_the_step(model, monkeypatch, caplog, split):
@@ -279,8 +295,6 @@ def test_ranks_get_the_bitmask_after_the_step(model, monkeypatch, caplog, split)
     the ranks that sample, collecting it raises the engine's own error, the group stays
     up, and the engine runs the step's requests again."""
     import logging
-
-    from cadence.structured_output import manager
 
     kinds = [so(regex=REGEX), so(choice=CHOICES), so(json=PERSON, disable_any_whitespace=True),
              so(grammar=EBNF)]
@@ -320,15 +334,7 @@ def test_ranks_get_the_bitmask_after_the_step(model, monkeypatch, caplog, split)
         assert [sent[i + 1] for i in late] == ["bitmask"] * len(late)
         assert sent.count("bitmask") == len(late)
 
-        real_fill, calls = manager.fill_bitmask, []
-
-        def fails_once(reqs, width):
-            calls.append(len(reqs))
-            if len(calls) == 3:
-                raise RuntimeError("matcher state lost")
-            return real_fill(reqs, width)
-
-        monkeypatch.setattr(manager, "fill_bitmask", fails_once)
+        _fail_the_third_bitmask(monkeypatch)
         sent.clear()
         with caplog.at_level(logging.WARNING):
             again = generate(llm, prompts, params)
@@ -350,8 +356,6 @@ def test_a_failed_bitmask_fails_its_step_on_the_cpu_worker(model, monkeypatch, c
     their own steps (with async scheduling too), and the requests run again."""
     import logging
 
-    from cadence.structured_output import manager
-
     kinds = [so(regex=REGEX), so(choice=CHOICES), so(json=PERSON, disable_any_whitespace=True)]
     params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=k)
               for k in kinds] + [SamplingParams(temperature=0.0, max_tokens=8)]
@@ -362,15 +366,7 @@ def test_a_failed_bitmask_fails_its_step_on_the_cpu_worker(model, monkeypatch, c
         eng = llm.engine
         want = [o.outputs[0].token_ids for o in generate(llm, prompts, params)]
         pid = eng.backend.worker_pid
-        real_fill, calls = manager.fill_bitmask, []
-
-        def fails_once(reqs, width):
-            calls.append(len(reqs))
-            if len(calls) == 3:
-                raise RuntimeError("matcher state lost")
-            return real_fill(reqs, width)
-
-        monkeypatch.setattr(manager, "fill_bitmask", fails_once)
+        calls = _fail_the_third_bitmask(monkeypatch)
         with caplog.at_level(logging.WARNING):
             again = generate(llm, prompts, params)
         assert len(calls) > 3 and "matcher state lost" in caplog.text
