@@ -650,9 +650,80 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias) -> N
             torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-5)
         else:
             torch.testing.assert_close(full, expected)
+        if not cpu_linear._rows_independent(cpu_linear._gemm_of("packed", None),
+                                            [(576, 1536)], dtype):
+            # oneDNN computes small batches with another kernel on this CPU (bf16 on an AMX
+            # Xeon): auto must then never choose it.
+            assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype) != "packed"
+            return
         for m in range(1, 71):
             assert torch.equal(packed(x[:m]), full[:m]), f"first {m} rows"
             assert torch.equal(packed(x[-m:]), full[-m:]), f"last {m} rows"
+
+
+_NO_BRGEMM = "torch's bf16 GEMM micro-kernel does not run on this CPU (it needs AMX)"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k,n", [(1536, 576), (64, 100)])
+def test_brgemm_linear_matches_f_linear_and_is_batch_invariant(k, n, bias) -> None:
+    if cpu_linear.brgemm_ops() is None:
+        pytest.skip(_NO_BRGEMM)
+    # 64 -> 100: a last column block of 4 (the packing pads it to 32).
+    lin = _linear(k, n, bias, torch.bfloat16, seed=3 + int(bias))
+    gemm = cpu_linear.BrgemmLinear(lin)
+    assert (gemm.in_features, gemm.out_features) == (k, n)
+    x = torch.randn(333, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    with torch.no_grad():
+        full = gemm(x)
+        assert full.shape == (333, n) and full.dtype == torch.bfloat16
+        reference = F.linear(x.float(), lin.weight.float(),
+                             None if lin.bias is None else lin.bias.float())
+        # One bf16 rounding of an fp32 sum: within bf16's half ulp of the exact result.
+        torch.testing.assert_close(full.float(), reference, atol=1e-2, rtol=8e-3)
+        for m in range(1, 71):
+            assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
+            assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
+        assert torch.equal(gemm(x[5:6]), full[5:6])  # a single row, padded to four
+
+
+def test_brgemm_choice_refused_by_name() -> None:
+    lin = _linear(64, 32, False, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="'brgemm' runs bfloat16 weights.*--dtype bfloat16"):
+        cpu_linear.choose_linear("brgemm", torch.nn.Sequential(lin), torch.float32)
+    with pytest.raises(ValueError, match="'brgemm' runs bfloat16 weights"):
+        cpu_linear.BrgemmLinear(lin)
+
+
+def test_brgemm_choice_refused_where_it_cannot_run(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_linear, "brgemm_ops", lambda: None)
+    lin = _linear(64, 32, False, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="needs the compiled CPU kernels.*AMX.*auto, packed"):
+        cpu_linear.choose_linear("brgemm", torch.nn.Sequential(lin), torch.bfloat16)
+    with pytest.raises(ValueError, match="AMX"):
+        cpu_linear.BrgemmLinear(lin)
+
+
+def test_pack_linears_with_brgemm(tiny_model_dir) -> None:
+    if cpu_linear.brgemm_ops() is None:
+        pytest.skip(_NO_BRGEMM)
+    model = _load_tiny(tiny_model_dir("llama-tied"), "bfloat16")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(5, m.in_features, generator=g).to(torch.bfloat16)
+              for n, m in linears.items()}
+    with torch.no_grad():
+        before = {n: F.linear(inputs[n].float(), m.weight.float()) for n, m in linears.items()}
+    assert cpu_linear.pack_linears(model, keep_weight_of=("lm_head",), kind="brgemm") == \
+        len(linears)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name in linears:
+            assert isinstance(modules[name], cpu_linear.BrgemmLinear), name
+            torch.testing.assert_close(modules[name](inputs[name]).float(), before[name],
+                                       atol=2e-2, rtol=1e-2)
+    # The head keeps its plain rows (the bf16 logits refinement reads them).
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def _load_tiny(model_dir: str, dtype: str = "float32"):
@@ -703,7 +774,7 @@ def _two_linears() -> torch.nn.Module:
 def test_choose_linear_forced_and_invalid() -> None:
     model = _two_linears()
     assert cpu_linear.choose_linear("torch", model, torch.float32) == "torch"
-    with pytest.raises(ValueError, match=r"\('auto', 'packed', 'torch'\).*'fastest'"):
+    with pytest.raises(ValueError, match=r"\('auto', 'packed', 'brgemm', 'torch'\).*'fastest'"):
         cpu_linear.choose_linear("fastest", model, torch.float32)
     if cpu_linear.packed_available():
         assert cpu_linear.choose_linear("packed", model, torch.float32) == "packed"
@@ -744,6 +815,50 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     assert sorted(v["choice"] for v in json.loads(verdict_file.read_text()).values()) == [
         "packed", "torch"]
     assert cpu_linear.choose_linear("auto", model, torch.float32) == "packed"
+
+
+@needs_packed
+def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeypatch,
+                                                               caplog) -> None:
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "_measure",
+                        lambda shapes, dtype, rows=64: {"torch_s": 2.0, "packed_s": 1.0})
+    checked: list[str] = []
+
+    def independent(gemm, shapes, dtype):
+        name = "packed" if gemm is packed_gemm else "torch"
+        checked.append(name)
+        return name != "packed"
+
+    packed_gemm = object()
+    monkeypatch.setattr(cpu_linear, "_gemm_of",
+                        lambda c, brgemm: packed_gemm if c == "packed" else c)
+    monkeypatch.setattr(cpu_linear, "_rows_independent", independent)
+    with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear"):
+        # packed is faster, but its rows depend on the batch: F.linear it is.
+        assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "torch"
+    assert sorted(checked) == ["packed", "torch"]
+    assert any("packed oneDNN left out: its rows depend on the batch" in r.getMessage()
+               for r in caplog.records)
+    saved = json.loads((tmp_path / "tuning" / "linear.json").read_text())
+    assert [v["rows_depend_on_batch"] for v in saved.values()] == [["packed"]]
+
+    # Every kernel batch-dependent: the fastest, with a warning that says what it costs.
+    monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: False)
+    caplog.clear()
+    other = torch.nn.Sequential(Linear(16, 16))
+    with caplog.at_level(logging.WARNING, logger="cadence.backends.cpu.linear"):
+        assert cpu_linear.choose_linear("auto", other, torch.float32) == "packed"
+    assert any("async on and off may differ" in r.getMessage() for r in caplog.records)
+
+
+def test_rows_independent_sees_a_batch_dependent_gemm() -> None:
+    def dependent(w):  # a GEMM that adds the batch size to every output
+        return lambda x: F.linear(x, w) + x.shape[0]
+
+    assert not cpu_linear._rows_independent(dependent, [(8, 16)], torch.float32)
+    assert cpu_linear._rows_independent(lambda w: (lambda x: (x[:, None, :] * w).sum(-1)),
+                                        [(8, 16)], torch.float32)
 
 
 @needs_packed

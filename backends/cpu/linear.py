@@ -1,4 +1,4 @@
-"""GEMMs on weights packed once at load time (oneDNN), chosen per CPU by measurement.
+"""GEMMs on weights packed once at load time, chosen per CPU by measurement.
 
 ``torch.ops.mkldnn._reorder_linear_weight`` reorders a weight into oneDNN's blocked layout
 for this CPU, and ``_linear_pointwise`` runs the GEMM on it: what inductor's weight
@@ -7,6 +7,11 @@ SmolLM2 layer GEMMs ~1.5x faster than ``F.linear`` in fp32 and ~1.3x in bf16, an
 2.2x (docs/backends/cpu.md). Whether it wins elsewhere is measured, not assumed:
 ``choose_linear`` times both on the model's own shapes once per CPU/torch/dtype and caches
 the verdict, so later runs on the machine make the same choice.
+
+In bf16, where torch's batch-reduce GEMM micro-kernel runs on this CPU (AMX), a third
+candidate joins: ``BrgemmLinear`` (csrc/brgemm_linear.cpp), the same oneDNN arithmetic units
+without the ~25 us a call oneDNN's inner product spends building its primitive descriptor
+(docs/backends/cpu.md).
 
 NOTE batch invariance: oneDNN computes a single row with another kernel (measured: M=1
 differs in the last bits from the same row in any larger batch; every M >= 2 agrees). Rows
@@ -20,7 +25,9 @@ import fcntl
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -31,7 +38,7 @@ from cadence.layers.linear import Linear, row_aligned
 
 logger = logging.getLogger(__name__)
 
-LINEAR_CHOICES = ("auto", "packed", "torch")
+LINEAR_CHOICES = ("auto", "packed", "brgemm", "torch")
 
 
 def packed_available() -> bool:
@@ -54,18 +61,16 @@ _NO_PACKED_BF16 = ("cpu linear 'packed' in bfloat16 needs AVX-512 (avx512bw, avx
                    "or auto, or --dtype float32")
 
 
-class PackedLinear(nn.Module):
-    """A ``Linear`` whose weight lives in oneDNN's packed layout; same maths, same rows."""
+class _PrepackedLinear(nn.Module):
+    """A ``Linear`` whose weight was packed once for one GEMM kernel; same maths, same rows."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
-        if w.dtype == torch.bfloat16 and not packed_bf16_available():
-            raise ValueError(_NO_PACKED_BF16)
         self.weight_dtype = w.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+        self.packed = self._pack(w.contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         # A row-parallel layer's partial outputs are summed over the tensor-parallel ranks.
         self.reduce_output = bool(getattr(linear, "reduce_output", False))
@@ -78,12 +83,63 @@ class PackedLinear(nn.Module):
         out = row_aligned(self._gemm, x)
         return all_reduce(out) if self.reduce_output else out
 
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedLinear(_PrepackedLinear):
+    """A ``Linear`` whose weight lives in oneDNN's packed layout; same maths, same rows."""
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == torch.bfloat16 and not packed_bf16_available():
+            raise ValueError(_NO_PACKED_BF16)
+        return torch.ops.mkldnn._reorder_linear_weight(w)
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = ()) -> int:
-    """Replace every ``cadence.layers.linear.Linear`` in ``model`` by a ``PackedLinear``.
+_NO_BRGEMM = ("cpu linear 'brgemm' needs the compiled CPU kernels and a CPU where torch's bf16 "
+              "micro-kernel runs (AMX); use --cpu-linear auto, packed or torch")
+
+
+def brgemm_ops() -> ModuleType | None:
+    """The compiled kernels where they can run bf16 GEMMs on this CPU, else None."""
+    from cadence.backends.cpu.kernels import load_kernels
+
+    ops = load_kernels()
+    if ops is None or not hasattr(ops, "brgemm_available") or not ops.brgemm_available():
+        return None
+    return ops
+
+
+class BrgemmLinear(_PrepackedLinear):
+    """A bf16 ``Linear`` on torch's batch-reduce GEMM micro-kernel (csrc/brgemm_linear.cpp)."""
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {w.dtype}; use "
+                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
+        ops = brgemm_ops()
+        if ops is None:
+            raise ValueError(_NO_BRGEMM)
+        self.ops = ops
+        return ops.brgemm_pack(w)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.brgemm_linear(x, self.packed, self.out_features, self.bias)
+
+
+_KINDS = {"packed": PackedLinear, "brgemm": BrgemmLinear}
+
+
+def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = (),
+                 kind: str = "packed") -> int:
+    """Replace every ``cadence.layers.linear.Linear`` in ``model`` by a ``PackedLinear``
+    (``kind`` "packed") or a ``BrgemmLinear`` ("brgemm").
 
     A weight shared with another module (the LM head tied to the embeddings) is packed as a
     copy; the other module keeps the plain tensor. Modules named in ``keep_weight_of`` keep
@@ -93,7 +149,7 @@ def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = ()) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                setattr(parent, name, PackedLinear(child, keep_weight=name in keep_weight_of))
+                setattr(parent, name, _KINDS[kind](child, keep_weight=name in keep_weight_of))
                 count += 1
     return count
 
@@ -108,18 +164,60 @@ def _time(fn, reps: int) -> float:
     return best
 
 
-def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64) -> dict:
-    """Seconds per pass over ``shapes`` for F.linear and for the packed GEMM (best of 5)."""
+def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
+             brgemm: ModuleType | None = None) -> dict:
+    """Seconds per pass over ``shapes`` for F.linear, the oneDNN packed GEMM and, given the
+    kernels (``brgemm``), the micro-kernel GEMM (best of 5 each)."""
     g = torch.Generator().manual_seed(0)
-    plain = packed = 0.0
+    times = {"torch_s": 0.0, "packed_s": 0.0}
+    if brgemm is not None:
+        times["brgemm_s"] = 0.0
     for n, k in shapes:
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
         wp = torch.ops.mkldnn._reorder_linear_weight(w)
-        plain += _time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 5)
-        packed += _time(lambda x=x, wp=wp: torch.ops.mkldnn._linear_pointwise(
+        times["torch_s"] += _time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 5)
+        times["packed_s"] += _time(lambda x=x, wp=wp: torch.ops.mkldnn._linear_pointwise(
             x, wp, None, "none", [], ""), 5)
-    return {"torch_s": plain, "packed_s": packed}
+        if brgemm is not None:
+            wb = brgemm.brgemm_pack(w)
+            times["brgemm_s"] += _time(lambda x=x, wb=wb, n=n: brgemm.brgemm_linear(x, wb, n), 5)
+    return times
+
+
+def _rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor],
+                      shapes: list[tuple[int, int]], dtype: torch.dtype) -> bool:
+    """Whether ``gemm`` gives every row the same bits in batches of 4 to 64 rows (row_aligned's
+    sizes). On an AMX Xeon, oneDNN's bf16 GEMM and F.linear in both dtypes were measured to
+    fail this (rows of a batch of 8 differ from the same rows in a batch of 64): auto does not
+    choose such a kernel while another passes."""
+    g = torch.Generator().manual_seed(1)
+    for n, k in shapes:
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+        x = torch.randn(64, k, generator=g).to(dtype)
+        run = gemm(w)
+        full = run(x)
+        if not all(torch.equal(run(x[:m]), full[:m]) for m in (4, 8, 12, 16, 24, 32, 48)):
+            return False
+    return True
+
+
+def _gemm_of(choice: str, brgemm: ModuleType | None) -> Callable:
+    """For _rows_independent: weight -> (x -> x @ weight.T) through ``choice``'s kernel."""
+    if choice == "packed":
+        def packed(w: torch.Tensor) -> Callable:
+            wp = torch.ops.mkldnn._reorder_linear_weight(w)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
+        return packed
+    if choice == "brgemm":
+        def micro(w: torch.Tensor) -> Callable:
+            wb = brgemm.brgemm_pack(w)
+            return lambda x: brgemm.brgemm_linear(x, wb, w.shape[0])
+        return micro
+    return lambda w: (lambda x: torch.nn.functional.linear(x, w))
+
+
+_LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "brgemm": "brgemm micro-kernel"}
 
 
 def _verdict_file() -> Path:
@@ -142,12 +240,22 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         if dtype == torch.bfloat16 and not packed_bf16_available():
             raise ValueError(_NO_PACKED_BF16)
         return "packed"
+    if requested == "brgemm":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {dtype}; use "
+                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
+        if brgemm_ops() is None:
+            raise ValueError(_NO_BRGEMM)
+        return "brgemm"
     if dtype == torch.bfloat16 and not cpu_info().has_native_bf16:
         return "torch"  # oneDNN has no fast bf16 path without AVX-512 BF16/AMX
+    brgemm = brgemm_ops() if dtype == torch.bfloat16 else None
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
     info = cpu_info()
+    candidates = ["torch", "packed"] + (["brgemm"] if brgemm is not None else [])
     key = json.dumps([info.model, info.relevant_flags, torch.__version__, str(dtype),
-                      torch.get_num_threads(), shapes])
+                      torch.get_num_threads(), shapes] +
+                     ([candidates] if brgemm is not None else []))
     path = _verdict_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     # One process measures; others wait on the lock and read its verdict, so two engines
@@ -159,11 +267,26 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         except (OSError, ValueError):
             verdicts = {}  # unreadable or half-written by a killed process: measure again
         if key not in verdicts:
-            times = _measure([s for s in shapes if s[0] <= 8192], dtype)
-            choice = "packed" if times["packed_s"] <= times["torch_s"] else "torch"
-            verdicts[key] = {"choice": choice, **times}
+            small = [s for s in shapes if s[0] <= 8192]
+            times = _measure(small, dtype, brgemm=brgemm) if brgemm is not None else \
+                _measure(small, dtype)
+            # Ties go to the earlier of packed, brgemm, torch; a kernel whose rows depend on
+            # the batch is out (async == sync exactness needs them independent).
+            order = [c for c in ("packed", "brgemm", "torch") if f"{c}_s" in times]
+            dependent = [c for c in order
+                         if not _rows_independent(_gemm_of(c, brgemm), small[:2], dtype)]
+            choice = min([c for c in order if c not in dependent] or order,
+                         key=lambda c: times[f"{c}_s"])
+            if choice in dependent:
+                logger.warning("no GEMM on this CPU (%s) gives a row the same bits in every "
+                               "batch; taking the fastest, %s: outputs may then differ with "
+                               "batch composition, and async on and off may differ",
+                               str(dtype), _LABELS[choice])
+            verdicts[key] = {"choice": choice, **times, "rows_depend_on_batch": dependent}
             path.write_text(json.dumps(verdicts, indent=1))
-            logger.info("measured GEMMs on this CPU (%s): F.linear %.2f ms, packed oneDNN "
-                        "%.2f ms per layer -> %s (cached in %s)", str(dtype),
-                        times["torch_s"] * 1e3, times["packed_s"] * 1e3, choice, path)
+            logger.info("measured GEMMs on this CPU (%s): %s per layer%s -> %s (cached in %s)",
+                        str(dtype), ", ".join(f"{_LABELS[c]} {times[f'{c}_s'] * 1e3:.2f} ms"
+                                              for c in order),
+                        "".join(f"; {_LABELS[c]} left out: its rows depend on the batch"
+                                for c in dependent), choice, path)
     return verdicts[key]["choice"]

@@ -101,10 +101,10 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     runner.load_model()
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
-    if linear == "packed":
+    if linear in ("packed", "brgemm"):
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
-        pack_linears(runner.model, keep_weight_of=keep)
+        pack_linears(runner.model, keep_weight_of=keep, kind=linear)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
     k, v = runner.allocate_kv_cache(num_blocks)
     spec = runner.kv_cache_spec()

@@ -16,6 +16,10 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor refine_top_logits(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
                                 c10::optional<torch::Tensor> bias);
+bool brgemm_available();
+torch::Tensor brgemm_pack(torch::Tensor w);
+torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                            c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -35,4 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rotary embedding of q and k, in place");
   m.def("refine_top_logits", &refine_top_logits,
         "bf16 logits to fp32, the entries tied at each row's maximum recomputed in fp32");
+  m.def("brgemm_available", &brgemm_available,
+        "whether ATen's bf16 micro-kernel (AMX or AVX-512 BF16) runs on this CPU");
+  m.def("brgemm_pack", &brgemm_pack, "a bf16 [N, K] weight packed for brgemm_linear");
+  m.def("brgemm_linear", &brgemm_linear, "x @ w.T (+ bias) on a brgemm_pack'ed weight",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
 }
