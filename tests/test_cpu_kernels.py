@@ -627,7 +627,9 @@ def _linear(k: int, n: int, bias: bool, dtype: torch.dtype, seed: int) -> Linear
 @needs_packed
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias) -> None:
+def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias, tmp_path,
+                                                                monkeypatch) -> None:
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     # 1536 -> 576: a shape where oneDNN's unpadded single-row GEMM was measured to differ in
     # the last bits from the same row in a batch (fp32); the ROW_ALIGN padding must hide it.
     lin = _linear(1536, 576, bias, dtype, seed=int(bias))
@@ -653,8 +655,11 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias) -> N
         if not cpu_linear._rows_independent(cpu_linear._gemm_of("packed", None),
                                             [(576, 1536)], dtype):
             # oneDNN computes small batches with another kernel on this CPU (bf16 on an AMX
-            # Xeon): auto must then never choose it.
-            assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype) != "packed"
+            # Xeon): auto must see it and leave it out.
+            cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype)
+            verdict_file = tmp_path / "tuning" / "linear.json"
+            verdicts = list(json.loads(verdict_file.read_text()).values())
+            assert "packed" in verdicts[0]["rows_depend_on_batch"]
             return
         for m in range(1, 71):
             assert torch.equal(packed(x[:m]), full[:m]), f"first {m} rows"
@@ -693,6 +698,20 @@ def test_brgemm_choice_refused_by_name() -> None:
         cpu_linear.choose_linear("brgemm", torch.nn.Sequential(lin), torch.float32)
     with pytest.raises(ValueError, match="'brgemm' runs bfloat16 weights"):
         cpu_linear.BrgemmLinear(lin)
+
+
+def test_brgemm_left_out_for_an_odd_input_width(tmp_path, monkeypatch) -> None:
+    if cpu_linear.brgemm_ops() is None:
+        pytest.skip(_NO_BRGEMM)
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    odd = torch.nn.Sequential(_linear(63, 32, False, torch.bfloat16, seed=0))
+    with pytest.raises(ValueError, match=r"even input widths.*\[63\]"):
+        cpu_linear.choose_linear("brgemm", odd, torch.bfloat16)
+    measured: list[bool] = []
+    monkeypatch.setattr(cpu_linear, "_measure", lambda shapes, dtype, rows=64, brgemm=None: (
+        measured.append(brgemm is not None) or {"torch_s": 2.0, "packed_s": 1.0}))
+    assert cpu_linear.choose_linear("auto", odd, torch.bfloat16) != "brgemm"
+    assert measured == [False]
 
 
 def test_brgemm_choice_refused_where_it_cannot_run(monkeypatch) -> None:

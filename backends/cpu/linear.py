@@ -13,10 +13,14 @@ candidate joins: ``BrgemmLinear`` (csrc/brgemm_linear.cpp), the same oneDNN arit
 without the ~25 us a call oneDNN's inner product spends building its primitive descriptor
 (docs/backends/cpu.md).
 
-NOTE batch invariance: oneDNN computes a single row with another kernel (measured: M=1
-differs in the last bits from the same row in any larger batch; every M >= 2 agrees). Rows
-go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
-GEMM ever runs with one row and a request's logits never depend on its batch.
+NOTE batch invariance: oneDNN computes a single row with another kernel (measured on an
+AMD EPYC: M=1 differs in the last bits from the same row in any larger batch; every M >= 2
+agrees). Rows go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
+GEMM ever runs with one row. That padding is not enough everywhere: on an AMX Xeon,
+oneDNN's bf16 GEMM and ``F.linear`` in both dtypes give rows of a batch of 8 other bits than
+in a batch of 64. So auto checks every candidate on the model's own shapes at batch sizes
+from 4 to 128 against a batch of 256 (``_rows_independent``) and does not choose one that
+fails while another passes.
 """
 
 from __future__ import annotations
@@ -185,19 +189,24 @@ def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
     return times
 
 
+_CHECK_ROWS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+_CHECK_BATCH = 256
+_CHECK_MAX_N = 8192  # a wider weight (an LM head) is checked on its first 8192 rows
+
+
 def _rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor],
                       shapes: list[tuple[int, int]], dtype: torch.dtype) -> bool:
-    """Whether ``gemm`` gives every row the same bits in batches of 4 to 64 rows (row_aligned's
-    sizes). On an AMX Xeon, oneDNN's bf16 GEMM and F.linear in both dtypes were measured to
-    fail this (rows of a batch of 8 differ from the same rows in a batch of 64): auto does not
-    choose such a kernel while another passes."""
+    """Whether ``gemm`` gives the first rows of a batch of 256 the same bits in batches of 4
+    to 128 rows (row_aligned pads to multiples of 4), on every shape. On an AMX Xeon,
+    oneDNN's bf16 GEMM and F.linear in both dtypes were measured to fail this (rows of a batch
+    of 8 differ from the same rows in a batch of 64); the module NOTE says what auto does."""
     g = torch.Generator().manual_seed(1)
     for n, k in shapes:
-        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
-        x = torch.randn(64, k, generator=g).to(dtype)
+        w = (torch.randn(min(n, _CHECK_MAX_N), k, generator=g) * k ** -0.5).to(dtype)
+        x = torch.randn(_CHECK_BATCH, k, generator=g).to(dtype)
         run = gemm(w)
         full = run(x)
-        if not all(torch.equal(run(x[:m]), full[:m]) for m in (4, 8, 12, 16, 24, 32, 48)):
+        if not all(torch.equal(run(x[:m]), full[:m]) for m in _CHECK_ROWS):
             return False
     return True
 
@@ -227,11 +236,24 @@ def _verdict_file() -> Path:
 
 
 def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
-    """``packed`` or ``torch`` for ``requested`` in LINEAR_CHOICES (auto measures, once)."""
+    """``packed``, ``brgemm`` or ``torch`` for ``requested`` in LINEAR_CHOICES (auto measures,
+    once per CPU, torch, dtype, thread count and set of shapes)."""
     if requested not in LINEAR_CHOICES:
         raise ValueError(f"cpu linear must be one of {LINEAR_CHOICES}, got {requested!r}")
     if requested == "torch":
         return "torch"
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
+    if requested == "brgemm":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {dtype}; use "
+                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
+        if brgemm_ops() is None:
+            raise ValueError(_NO_BRGEMM)
+        odd = [k for _, k in shapes if k % 2]
+        if odd:
+            raise ValueError(f"cpu linear 'brgemm' needs even input widths (bf16 pairs), the "
+                             f"model has {odd[:3]}; use --cpu-linear auto, packed or torch")
+        return "brgemm"
     if not packed_available():
         if requested == "packed":
             raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
@@ -240,22 +262,16 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         if dtype == torch.bfloat16 and not packed_bf16_available():
             raise ValueError(_NO_PACKED_BF16)
         return "packed"
-    if requested == "brgemm":
-        if dtype != torch.bfloat16:
-            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {dtype}; use "
-                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
-        if brgemm_ops() is None:
-            raise ValueError(_NO_BRGEMM)
-        return "brgemm"
     if dtype == torch.bfloat16 and not cpu_info().has_native_bf16:
         return "torch"  # oneDNN has no fast bf16 path without AVX-512 BF16/AMX
     brgemm = brgemm_ops() if dtype == torch.bfloat16 else None
-    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
+    if brgemm is not None and any(k % 2 for _, k in shapes):
+        brgemm = None  # its VNNI layout pairs the input features
     info = cpu_info()
     candidates = ["torch", "packed"] + (["brgemm"] if brgemm is not None else [])
+    # "rows checked": verdicts from before the batch-independence check are measured again.
     key = json.dumps([info.model, info.relevant_flags, torch.__version__, str(dtype),
-                      torch.get_num_threads(), shapes] +
-                     ([candidates] if brgemm is not None else []))
+                      torch.get_num_threads(), shapes, candidates, "rows checked"])
     path = _verdict_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     # One process measures; others wait on the lock and read its verdict, so two engines
@@ -274,7 +290,7 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             # the batch is out (async == sync exactness needs them independent).
             order = [c for c in ("packed", "brgemm", "torch") if f"{c}_s" in times]
             dependent = [c for c in order
-                         if not _rows_independent(_gemm_of(c, brgemm), small[:2], dtype)]
+                         if not _rows_independent(_gemm_of(c, brgemm), shapes, dtype)]
             choice = min([c for c in order if c not in dependent] or order,
                          key=lambda c: times[f"{c}_s"])
             if choice in dependent:

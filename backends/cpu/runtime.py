@@ -27,7 +27,7 @@ class CpuRuntime:
     runner: ModelRunner
     num_blocks: int
     attention: str  # "kernel" or "torch"
-    linear: str  # "packed" or "torch"
+    linear: str  # "packed", "brgemm" or "torch"
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,

@@ -6,7 +6,9 @@ group with a different kernel, so a row's bits depend on its index and the batch
 logits would then change with whatever else is in the batch, and async output processing
 (which keeps a stop-string request in the batch one step longer) could not match sync mode
 exactly. Padding the rows to a multiple of ``ROW_ALIGN`` puts every row in a full group.
-The cost is at most three extra rows per matmul.
+The cost is at most three extra rows per matmul. Where even that is not enough (on an AMX
+Xeon, ``F.linear``'s rows differ between batches of 8 and 64), the CPU backend's GEMM choice
+checks every candidate kernel and takes one that passes (backends/cpu/linear.py).
 """
 
 from __future__ import annotations

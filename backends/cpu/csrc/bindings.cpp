@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("refine_top_logits", &refine_top_logits,
         "bf16 logits to fp32, the entries tied at each row's maximum recomputed in fp32");
   m.def("brgemm_available", &brgemm_available,
-        "whether ATen's bf16 micro-kernel (AMX or AVX-512 BF16) runs on this CPU");
+        "whether ATen's bf16 micro-kernel runs on this CPU (it needs AMX)");
   m.def("brgemm_pack", &brgemm_pack, "a bf16 [N, K] weight packed for brgemm_linear");
   m.def("brgemm_linear", &brgemm_linear, "x @ w.T (+ bias) on a brgemm_pack'ed weight",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

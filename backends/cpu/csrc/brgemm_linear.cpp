@@ -59,7 +59,8 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.size(1) == x.size(1),
               "packed must be brgemm_pack's output for K = x.size(1)");
-  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  // Rows must be runs of K elements at a stride of at least K (an expanded view is not).
+  const auto xc = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), lda = xc.stride(0);
   const int64_t blocks = packed.size(0);
   TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "n does not match packed");
@@ -76,7 +77,8 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const auto* w = packed.data_ptr<at::BFloat16>();
   auto* o = out.data_ptr<at::BFloat16>();
   const int64_t mchunks = (m + kBlockM - 1) / kBlockM;
-  // Work items are (row chunk, column block); a thread runs a contiguous range of them.
+  // Work items are (row chunk, column block), each over the whole K: which thread runs an
+  // item, or how many rows share its chunk, never changes an element's sum.
   at::parallel_for(0, mchunks * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(static_cast<size_t>(std::min(m, kBlockM) * kBlockN));
     for (int64_t item = begin; item < end; ++item) {
