@@ -14,7 +14,7 @@ from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import FieldError, SamplingParams
 
 PromptType = str | dict | Sequence[int]
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ class LLM:
         reason in ``RequestOutput.error``; the others are unaffected.
         """
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
-            raise ValueError("prompts must be a prompt (a string, a list of token ids or a "
-                             "dict) or a list of prompts, got " + type(prompts).__name__)
+            raise FieldError("prompts must be a prompt (a string, a list of token ids or a "
+                             "dict) or a list of prompts, got " + type(prompts).__name__,
+                             "prompts")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                                 and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -81,16 +82,18 @@ class LLM:
             bad = sampling_params if not isinstance(sampling_params, (list, tuple)) else next(
                 (p for p in sampling_params if not isinstance(p, SamplingParams)), None)
             if bad is not None:
-                raise ValueError("sampling_params must be SamplingParams, a list of them (one "
-                                 f"per prompt) or None, got {type(bad).__name__}")
+                raise FieldError("sampling_params must be SamplingParams, a list of them (one "
+                                 f"per prompt) or None, got {type(bad).__name__}",
+                                 "sampling_params")
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for "
-                                 f"{len(prompts)} prompts; pass one, or one per prompt")
+                raise FieldError(f"sampling_params has {len(params)} entries for "
+                                 f"{len(prompts)} prompts; pass one, or one per prompt",
+                                 "sampling_params")
         if priority is not None and (not isinstance(priority, (list, tuple))
                                      or len(priority) != len(prompts)):
-            raise ValueError(f"priority must be None or a list of integers with one entry "
-                             f"per prompt ({len(prompts)}), got {priority!r:.60}")
+            raise FieldError(f"priority must be None or a list of integers with one entry "
+                             f"per prompt ({len(prompts)}), got {priority!r:.60}", "priority")
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:

@@ -229,3 +229,18 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "the engine did not settle"
         time.sleep(0.005)
+
+
+def test_generate_argument_errors_name_their_argument(llm):
+    # LLM.generate's own checks (before any request is built) carry ``param`` too.
+    sp = SamplingParams(max_tokens=2)
+    cases = [({"prompts": 5}, "prompts"),
+             ({"prompts": ["a", "b"], "sampling_params": [sp]}, "sampling_params"),
+             ({"prompts": ["a"], "sampling_params": ["greedy"]}, "sampling_params"),
+             ({"prompts": ["a", "b"], "sampling_params": sp, "priority": [0]}, "priority")]
+    added = llm.engine.stats.num_requests_added
+    for kwargs, param in cases:
+        with pytest.raises(FieldError) as info:
+            llm.generate(use_tqdm=False, **kwargs)
+        assert info.value.param == param and param in str(info.value), (kwargs, info.value)
+    assert llm.engine.stats.num_requests_added == added
