@@ -213,17 +213,19 @@ def _rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor],
 
 def _gemm_of(choice: str, brgemm: ModuleType | None) -> Callable:
     """For _rows_independent: weight -> (x -> x @ weight.T) through ``choice``'s kernel."""
+    # Each through the row padding the engine runs it with.
     if choice == "packed":
         def packed(w: torch.Tensor) -> Callable:
             wp = torch.ops.mkldnn._reorder_linear_weight(w)
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
+            return lambda x: row_aligned(
+                lambda r: torch.ops.mkldnn._linear_pointwise(r, wp, None, "none", [], ""), x)
         return packed
     if choice == "brgemm":
         def micro(w: torch.Tensor) -> Callable:
             wb = brgemm.brgemm_pack(w)
-            return lambda x: brgemm.brgemm_linear(x, wb, w.shape[0])
+            return lambda x: row_aligned(lambda r: brgemm.brgemm_linear(r, wb, w.shape[0]), x)
         return micro
-    return lambda w: (lambda x: torch.nn.functional.linear(x, w))
+    return lambda w: (lambda x: row_aligned(lambda r: torch.nn.functional.linear(r, w), x))
 
 
 _LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "brgemm": "brgemm micro-kernel"}

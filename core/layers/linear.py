@@ -7,8 +7,9 @@ logits would then change with whatever else is in the batch, and async output pr
 (which keeps a stop-string request in the batch one step longer) could not match sync mode
 exactly. Padding the rows to a multiple of ``ROW_ALIGN`` puts every row in a full group.
 The cost is at most three extra rows per matmul. Where even that is not enough (on an AMX
-Xeon, ``F.linear``'s rows differ between batches of 8 and 64), the CPU backend's GEMM choice
-checks every candidate kernel and takes one that passes (backends/cpu/linear.py).
+Xeon, ``F.linear``'s rows differ between batches of 8 and 64, and in fp32 for a 576 -> 1536
+weight also between batches of 64 and 256: no padding fixes that), the CPU backend's GEMM
+choice checks every candidate kernel and takes one that passes (backends/cpu/linear.py).
 """
 
 from __future__ import annotations
