@@ -652,7 +652,7 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias, tmp_
             torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-5)
         else:
             torch.testing.assert_close(full, expected)
-        if not cpu_linear._rows_independent(cpu_linear._gemm_of("packed", None),
+        if not cpu_linear._rows_independent(cpu_linear._gemm_of("packed"),
                                             [(576, 1536)], dtype):
             # oneDNN computes small batches with another kernel on this CPU (bf16 on an AMX
             # Xeon): auto must see it and leave it out.
@@ -708,8 +708,10 @@ def test_brgemm_left_out_for_an_odd_input_width(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"even input widths.*\[63\]"):
         cpu_linear.choose_linear("brgemm", odd, torch.bfloat16)
     measured: list[bool] = []
-    monkeypatch.setattr(cpu_linear, "_measure", lambda shapes, dtype, rows=64, brgemm=None: (
-        measured.append(brgemm is not None) or {"torch_s": 2.0, "packed_s": 1.0}))
+    monkeypatch.setattr(cpu_linear, "_measure",
+                        lambda shapes, dtype, rows=64, choices=("torch", "packed"): (
+                            measured.append("brgemm" in choices) or
+                            {"torch_s": 2.0, "packed_s": 1.0}))
     assert cpu_linear.choose_linear("auto", odd, torch.bfloat16) != "brgemm"
     assert measured == [False]
 
@@ -852,8 +854,7 @@ def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeyp
         return name != "packed"
 
     packed_gemm = object()
-    monkeypatch.setattr(cpu_linear, "_gemm_of",
-                        lambda c, brgemm: packed_gemm if c == "packed" else c)
+    monkeypatch.setattr(cpu_linear, "_gemm_of", lambda c: packed_gemm if c == "packed" else c)
     monkeypatch.setattr(cpu_linear, "_rows_independent", independent)
     with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear"):
         # packed is faster, but its rows depend on the batch: F.linear it is.

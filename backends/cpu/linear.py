@@ -5,7 +5,7 @@ for this CPU, and ``_linear_pointwise`` runs the GEMM on it: what inductor's wei
 prepacking and vLLM's CPU path do. Measured on an AVX-512 EPYC at 64 rows it ran the
 SmolLM2 layer GEMMs ~1.5x faster than ``F.linear`` in fp32 and ~1.3x in bf16, and the LM head
 2.2x (docs/backends/cpu.md). Whether it wins elsewhere is measured, not assumed:
-``choose_linear`` times both on the model's own shapes once per CPU/torch/dtype and caches
+``choose_linear`` times each candidate on the model's own shapes once per CPU/torch/dtype and caches
 the verdict, so later runs on the machine make the same choice.
 
 In bf16, where torch's batch-reduce GEMM micro-kernel runs on this CPU (AMX), a third
@@ -115,9 +115,7 @@ def brgemm_ops() -> ModuleType | None:
     from cadence.backends.cpu.kernels import load_kernels
 
     ops = load_kernels()
-    if ops is None or not hasattr(ops, "brgemm_available") or not ops.brgemm_available():
-        return None
-    return ops
+    return ops if ops is not None and ops.brgemm_available() else None
 
 
 class BrgemmLinear(_PrepackedLinear):
@@ -168,24 +166,27 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def _gemm_of(choice: str) -> Callable[[torch.Tensor], nn.Module]:
+    """weight [N, K] -> the module the engine would run it as under ``choice`` (its row
+    padding included), for timing and for the batch check."""
+    def build(w: torch.Tensor) -> nn.Module:
+        lin = Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        return lin if choice == "torch" else _KINDS[choice](lin)
+    return build
+
+
 def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
-             brgemm: ModuleType | None = None) -> dict:
-    """Seconds per pass over ``shapes`` for F.linear, the oneDNN packed GEMM and, given the
-    kernels (``brgemm``), the micro-kernel GEMM (best of 5 each)."""
+             choices: tuple[str, ...] = ("torch", "packed")) -> dict:
+    """Seconds per pass over ``shapes`` for each of ``choices`` (best of 5 each)."""
     g = torch.Generator().manual_seed(0)
-    times = {"torch_s": 0.0, "packed_s": 0.0}
-    if brgemm is not None:
-        times["brgemm_s"] = 0.0
+    times = dict.fromkeys((f"{c}_s" for c in choices), 0.0)
     for n, k in shapes:
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
-        wp = torch.ops.mkldnn._reorder_linear_weight(w)
-        times["torch_s"] += _time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 5)
-        times["packed_s"] += _time(lambda x=x, wp=wp: torch.ops.mkldnn._linear_pointwise(
-            x, wp, None, "none", [], ""), 5)
-        if brgemm is not None:
-            wb = brgemm.brgemm_pack(w)
-            times["brgemm_s"] += _time(lambda x=x, wb=wb, n=n: brgemm.brgemm_linear(x, wb, n), 5)
+        for c in choices:
+            gemm = _gemm_of(c)(w)
+            times[f"{c}_s"] += _time(lambda gemm=gemm, x=x: gemm(x), 5)
     return times
 
 
@@ -194,10 +195,10 @@ _CHECK_BATCH = 256
 _CHECK_MAX_N = 8192  # a wider weight (an LM head) is checked on its first 8192 rows
 
 
-def _rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor],
+def _rows_independent(gemm: Callable[[torch.Tensor], Callable],
                       shapes: list[tuple[int, int]], dtype: torch.dtype) -> bool:
-    """Whether ``gemm`` gives the first rows of a batch of 256 the same bits in batches of 4
-    to 128 rows (row_aligned pads to multiples of 4), on every shape. On an AMX Xeon,
+    """Whether ``gemm`` (weight -> x -> x @ weight.T, ``_gemm_of``) gives the first rows of a
+    batch of 256 the same bits in batches of 4 to 128 rows, on every shape. On an AMX Xeon,
     oneDNN's bf16 GEMM and F.linear in both dtypes were measured to fail this (rows of a batch
     of 8 differ from the same rows in a batch of 64); the module NOTE says what auto does."""
     g = torch.Generator().manual_seed(1)
@@ -205,27 +206,11 @@ def _rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor],
         w = (torch.randn(min(n, _CHECK_MAX_N), k, generator=g) * k ** -0.5).to(dtype)
         x = torch.randn(_CHECK_BATCH, k, generator=g).to(dtype)
         run = gemm(w)
-        full = run(x)
-        if not all(torch.equal(run(x[:m]), full[:m]) for m in _CHECK_ROWS):
-            return False
+        with torch.no_grad():
+            full = run(x)
+            if not all(torch.equal(run(x[:m]), full[:m]) for m in _CHECK_ROWS):
+                return False
     return True
-
-
-def _gemm_of(choice: str, brgemm: ModuleType | None) -> Callable:
-    """For _rows_independent: weight -> (x -> x @ weight.T) through ``choice``'s kernel."""
-    # Each through the row padding the engine runs it with.
-    if choice == "packed":
-        def packed(w: torch.Tensor) -> Callable:
-            wp = torch.ops.mkldnn._reorder_linear_weight(w)
-            return lambda x: row_aligned(
-                lambda r: torch.ops.mkldnn._linear_pointwise(r, wp, None, "none", [], ""), x)
-        return packed
-    if choice == "brgemm":
-        def micro(w: torch.Tensor) -> Callable:
-            wb = brgemm.brgemm_pack(w)
-            return lambda x: row_aligned(lambda r: brgemm.brgemm_linear(r, wb, w.shape[0]), x)
-        return micro
-    return lambda w: (lambda x: row_aligned(lambda r: torch.nn.functional.linear(r, w), x))
 
 
 _LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "brgemm": "brgemm micro-kernel"}
@@ -286,13 +271,13 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             verdicts = {}  # unreadable or half-written by a killed process: measure again
         if key not in verdicts:
             small = [s for s in shapes if s[0] <= 8192]
-            times = _measure(small, dtype, brgemm=brgemm) if brgemm is not None else \
-                _measure(small, dtype)
+            times = _measure(small, dtype, choices=tuple(candidates)) if brgemm is not None \
+                else _measure(small, dtype)
             # Ties go to the earlier of packed, brgemm, torch; a kernel whose rows depend on
             # the batch is out (async == sync exactness needs them independent).
             order = [c for c in ("packed", "brgemm", "torch") if f"{c}_s" in times]
             dependent = [c for c in order
-                         if not _rows_independent(_gemm_of(c, brgemm), shapes, dtype)]
+                         if not _rows_independent(_gemm_of(c), shapes, dtype)]
             choice = min([c for c in order if c not in dependent] or order,
                          key=lambda c: times[f"{c}_s"])
             if choice in dependent:
