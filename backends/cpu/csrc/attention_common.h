@@ -17,38 +17,57 @@ namespace cadence_cpu {
 
 constexpr int64_t kPartition = 256;  // tokens per softmax partition; fixed (batch invariance)
 
+// Vector registers the accumulators of a V pass may take: half of AVX-512's 32, half of
+// AVX2's (or SSE's) 16; the rest hold the V row and the broadcast weights.
+constexpr int kAccVecs = kVec >= 16 ? 16 : 8;
+
+// Column vectors per chunk of accumulate_v: all NC where HB * NC accumulators fit, else the
+// largest power of two that does (NC is a power of two).
+constexpr int chunk_cols(int nc, int hb) {
+  int cc = nc;
+  while (cc > 1 && hb * cc > kAccVecs) cc /= 2;
+  return cc;
+}
+
 // The first key a query at position len - 1 sees under a sliding window of `window` tokens
 // (0: no window): keys j with len - 1 - window < j, transformers' rule.
 inline int64_t window_start(int64_t len, int64_t window) {
   return window > 0 && len > window ? len - window : 0;
 }
 
-// Sums each of 16 vectors across its lanes: out[i] = hsum(v[i]). A transpose-and-add tree
-// (15 two-input shuffles pairs) instead of 16 separate horizontal sums (~3x fewer ops).
-inline vfloat reduce16(const vfloat* v) {
-  vfloat r[8], s[4], w[2];
-  for (int k = 0; k < 8; ++k)
-    r[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1],
-                             vint{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(v[2 * k], v[2 * k + 1],
-                             vint{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  for (int k = 0; k < 4; ++k)
-    s[k] = __builtin_shuffle(r[2 * k], r[2 * k + 1],
-                             vint{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-           __builtin_shuffle(r[2 * k], r[2 * k + 1],
-                             vint{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-  for (int k = 0; k < 2; ++k)
-    w[k] = __builtin_shuffle(s[2 * k], s[2 * k + 1],
-                             vint{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-           __builtin_shuffle(s[2 * k], s[2 * k + 1],
-                             vint{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(w[0], w[1],
-                           vint{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(w[0], w[1],
-                           vint{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+namespace detail {
+// Lane j of the result: lane (j / W) * 2W + j % W (+ W for the high half) of the pair (a, b)
+// read as one 2 * kVec-lane vector.
+template <int W, bool High, size_t... I>
+inline vfloat pick_blocks(vfloat a, vfloat b, std::index_sequence<I...>) {
+  return __builtin_shuffle(
+      a, b, vint{static_cast<int32_t>((I / W) * 2 * W + I % W + (High ? W : 0))...});
+}
+// One level of reduce_lanes: n vectors whose lanes hold blocks of 2W partial sums -> n / 2
+// vectors with blocks of W, each lane the sum of two.
+template <int W>
+inline void reduce_level(vfloat* v, int n) {
+  constexpr auto idx = std::make_index_sequence<kVec>{};
+  for (int k = 0; k < n / 2; ++k)
+    v[k] = pick_blocks<W, false>(v[2 * k], v[2 * k + 1], idx) +
+           pick_blocks<W, true>(v[2 * k], v[2 * k + 1], idx);
+}
+}  // namespace detail
+
+// Sums each of kVec vectors across its lanes: out[i] = the sum of v[i]'s lanes (in hsum's
+// pairing order). A transpose-and-add tree (kVec - 1 pairs of two-input shuffles) instead of
+// kVec separate horizontal sums (~3x fewer ops). Clobbers v.
+inline vfloat reduce_lanes(vfloat* v) {
+  int n = kVec;
+  if constexpr (kVec >= 16) { detail::reduce_level<8>(v, n); n /= 2; }
+  if constexpr (kVec >= 8) { detail::reduce_level<4>(v, n); n /= 2; }
+  detail::reduce_level<2>(v, n);
+  n /= 2;
+  detail::reduce_level<1>(v, n);
+  return v[0];
 }
 
-// Scores of one query head against the 16 rows of a tile (head offset `off` into each row).
+// Scores of one query head against the kVec rows of a tile (head offset `off` into each row).
 // fp32: q prescaled (qh). bf16 q and K on a CPU with vdpbf16ps: the unscaled bf16 q (qbh,
 // non-null) through dot_bf16, scaled after.
 template <typename cache_t, int NC>
@@ -63,7 +82,7 @@ inline vfloat tile_scores(const float* qh, const c10::BFloat16* qbh, const cache
         for (int c = 2; c < NC; c += 2) s = dot_bf16(s, qbh + c * kVec, row + c * kVec);
         part[i] = s;
       }
-      return reduce16(part) * scale;
+      return reduce_lanes(part) * scale;
     }
   }
   vfloat qv[NC];
@@ -74,7 +93,7 @@ inline vfloat tile_scores(const float* qh, const c10::BFloat16* qbh, const cache
     for (int c = 1; c < NC; ++c) s += qv[c] * load(row + c * kVec);
     part[i] = s;
   }
-  return reduce16(part);
+  return reduce_lanes(part);
 }
 
 // Gemma 2's soft cap on the scaled scores: cap * tanh(s / cap), tanh from the kernels' own
@@ -86,7 +105,7 @@ inline vfloat soft_cap_scores(vfloat s, float cap) {
   return (1.f - 2.f / (e + 1.f)) * cap;
 }
 
-// One head's scores over a partition (`padded` of them, a multiple of 16; masked lanes are
+// One head's scores over a partition (`padded` of them, a multiple of kVec; masked lanes are
 // -inf) -> their exponentials in place, relative to the partition's max (from the running
 // vector max `maxv`); writes that max and the exponentials' sum.
 inline void exp_partition(float* sh, vfloat maxv, int64_t padded, float* max_out,

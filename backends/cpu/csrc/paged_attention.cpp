@@ -13,13 +13,13 @@
 // async == sync exactness relies on this.
 //
 // NOTE sliding windows: a window keeps keys [seq_len - W, seq_len). Partitions stay at
-// absolute multiples of 256 tokens and tiles at absolute multiples of 16 (the first tile
-// starts at the 16-aligned token below the window, its older lanes masked), so a key lands
+// absolute multiples of 256 tokens and tiles at absolute multiples of kVec (the first tile
+// starts at the kVec-aligned token below the window, its older lanes masked), so a key lands
 // in the same partition and lane whichever kernel or chunk computes it, and the prefill
 // kernel (which masks the same way) gives the same bits. Partitions wholly before the window
 // are not visited; their blocks may already be freed.
 //
-// Vectors are vec.h's 16-float type, so the same source runs on AVX-512 and AVX2.
+// Vectors are vec.h's native-width type (kVec floats), so one source runs on AVX-512 and AVX2.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -85,37 +85,42 @@ inline void tile_rows(const Geometry& g, const cache_t* cache, int64_t block_str
     rows[i] = cache + table[tt / bs] * block_stride + (tt % bs) * token_stride;
   }
   // A short last tile repeats its last row: the scores of the copies are masked out, and a
-  // full tile keeps the score loop at a fixed trip count (its 16 partials stay in registers).
+  // full tile keeps the score loop at a fixed trip count (its kVec partials stay in registers).
   for (int64_t i = count; i < kVec; ++i) rows[i] = rows[count - 1];
 }
 
 // acc[h] += sum_i p[h][i] * v_i over the `count` rows of one tile, for HB query heads that
-// share a KV head: each V row is loaded (and widened to fp32) once for all HB heads.
+// share a KV head: each V row is loaded (and widened to fp32) once for all HB heads. The HB
+// accumulators of CC vectors of columns stay in registers: where HB * NC would not fit
+// (AVX2's 16 registers) the columns go in chunks of CC, each sum still in row order.
 template <typename cache_t, int NC, int HB>
 inline void accumulate_v(const cache_t* const* rows, int64_t count, int64_t head_off,
                          const float* p, int64_t p_stride, float* acc) {
   constexpr int64_t d = NC * kVec;
-  vfloat a[HB][NC];
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < NC; ++c) a[h][c] = load(acc + h * d + c * kVec);
-  for (int64_t i = 0; i < count; ++i) {
-    const cache_t* row = rows[i] + head_off;
-    vfloat v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = load(row + c * kVec);
-    for (int h = 0; h < HB; ++h) {
-      const vfloat pi = splat(p[h * p_stride + i]);
-      for (int c = 0; c < NC; ++c) a[h][c] += pi * v[c];
+  constexpr int CC = chunk_cols(NC, HB);
+  for (int c0 = 0; c0 < NC; c0 += CC) {
+    vfloat a[HB][CC];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < CC; ++c) a[h][c] = load(acc + h * d + (c0 + c) * kVec);
+    for (int64_t i = 0; i < count; ++i) {
+      const cache_t* row = rows[i] + head_off + c0 * kVec;
+      vfloat v[CC];
+      for (int c = 0; c < CC; ++c) v[c] = load(row + c * kVec);
+      for (int h = 0; h < HB; ++h) {
+        const vfloat pi = splat(p[h * p_stride + i]);
+        for (int c = 0; c < CC; ++c) a[h][c] += pi * v[c];
+      }
     }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < CC; ++c) store(acc + h * d + (c0 + c) * kVec, a[h][c]);
   }
-  for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < NC; ++c) store(acc + h * d + c * kVec, a[h][c]);
 }
 
 // One work item: the query heads of KV heads [kh0, kh1) over tokens [t0, t1) of one
-// sequence, K rows then V rows read straight from the cache in tiles of 16 tokens. The
+// sequence, K rows then V rows read straight from the cache in tiles of kVec tokens. The
 // scores of a head over a tile come out of one transpose-and-add reduction; softmax per
 // head over the partition; then the weighted V sum, HB heads of a group per row load.
-// NC = head_dim / 16 vectors per row. Keys before `lo` (a sliding window's first token) are
+// NC = head_dim / kVec vectors per row. Keys before `lo` (a sliding window's first token) are
 // masked. Writes the unnormalized accumulators, maxima and sums of heads kh0 * group ...
 template <typename cache_t, int NC, int HB>
 void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb,
@@ -124,7 +129,7 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
                       float* scores, vfloat* maxes, float* acc_out, float* max_out,
                       float* sum_out) {
   constexpr int64_t d = NC * kVec;
-  // First tile: 16-aligned in absolute positions (see the window NOTE at the top).
+  // First tile: kVec-aligned in absolute positions (see the window NOTE at the top).
   const int64_t t0 = std::max(t_part, lo / kVec * kVec);
   const int64_t n = t1 - t0;
   const int64_t G = g.group;
@@ -217,10 +222,12 @@ void run(const Geometry& g, const float* q, const cache_t* k_cache, const cache_
   std::vector<float> part_max(static_cast<size_t>(g.num_seqs * H * P));
   std::vector<float> part_sum(static_cast<size_t>(g.num_seqs * H * P));
   // Query heads per V row load (attend_partition's HB): the largest of 4, 3, 2 that divides
-  // the group and keeps HB * NC accumulators within the 16 vector registers AVX-512 leaves.
+  // the group and keeps HB accumulators of all NC columns in registers (AVX-512), or of a
+  // chunk of at least two (narrower vectors, accumulate_v's chunks).
+  const int64_t min_cols = kVec >= 16 ? NC : std::min(NC, 2);
   int64_t hb = 1;
   for (int64_t c : {4, 3, 2})
-    if (g.group % c == 0 && c * NC <= 16) { hb = c; break; }
+    if (g.group % c == 0 && c * min_cols <= kAccVecs) { hb = c; break; }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     const int64_t max_nh = heads_per_item * g.group;
@@ -278,11 +285,11 @@ template <typename cache_t, typename out_t>
 void dispatch_dim(const Geometry& g, const float* q, const cache_t* k, const cache_t* v,
                   const int32_t* tables, const int32_t* lens, out_t* out) {
   switch (g.head_dim) {
-    case 16: return run<cache_t, out_t, 1>(g, q, k, v, tables, lens, out);
-    case 32: return run<cache_t, out_t, 2>(g, q, k, v, tables, lens, out);
-    case 64: return run<cache_t, out_t, 4>(g, q, k, v, tables, lens, out);
-    case 128: return run<cache_t, out_t, 8>(g, q, k, v, tables, lens, out);
-    case 256: return run<cache_t, out_t, 16>(g, q, k, v, tables, lens, out);
+    case 16: return run<cache_t, out_t, 16 / kVec>(g, q, k, v, tables, lens, out);
+    case 32: return run<cache_t, out_t, 32 / kVec>(g, q, k, v, tables, lens, out);
+    case 64: return run<cache_t, out_t, 64 / kVec>(g, q, k, v, tables, lens, out);
+    case 128: return run<cache_t, out_t, 128 / kVec>(g, q, k, v, tables, lens, out);
+    case 256: return run<cache_t, out_t, 256 / kVec>(g, q, k, v, tables, lens, out);
     default: TORCH_CHECK(false, "head_dim must be one of 16, 32, 64, 128, 256");
   }
 }
@@ -344,7 +351,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     max_parts = std::max<int64_t>(
         max_parts, (lp[b] + kPartition - 1) / kPartition - first / kPartition);
     const int64_t used = (lp[b] + g.block_size - 1) / g.block_size;
-    // From the first row the kernel reads: the window's 16-aligned first tile.
+    // From the first row the kernel reads: the window's kVec-aligned first tile.
     for (int64_t i = first / kVec * kVec / g.block_size; i < used; ++i) {
       const int32_t blk = tp_check[b * g.max_blocks + i];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " is outside the cache (",

@@ -14,7 +14,7 @@
 // because those rows do not change. What the prefill adds is reuse: a V row is loaded once
 // for R query rows (register-blocked), and K and V come from L1/L2, not from the cache.
 // Under a sliding window a row skips the partitions before its window and masks the older
-// lanes of the 16-aligned tile the window starts in, as the decode kernel does.
+// lanes of the kVec-aligned tile the window starts in, as the decode kernel does.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -54,8 +54,8 @@ template <typename T, int NC>
 void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, int64_t s,
                  int64_t kh, int64_t q0, int64_t q1, Scratch& w) {
   constexpr int64_t D = NC * kVec;
-  // Query rows per V-row load: R * NC accumulators within 16 vector registers.
-  constexpr int R = NC >= 16 ? 1 : (16 / NC > 4 ? 4 : 16 / NC);
+  // Query rows per V-row load: R * NC accumulators within kAccVecs vector registers.
+  constexpr int R = NC >= kAccVecs ? 1 : (kAccVecs / NC > 4 ? 4 : kAccVecs / NC);
   constexpr int64_t stride = kPartition + kVec;
   const int64_t G = in.group, H = in.heads;
   const int64_t rows = (q1 - q0) * G;
@@ -98,7 +98,7 @@ void attend_item(const Inputs& in, const T* q, const T* k, const T* v, T* out, i
     // lo[0] is the group's smallest: rows are in token order.
     for (int64_t p = lo[0] / kPartition; p < parts; ++p) {
       const int64_t t0 = p * kPartition, t1 = std::min(maxlim, t0 + kPartition);
-      const int64_t ts = std::max(t0, lo[0] / kVec * kVec);  // first tile, 16-aligned
+      const int64_t ts = std::max(t0, lo[0] / kVec * kVec);  // first tile, kVec-aligned
       const int64_t padded = (t1 - ts + kVec - 1) / kVec * kVec;
       vfloat maxv[R];
       bool active[R];  // the row has keys in this partition
@@ -189,11 +189,11 @@ template <typename T>
 void dispatch_dim(int64_t d, const Inputs& in, const T* q, const T* k, const T* v, T* out,
                   const int64_t* starts, const int64_t* lens, int64_t num_prompts) {
   switch (d) {
-    case 16: return run<T, 1>(in, q, k, v, out, starts, lens, num_prompts);
-    case 32: return run<T, 2>(in, q, k, v, out, starts, lens, num_prompts);
-    case 64: return run<T, 4>(in, q, k, v, out, starts, lens, num_prompts);
-    case 128: return run<T, 8>(in, q, k, v, out, starts, lens, num_prompts);
-    case 256: return run<T, 16>(in, q, k, v, out, starts, lens, num_prompts);
+    case 16: return run<T, 16 / kVec>(in, q, k, v, out, starts, lens, num_prompts);
+    case 32: return run<T, 32 / kVec>(in, q, k, v, out, starts, lens, num_prompts);
+    case 64: return run<T, 64 / kVec>(in, q, k, v, out, starts, lens, num_prompts);
+    case 128: return run<T, 128 / kVec>(in, q, k, v, out, starts, lens, num_prompts);
+    case 256: return run<T, 256 / kVec>(in, q, k, v, out, starts, lens, num_prompts);
     default: TORCH_CHECK(false, "prefill_attention: head_dim must be one of 16, 32, 64, 128, 256");
   }
 }

@@ -1,6 +1,13 @@
-// Portable 16-float vectors for the CPU kernels (GCC/Clang vector extensions): the compiler
-// lowers one vfloat to one AVX-512 register, two AVX2 registers or four SSE registers, as
-// -march allows, so one source serves every x86 CPU the backend meets.
+// Portable float vectors for the CPU kernels (GCC/Clang vector extensions), as wide as the
+// widest register the build targets: 16 floats with AVX-512, 8 with AVX2, 4 with SSE. One
+// source serves every x86 CPU the backend meets. The width is the native one on purpose:
+// GCC lowers a vector wider than the target's registers (a 16-float vector on AVX2) through
+// the stack, lane by lane for compares and shuffles, which measured 4-10x slower on an
+// AVX2-only CPU than the same loops on 8-float vectors.
+//
+// NOTE the width is part of the arithmetic (the attention kernels' tile of kVec keys, the
+// lane order of every sum), so a kernel's bits are fixed per build, not across ISAs; the
+// kernels that must agree with each other (decode and prefill attention) share one build.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,18 +15,37 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace cadence_cpu {
 
+#if defined(__AVX512F__)
 constexpr int64_t kVec = 16;  // floats per vector
+#elif defined(__AVX__)
+constexpr int64_t kVec = 8;
+#else
+constexpr int64_t kVec = 4;
+#endif
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef float vfloat __attribute__((vector_size(kVec * 4)));
+typedef int32_t vint __attribute__((vector_size(kVec * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kVec * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(kVec * 2)));
+
+namespace detail {
+template <size_t... I>
+inline vfloat splat(float x, std::index_sequence<I...>) {
+  return vfloat{((void)I, x)...};
+}
+// Lane i of the result is lane i ^ S of the input (a butterfly step of a horizontal sum).
+template <int S, size_t... I>
+inline vfloat swap_lanes(vfloat v, std::index_sequence<I...>) {
+  return __builtin_shuffle(v, vint{static_cast<int32_t>(I ^ S)...});
+}
+}  // namespace detail
 
 // A broadcast (vfloat{} + x would keep an add: 0 + x is not x for x = -0).
-inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline vfloat splat(float x) { return detail::splat(x, std::make_index_sequence<kVec>{}); }
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -85,12 +111,14 @@ constexpr bool kHasDotBf16 = false;
 inline vfloat dot_bf16(vfloat acc, const c10::BFloat16*, const c10::BFloat16*) { return acc; }
 #endif
 
+// Sum of the lanes: lane i plus lane i + kVec/2, then i + kVec/4, ... (a fixed order).
+template <int S = kVec / 2>
 inline float hsum(vfloat v) {
-  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
+  if constexpr (S == 0) {
+    return v[0];
+  } else {
+    return hsum<S / 2>(v + detail::swap_lanes<S>(v, std::make_index_sequence<kVec>{}));
+  }
 }
 
 // exp(x) = 2^n * p(r), n = round(x / ln 2), |r| <= ln2 / 2, p a degree-6 Taylor polynomial
