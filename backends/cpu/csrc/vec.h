@@ -2,8 +2,8 @@
 // widest register the build targets: 16 floats with AVX-512, 8 with AVX2, 4 with SSE. One
 // source serves every x86 CPU the backend meets. The width is the native one on purpose:
 // GCC lowers a vector wider than the target's registers (a 16-float vector on AVX2) through
-// the stack, lane by lane for compares and shuffles, which measured 4-10x slower on an
-// AVX2-only CPU than the same loops on 8-float vectors.
+// the stack, lane by lane for compares and shuffles: the decode attention measured ~2-3x
+// slower that way on an AVX2-only CPU than on 8-float vectors (docs/backends/cpu.md).
 //
 // NOTE the width is part of the arithmetic (the attention kernels' tile of kVec keys, the
 // lane order of every sum), so a kernel's bits are fixed per build, not across ISAs; the
