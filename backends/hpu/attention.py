@@ -14,6 +14,9 @@ steps of that bucket. The KV cache is the core's flat-slot layout per layer,
 A layer with a sliding window narrows the step's mask to the window (built once per window
 and step, inside the graph: the window is a constant of its layer). Blocks the engine freed
 behind the window are still gathered, since the shapes are the bucket's, and masked out.
+
+In emulation on CPU tensors every path runs ``exact_attention.py`` instead, with the same
+masks, so a token's bits do not depend on the path that computed it (see there).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from cadence.backends.hpu.buckets import PaddedBatch
+from cadence.backends.hpu.exact_attention import exact_attention
 from cadence.forward_context import set_forward_context
 from cadence.layers.paged_attention import capped_attention
-from torch import nn
 
 
 @dataclass(slots=True)
@@ -98,12 +103,17 @@ class HpuPagedAttention:
     """``AttentionImpl`` for the HPU backend (see the module docstring)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 block_size: int, scale: float, fused_sdpa: SdpaFn | None = None) -> None:
+                 block_size: int, scale: float, fused_sdpa: SdpaFn | None = None,
+                 exact_len: int | None = None) -> None:
+        """``exact_len``: the emulation's fixed key length; every path then runs
+        ``exact_attention`` (see exact_attention.py), so a token's output does not depend on
+        which path computed it. None (a Gaudi): the paths below."""
         self.k_caches = k_caches
         self.v_caches = v_caches
         self.block_size = block_size
         self.scale = scale
         self.fused_sdpa = fused_sdpa
+        self.exact_len = exact_len
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, scale: float,
@@ -131,6 +141,8 @@ class HpuPagedAttention:
         kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
         mask = md.mask_for(sliding_window)
+        if self.exact_len is not None:
+            return self._exact(kc, vc, q, md, mask, scale, soft_cap)
         if md.is_decode:
             kb = gather_blocks(kc, md.block_tables, self.block_size)
             vb = gather_blocks(vc, md.block_tables, self.block_size)
@@ -148,6 +160,26 @@ class HpuPagedAttention:
         vt = vb.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
         out = self._sdpa(qt, kt, vt, mask, scale, soft_cap)  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(b * ql, h, d)
+
+
+    def _exact(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor,
+               md: HpuAttentionMetadata, mask: torch.Tensor | None, scale: float,
+               soft_cap: float | None) -> torch.Tensor:
+        b, ql = md.batch_size, md.query_len
+        _, h, d = q.shape
+        if md.attn_mask is None and not md.is_decode:
+            # A fresh chunk: its keys are its own slots, key index = position.
+            kb = kc.index_select(0, md.slot_mapping).view(b, ql, -1, d)
+            vb = vc.index_select(0, md.slot_mapping).view(b, ql, -1, d)
+            if mask is None:
+                mask = torch.ones(ql, ql, dtype=torch.bool, device=q.device).tril()
+                mask = mask.expand(b, 1, ql, ql)
+        else:
+            kb = gather_blocks(kc, md.block_tables, self.block_size)
+            vb = gather_blocks(vc, md.block_tables, self.block_size)
+        out = exact_attention(q.view(b, ql, h, d), kb, vb, mask.reshape(b, ql, -1), scale,
+                              self.exact_len, soft_cap)
+        return out.reshape(b * ql, h, d)
 
 
 class GraphedForward(nn.Module):

@@ -157,7 +157,13 @@ class HpuBackend(Backend):
         self.dummy_block = num_blocks
         spec = self.runner.kv_cache_spec()
         sdpa = None if self.device.is_emulated else fused_sdpa()
-        attn = HpuPagedAttention(k, v, spec.block_size, spec.head_dim ** -0.5, sdpa)
+        # The emulation runs every attention path the same way (exact_attention.py), over
+        # keys padded to the longest sequence served.
+        max_len = self.config.model_config.max_model_len
+        exact_len = -(-max_len // spec.block_size) * spec.block_size \
+            if self.device.is_emulated else None
+        attn = HpuPagedAttention(k, v, spec.block_size, spec.head_dim ** -0.5, sdpa,
+                                 exact_len)
         check_supported(attn, self.runner.model)
         self.runner.attn = attn
         # Under pipeline parallel the forward sends and receives activations: no HPU graph
