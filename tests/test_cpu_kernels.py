@@ -482,7 +482,7 @@ def _cos_sin(d: int, positions: torch.Tensor, dtype: torch.dtype):
     return RotaryEmbedding(config, d, 512, dtype)(positions)
 
 
-ROTARY_CASES = [  # (tokens, heads, kv heads, head_dim): halves below, at and above 16 lanes
+ROTARY_CASES = [  # (tokens, heads, kv heads, head_dim): halves around 8 and 16 lanes
     (7, 4, 2, 16), (13, 8, 2, 64), (3, 4, 4, 128), (5, 3, 1, 24), (40, 4, 2, 32), (6, 2, 1, 48),
 ]
 

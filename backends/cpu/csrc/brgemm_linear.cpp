@@ -80,6 +80,11 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   // Work items are (row chunk, column block), each over the whole K: which thread runs an
   // item, or how many rows share its chunk, never changes an element's sum.
   at::parallel_for(0, mchunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    // The tile configuration brgemm sets up is this thread's until released; released on
+    // every way out, a failed allocation or a throwing brgemm included.
+    struct ReleaseOnExit {
+      ~ReleaseOnExit() { at::native::cpublas::brgemm_release(); }
+    } release;
     std::vector<float> c(static_cast<size_t>(std::min(m, kBlockM) * kBlockN));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mc = item / blocks, nb = item % blocks;
@@ -104,7 +109,6 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
         }
       }
     }
-    at::native::cpublas::brgemm_release();
   });
   return out;
 }

@@ -19,7 +19,8 @@
 // kernel (which masks the same way) gives the same bits. Partitions wholly before the window
 // are not visited; their blocks may already be freed.
 //
-// Vectors are vec.h's native-width type (kVec floats), so one source runs on AVX-512 and AVX2.
+// Vectors are vec.h's native-width type (kVec floats), so one source runs on AVX-512, AVX2
+// and SSE.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
