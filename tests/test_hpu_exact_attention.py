@@ -26,17 +26,26 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return torch.einsum("hl,lhd->hd", probs, vv)
 
 
-def test_a_row_does_not_depend_on_batch_rows_or_key_padding() -> None:
+def test_a_row_does_not_depend_on_batch_rows_key_padding_or_chunks(monkeypatch) -> None:
+    import cadence.backends.hpu.exact_attention as ea
+
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 5, H, D, generator=g)
-    k = torch.randn(3, 24, KVH, D, generator=g)
-    v = torch.randn(3, 24, KVH, D, generator=g)
-    mask = torch.zeros(3, 5, 24, dtype=torch.bool)
+    k = torch.randn(3, 40, KVH, D, generator=g)
+    v = torch.randn(3, 40, KVH, D, generator=g)
+    mask = torch.zeros(3, 5, 40, dtype=torch.bool)
     mask[:, :, :13] = True
-    full = exact_attention(q, k, v, mask, SCALE, key_len=32)
+    full = exact_attention(q, k[:, :24], v[:, :24], mask[:, :, :24], SCALE, key_len=32)
     one = exact_attention(q[1:2, 3:4], k[1:2, :16], v[1:2, :16], mask[1:2, 3:4, :16], SCALE,
                           key_len=32)
     assert torch.equal(one[0, 0], full[1, 3])
+    # More keys than the fixed length (a bucket past max_model_len): cut, same bits.
+    longer = exact_attention(q, k, v, mask, SCALE, key_len=32)
+    assert torch.equal(longer, full)
+    # Sequences and rows in chunks of one: same bits.
+    monkeypatch.setattr(ea, "_CHUNK_ELEMENTS", 1)
+    assert torch.equal(exact_attention(q, k[:, :24], v[:, :24], mask[:, :, :24], SCALE,
+                                       key_len=32), full)
     want = _reference(q[1, 3], k[1, :13], v[1, :13])
     torch.testing.assert_close(full[1, 3].double(), want, rtol=1e-5, atol=1e-5)
 

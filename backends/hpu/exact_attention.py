@@ -17,42 +17,53 @@ chunk's too, so rounding to the cache dtype is the same), padded with masked key
 fixed length (the longest sequence the engine serves), scores and weighted sums as
 elementwise products reduced over a contiguous last dimension of fixed size. Each output
 is then one reduction of the same length in the same order, whichever rows, batch or
-path surround it. It costs memory of rows x heads x keys x head_dim per chunk of rows, so
-rows go in chunks; fine for the emulation's tiny models, and never run on a Gaudi.
+path surround it. The price: every row reads max_model_len keys whatever its length, and
+its products take heads x keys x head_dim floats, so sequences and rows go in chunks of
+about 64 MiB of products; fine for the emulation's small models, never run on a Gaudi.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Elements of one product tensor: about 64 MiB of fp32 per chunk of query rows.
+# Elements of one product tensor: about 64 MiB of fp32 (at least one query row).
 _CHUNK_ELEMENTS = 1 << 24
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float, key_len: int, soft_cap: float | None = None) -> torch.Tensor:
-    """q [B, Q, H, D], k/v [B, L, KVH, D] (L <= key_len), mask [B, Q, L] (True = attend)
-    -> [B, Q, H, D] in q's dtype, each row independent of B, Q and L (module NOTE)."""
+    """q [B, Q, H, D], k/v [B, L, KVH, D], mask [B, Q, L] (True = attend) -> [B, Q, H, D] in
+    q's dtype, each row independent of B, Q and L (module NOTE).
+
+    Keys are cut or padded to ``key_len``: a bucket may gather more blocks than the longest
+    sequence has, and those keys (index >= max_model_len) are never a real row's."""
     b, ql, h, d = q.shape
     length, kvh = k.shape[1], k.shape[2]
-    pad = max(key_len, length) - length
-    if pad:
+    if length > key_len:
+        k, v, mask = k[:, :key_len], v[:, :key_len], mask[:, :, :key_len]
+    elif length < key_len:
+        pad = key_len - length
         k = torch.cat([k, k.new_zeros(b, pad, kvh, d)], dim=1)
         v = torch.cat([v, v.new_zeros(b, pad, kvh, d)], dim=1)
         mask = torch.cat([mask, mask.new_zeros(b, ql, pad)], dim=2)
-    length += pad
+    length = key_len
     g = h // kvh
     kt = k.float().permute(0, 2, 1, 3).contiguous()  # [B, KVH, L, D]
     vt = v.float().permute(0, 2, 3, 1).contiguous()  # [B, KVH, D, L]
     qg = q.float().view(b, ql, kvh, g, d)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, b * h * length * d))
-    out = []
-    for s in range(0, ql, rows):
-        qc = qg[:, s:s + rows]  # [B, R, KVH, G, D]
-        scores = (qc.unsqueeze(4) * kt[:, None, :, None]).sum(-1) * scale  # [B, R, KVH, G, L]
-        if soft_cap is not None:
-            scores = torch.tanh(scores / soft_cap) * soft_cap
-        keep = mask[:, s:s + rows].view(b, -1, 1, 1, length)
-        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-        out.append((probs.unsqueeze(4) * vt[:, None, :, None]).sum(-1))  # [B, R, KVH, G, D]
-    return torch.cat(out, dim=1).reshape(b, ql, h, d).to(q.dtype)
+    # Chunks of sequences and of query rows: one query row's products are h * L * d.
+    per_row = h * length * d
+    seqs = max(1, min(b, _CHUNK_ELEMENTS // per_row))
+    rows = max(1, _CHUNK_ELEMENTS // (seqs * per_row))
+    out = torch.empty(b, ql, kvh, g, d)
+    for s0 in range(0, b, seqs):
+        kc, vc = kt[s0:s0 + seqs, None, :, None], vt[s0:s0 + seqs, None, :, None]
+        for r0 in range(0, ql, rows):
+            qc = qg[s0:s0 + seqs, r0:r0 + rows]  # [S, R, KVH, G, D]
+            scores = (qc.unsqueeze(4) * kc).sum(-1) * scale  # [S, R, KVH, G, L]
+            if soft_cap is not None:
+                scores = torch.tanh(scores / soft_cap) * soft_cap
+            keep = mask[s0:s0 + seqs, r0:r0 + rows].unsqueeze(2).unsqueeze(3)
+            probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+            out[s0:s0 + seqs, r0:r0 + rows] = (probs.unsqueeze(4) * vc).sum(-1)
+    return out.reshape(b, ql, h, d).to(q.dtype)
