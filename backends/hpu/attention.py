@@ -161,7 +161,6 @@ class HpuPagedAttention:
         out = self._sdpa(qt, kt, vt, mask, scale, soft_cap)  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(b * ql, h, d)
 
-
     def _exact(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor,
                md: HpuAttentionMetadata, mask: torch.Tensor | None, scale: float,
                soft_cap: float | None) -> torch.Tensor:

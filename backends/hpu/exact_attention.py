@@ -55,7 +55,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     per_row = h * length * d
     seqs = max(1, min(b, _CHUNK_ELEMENTS // per_row))
     rows = max(1, _CHUNK_ELEMENTS // (seqs * per_row))
-    out = torch.empty(b, ql, kvh, g, d)
+    out = torch.empty(b, ql, kvh, g, d, device=q.device)
     for s0 in range(0, b, seqs):
         kc, vc = kt[s0:s0 + seqs, None, :, None], vt[s0:s0 + seqs, None, :, None]
         for r0 in range(0, ql, rows):
