@@ -747,6 +747,113 @@ def test_pack_linears_with_brgemm(tiny_model_dir) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k,n", [(1536, 576), (576, 49), (37, 100), (2000, 24)])
+def test_tiled_linear_matches_reference_and_is_batch_invariant(ops, k, n, bias) -> None:
+    # 576 -> 49 and 37 -> 100: a last panel of a few columns (zero-padded); 2000: two K
+    # blocks, the partial sums stored and reloaded between them.
+    lin = _linear(k, n, bias, torch.float32, seed=5 + int(bias))
+    gemm = cpu_linear.TiledLinear(lin)
+    assert (gemm.in_features, gemm.out_features) == (k, n)
+    x = torch.randn(333, k, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = gemm(x)
+        assert full.shape == (333, n) and full.dtype == torch.float32
+        reference = F.linear(x.double(), lin.weight.double(),
+                             None if lin.bias is None else lin.bias.double())
+        torch.testing.assert_close(full.double(), reference, atol=2e-5, rtol=1e-5)
+        # Rows 0..332 span three row chunks of 128 and every tail of the 6-row tile.
+        for m in range(1, 71):
+            assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
+            assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
+        assert torch.equal(gemm(x[5:6]), full[5:6])
+        wide = torch.cat([x, torch.randn(333, 3)], dim=1)[:, :k]  # rows k + 3 floats apart
+        assert torch.equal(gemm(wide), full)
+        assert gemm(x[:0]).shape == (0, n)
+
+
+def test_tiled_linear_is_independent_of_the_thread_count(ops) -> None:
+    lin = _linear(576, 3072, False, torch.float32, seed=2)
+    gemm = cpu_linear.TiledLinear(lin)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        full = gemm(x)
+        try:
+            torch.set_num_threads(1)
+            alone = gemm(x)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(alone, full)
+
+
+def test_tiled_kernel_refuses_mismatched_arguments(ops) -> None:
+    w = torch.randn(40, 24)
+    packed = ops.tiled_pack(w)
+    assert packed.shape == (-(-40 // ops.tiled_panel_width()), 24, ops.tiled_panel_width())
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        ops.tiled_linear(torch.randn(3, 25), packed, 40)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        ops.tiled_linear(torch.randn(3, 24), packed, 40 + ops.tiled_panel_width())
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.tiled_linear(torch.randn(3, 24).to(torch.bfloat16), packed, 40)
+    with pytest.raises(RuntimeError, match="bias must have n elements"):
+        ops.tiled_linear(torch.randn(3, 24), packed, 40, torch.zeros(39))
+
+
+def test_tiled_choice_refused_by_name(monkeypatch) -> None:
+    lin = _linear(64, 32, False, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="'tiled' runs float32 weights.*--dtype float32"):
+        cpu_linear.choose_linear("tiled", torch.nn.Sequential(lin), torch.bfloat16)
+    with pytest.raises(ValueError, match="'tiled' runs float32 weights"):
+        cpu_linear.TiledLinear(lin)
+    monkeypatch.setattr(cpu_linear, "tiled_ops", lambda: None)
+    lin = _linear(64, 32, False, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="'tiled' needs the compiled CPU kernels.*auto, packed"):
+        cpu_linear.choose_linear("tiled", torch.nn.Sequential(lin), torch.float32)
+    with pytest.raises(ValueError, match="C\\+\\+ compiler"):
+        cpu_linear.TiledLinear(lin)
+
+
+def test_auto_measures_tiled_in_fp32_only(ops, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    seen: list[tuple[str, ...]] = []
+
+    def fake_measure(shapes, dtype, rows=64, choices=()):
+        seen.append(tuple(choices))
+        return {f"{c}_s": {"tiled": 1.0}.get(c, 2.0) for c in choices}
+
+    monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
+    monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: True)
+    assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "tiled"
+    assert "tiled" in seen[-1]
+    # Without the compiled kernels it is not a candidate (the verdict's key says so too).
+    monkeypatch.setattr(cpu_linear, "tiled_ops", lambda: None)
+    assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) != "tiled"
+    assert "tiled" not in seen[-1]
+    if cpu_info().has_native_bf16:
+        cpu_linear.choose_linear("auto", _two_linears(), torch.bfloat16)
+        assert "tiled" not in seen[-1]
+
+
+def test_pack_linears_with_tiled(ops, tiny_model_dir) -> None:
+    model = _load_tiny(tiny_model_dir("llama-tied"))
+    embedding = model.model.embed_tokens.weight
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(5, m.in_features, generator=g) for n, m in linears.items()}
+    with torch.no_grad():
+        before = {n: m(inputs[n]) for n, m in linears.items()}
+    assert cpu_linear.pack_linears(model, kind="tiled") == len(linears)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name in linears:
+            assert isinstance(modules[name], cpu_linear.TiledLinear), name
+            torch.testing.assert_close(modules[name](inputs[name]), before[name], atol=1e-5,
+                                       rtol=1e-5)
+    assert model.model.embed_tokens.weight is embedding  # the head packed a copy
+
+
 def _load_tiny(model_dir: str, dtype: str = "float32"):
     from cadence.config import ModelConfig
     from cadence.model_loader import load_model
@@ -795,7 +902,8 @@ def _two_linears() -> torch.nn.Module:
 def test_choose_linear_forced_and_invalid() -> None:
     model = _two_linears()
     assert cpu_linear.choose_linear("torch", model, torch.float32) == "torch"
-    with pytest.raises(ValueError, match=r"\('auto', 'packed', 'brgemm', 'torch'\).*'fastest'"):
+    with pytest.raises(ValueError,
+                       match=r"\('auto', 'packed', 'tiled', 'brgemm', 'torch'\).*'fastest'"):
         cpu_linear.choose_linear("fastest", model, torch.float32)
     if cpu_linear.packed_available():
         assert cpu_linear.choose_linear("packed", model, torch.float32) == "packed"
@@ -812,7 +920,7 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     assert cpu_linear._verdict_file() == verdict_file
     calls: list[tuple] = []
 
-    def fake_measure(shapes, dtype, rows=64):
+    def fake_measure(shapes, dtype, rows=64, choices=()):
         calls.append((tuple(shapes), dtype))
         return {"torch_s": 2.0, "packed_s": 1.0}  # packed "wins"
 
@@ -832,7 +940,8 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     assert len(calls) == 1
     # A verdict of "torch" for other shapes is kept beside the first, not over it.
     monkeypatch.setattr(cpu_linear, "_measure",
-                        lambda shapes, dtype, rows=64: {"torch_s": 1.0, "packed_s": 3.0})
+                        lambda shapes, dtype, rows=64, choices=(): {"torch_s": 1.0,
+                                                                    "packed_s": 3.0})
     other = torch.nn.Sequential(Linear(16, 16))
     assert cpu_linear.choose_linear("auto", other, torch.float32) == "torch"
     assert sorted(v["choice"] for v in json.loads(verdict_file.read_text()).values()) == [
@@ -845,7 +954,7 @@ def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeyp
                                                                caplog) -> None:
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_linear, "_measure",
-                        lambda shapes, dtype, rows=64: {"torch_s": 2.0, "packed_s": 1.0})
+                        lambda shapes, dtype, rows=64, choices=(): {"torch_s": 2.0, "packed_s": 1.0})
     checked: list[str] = []
 
     def independent(gemm, shapes, dtype):
@@ -1031,7 +1140,7 @@ def test_engine_kernel_path_matches_torch_path(ops, tiny_model_dir, tmp_path, mo
 
     tokens_k, lps_k, info_k, runner = _greedy_run(model, {"overlap": "sync"})
     assert info_k["cpu_attention"] == "kernel"
-    assert info_k["cpu_linear"] in ("packed", "torch")
+    assert info_k["cpu_linear"] in ("packed", "tiled", "torch")
     assert isinstance(runner.attn, cpu_attention.CpuPagedAttention)
     replaced = {type(m) for m in runner.model.modules()}
     assert {KernelRMSNorm, KernelSiluAndMul, KernelRotary} <= replaced
@@ -1045,6 +1154,13 @@ def test_engine_kernel_path_matches_torch_path(ops, tiny_model_dir, tmp_path, mo
         assert info_p["cpu_linear"] == "packed"
         assert any(isinstance(m, cpu_linear.PackedLinear) for m in runner.model.modules())
         assert tokens_p == tokens_t
+    tokens_g, lps_g, info_g, runner = _greedy_run(model, {"overlap": "sync", "linear": "tiled",
+                                                          "attention": "kernel"})
+    assert info_g["cpu_linear"] == "tiled"
+    assert any(isinstance(m, cpu_linear.TiledLinear) for m in runner.model.modules())
+    assert tokens_g == tokens_t
+    for a, b in zip(lps_g, lps_t):
+        assert a == pytest.approx(b, abs=1e-4)
 
 
 def test_engine_with_kernels_disabled_runs_the_torch_path(tiny_model_dir, monkeypatch) -> None:

@@ -30,9 +30,11 @@ def cadence_add_cli_options(parser) -> None:
                         help="decode attention: 'kernel' (compiled once per CPU, reads the paged "
                              "cache in place), 'torch' (the reference path), or 'auto' "
                              "(default: the kernel where it builds, else torch with a warning)")
-    parser.add_argument("--cpu-linear", choices=("auto", "packed", "brgemm", "torch"),
+    parser.add_argument("--cpu-linear", choices=("auto", "packed", "tiled", "brgemm", "torch"),
                         default=None,
-                        help="GEMMs: 'packed' (oneDNN weights packed at load), 'brgemm' (bf16 "
+                        help="GEMMs: 'packed' (oneDNN weights packed at load), 'tiled' (fp32 "
+                             "on a compiled register-tiled kernel, weights packed at load), "
+                             "'brgemm' (bf16 "
                              "on torch's AMX micro-kernel, weights packed at load), 'torch' "
                              "(F.linear), or 'auto' (default: whichever measured fastest on "
                              "this CPU, measured once and cached)")

@@ -8,6 +8,10 @@ SmolLM2 layer GEMMs ~1.5x faster than ``F.linear`` in fp32 and ~1.3x in bf16, an
 ``choose_linear`` times each candidate on the model's own shapes once per CPU/torch/dtype and caches
 the verdict, so later runs on the machine make the same choice.
 
+In fp32, where the compiled kernels build, ``TiledLinear`` (csrc/tiled_linear.cpp) is a
+candidate too: a register-tiled micro-kernel over weights packed in column panels, which ran
+the default model's decode GEMMs faster than oneDNN on an AVX2-only EPYC (docs/backends/cpu.md).
+
 In bf16, where torch's batch-reduce GEMM micro-kernel runs on this CPU (AMX), a third
 candidate joins: ``BrgemmLinear`` (csrc/brgemm_linear.cpp), the same oneDNN arithmetic units
 without the ~25 us a call oneDNN's inner product spends building its primitive descriptor
@@ -42,7 +46,7 @@ from cadence.layers.linear import Linear, row_aligned
 
 logger = logging.getLogger(__name__)
 
-LINEAR_CHOICES = ("auto", "packed", "brgemm", "torch")
+LINEAR_CHOICES = ("auto", "packed", "tiled", "brgemm", "torch")
 
 
 def packed_available() -> bool:
@@ -135,13 +139,41 @@ class BrgemmLinear(_PrepackedLinear):
         return self.ops.brgemm_linear(x, self.packed, self.out_features, self.bias)
 
 
-_KINDS = {"packed": PackedLinear, "brgemm": BrgemmLinear}
+_NO_TILED = ("cpu linear 'tiled' needs the compiled CPU kernels (a C++ compiler); use "
+             "--cpu-linear auto, packed or torch")
+
+
+def tiled_ops() -> ModuleType | None:
+    """The compiled kernels (they carry the fp32 tiled GEMM), else None."""
+    from cadence.backends.cpu.kernels import load_kernels
+
+    return load_kernels()
+
+
+class TiledLinear(_PrepackedLinear):
+    """An fp32 ``Linear`` on the register-tiled micro-kernel of csrc/tiled_linear.cpp."""
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype != torch.float32:
+            raise ValueError(f"cpu linear 'tiled' runs float32 weights, got {w.dtype}; use "
+                             "--dtype float32, or --cpu-linear auto, packed or torch")
+        ops = tiled_ops()
+        if ops is None:
+            raise ValueError(_NO_TILED)
+        self.ops = ops
+        return ops.tiled_pack(w)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.tiled_linear(x, self.packed, self.out_features, self.bias)
+
+
+_KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear}
 
 
 def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = (),
                  kind: str = "packed") -> int:
     """Replace every ``cadence.layers.linear.Linear`` in ``model`` by a ``PackedLinear``
-    (``kind`` "packed") or a ``BrgemmLinear`` ("brgemm").
+    (``kind`` "packed"), a ``TiledLinear`` ("tiled") or a ``BrgemmLinear`` ("brgemm").
 
     A weight shared with another module (the LM head tied to the embeddings) is packed as a
     copy; the other module keeps the plain tensor. Modules named in ``keep_weight_of`` keep
@@ -213,7 +245,8 @@ def _rows_independent(gemm: Callable[[torch.Tensor], Callable],
     return True
 
 
-_LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "brgemm": "brgemm micro-kernel"}
+_LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "tiled": "tiled fp32 micro-kernel",
+           "brgemm": "brgemm micro-kernel"}
 
 
 def _verdict_file() -> Path:
@@ -223,7 +256,7 @@ def _verdict_file() -> Path:
 
 
 def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
-    """``packed``, ``brgemm`` or ``torch`` for ``requested`` in LINEAR_CHOICES (auto measures,
+    """``packed``, ``tiled``, ``brgemm`` or ``torch`` for ``requested`` in LINEAR_CHOICES (auto measures,
     once per CPU, torch, dtype, thread count and set of shapes)."""
     if requested not in LINEAR_CHOICES:
         raise ValueError(f"cpu linear must be one of {LINEAR_CHOICES}, got {requested!r}")
@@ -241,11 +274,16 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             raise ValueError(f"cpu linear 'brgemm' needs even input widths (bf16 pairs), the "
                              f"model has {odd[:3]}; use --cpu-linear auto, packed or torch")
         return "brgemm"
-    if not packed_available():
-        if requested == "packed":
-            raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
-        return "torch"
+    if requested == "tiled":
+        if dtype != torch.float32:
+            raise ValueError(f"cpu linear 'tiled' runs float32 weights, got {dtype}; use "
+                             "--dtype float32, or --cpu-linear auto, packed or torch")
+        if tiled_ops() is None:
+            raise ValueError(_NO_TILED)
+        return "tiled"
     if requested == "packed":
+        if not packed_available():
+            raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
         if dtype == torch.bfloat16 and not packed_bf16_available():
             raise ValueError(_NO_PACKED_BF16)
         return "packed"
@@ -255,7 +293,11 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
     if brgemm is not None and any(k % 2 for _, k in shapes):
         brgemm = None  # its VNNI layout pairs the input features
     info = cpu_info()
-    candidates = ["torch", "packed"] + (["brgemm"] if brgemm is not None else [])
+    tiled = dtype == torch.float32 and tiled_ops() is not None
+    candidates = ["torch"] + (["packed"] if packed_available() else []) + \
+        (["tiled"] if tiled else []) + (["brgemm"] if brgemm is not None else [])
+    if candidates == ["torch"]:
+        return "torch"
     # "rows checked": verdicts from before the batch-independence check are measured again.
     key = json.dumps([info.model, info.relevant_flags, torch.__version__, str(dtype),
                       torch.get_num_threads(), shapes, candidates, "rows checked"])
@@ -271,11 +313,10 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             verdicts = {}  # unreadable or half-written by a killed process: measure again
         if key not in verdicts:
             small = [s for s in shapes if s[0] <= 8192]
-            times = _measure(small, dtype, choices=tuple(candidates)) if brgemm is not None \
-                else _measure(small, dtype)
-            # Ties go to the earlier of packed, brgemm, torch; a kernel whose rows depend on
-            # the batch is out (async == sync exactness needs them independent).
-            order = [c for c in ("packed", "brgemm", "torch") if f"{c}_s" in times]
+            times = _measure(small, dtype, choices=tuple(candidates))
+            # Ties go to the earlier of packed, tiled, brgemm, torch; a kernel whose rows
+            # depend on the batch is out (async == sync exactness needs them independent).
+            order = [c for c in ("packed", "tiled", "brgemm", "torch") if f"{c}_s" in times]
             dependent = [c for c in order
                          if not _rows_independent(_gemm_of(c), shapes, dtype)]
             choice = min([c for c in order if c not in dependent] or order,

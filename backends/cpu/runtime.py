@@ -27,7 +27,7 @@ class CpuRuntime:
     runner: ModelRunner
     num_blocks: int
     attention: str  # "kernel" or "torch"
-    linear: str  # "packed", "brgemm" or "torch"
+    linear: str  # "packed", "tiled", "brgemm" or "torch"
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,
@@ -101,7 +101,7 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     runner.load_model()
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
-    if linear in ("packed", "brgemm"):
+    if linear != "torch":
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)

@@ -1,0 +1,166 @@
+// fp32 GEMMs on a register-tiled micro-kernel over weights packed once at load in column
+// panels: what made the default model's decode GEMMs faster than oneDNN's packed inner product
+// on an AVX2-only AMD EPYC (docs/backends/cpu.md, "The fp32 tiled GEMM"). linear.py measures it
+// against oneDNN and F.linear on the model's own shapes and keeps the fastest.
+//
+// Why it wins at decode sizes: at 16-64 rows oneDNN's inner product runs at 40-56 GFLOP/s
+// there against ~68 at 2048 rows. Here a weight panel (kNR columns, the whole K) is read
+// from memory once per chunk of rows, the next panel is prefetched while the current one is
+// used by every row tile, and a tile of kMR rows x kNR columns lives in registers (12 of the
+// 16 AVX2 registers), so the FMA units are fed from L1 whatever the number of rows.
+//
+// NOTE batch invariance: every output element is one FMA chain over k = 0..K-1 in order,
+// whatever M is, which row tile or chunk holds the row, or which thread computes it (a K
+// block ends with the partial sums stored as fp32 and reloaded: no rounding). Rows of any
+// batch therefore get the bits they get alone; tests/test_cpu_kernels.py checks it.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace cadence_cpu;
+
+constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
+constexpr int kMR = 6;             // rows per register tile: 2 x 6 accumulators
+constexpr int64_t kMaxKC = 1536;   // a panel's K block: 96 KiB at most, kept in L2
+constexpr int64_t kMC = 128;       // rows per chunk: the chunk's K block of x stays in L2
+
+// a * b + c as one fused operation in every instantiation (the compiler's contraction is a
+// choice it may make differently per function; the bits must not depend on it).
+inline vfloat fma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  __m512 x, y, z;
+  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
+  z = _mm512_fmadd_ps(x, y, z);
+#elif defined(__FMA__)
+  __m256 x, y, z;
+  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
+  z = _mm256_fmadd_ps(x, y, z);
+#else
+  const vfloat z = a * b + c;  // no FMA unit: one rounding per step, the same in every tile
+#endif
+  vfloat r;
+  std::memcpy(&r, &z, sizeof(r));
+  return r;
+}
+
+// c[MR, kNR] (+)= a[MR, kc] (rows lda apart) x b[kc, kNR]; while it runs, the first kc
+// lines (of kNR floats) at pf are prefetched into L2 for the next panel or K block.
+template <int MR>
+inline void tile(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t kc,
+                 float* __restrict c, bool first, const float* __restrict pf) {
+  vfloat acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc0[r] = first ? splat(0.0f) : load(c + r * kNR);
+    acc1[r] = first ? splat(0.0f) : load(c + r * kNR + kVec);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const vfloat b0 = load(b + k * kNR), b1 = load(b + k * kNR + kVec);
+    if (pf != nullptr) {
+      for (int64_t line = 0; line < kNR * 4; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(pf + k * kNR) + line, 0, 2);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const vfloat av = splat(a[r * lda + k]);
+      acc0[r] = fma(av, b0, acc0[r]);
+      acc1[r] = fma(av, b1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store(c + r * kNR, acc0[r]);
+    store(c + r * kNR + kVec, acc1[r]);
+  }
+}
+
+void tile_rows(int rows, const float* a, int64_t lda, const float* b, int64_t kc, float* c,
+               bool first, const float* pf) {
+  switch (rows) {
+    case 6: tile<6>(a, lda, b, kc, c, first, pf); break;
+    case 5: tile<5>(a, lda, b, kc, c, first, pf); break;
+    case 4: tile<4>(a, lda, b, kc, c, first, pf); break;
+    case 3: tile<3>(a, lda, b, kc, c, first, pf); break;
+    case 2: tile<2>(a, lda, b, kc, c, first, pf); break;
+    default: tile<1>(a, lda, b, kc, c, first, pf); break;
+  }
+}
+
+}  // namespace
+
+int64_t tiled_panel_width() { return kNR; }
+
+// w [N, K] fp32 -> [ceil(N / kNR), K, kNR]: panel p holds columns p*kNR.. as K rows of kNR
+// floats; the last panel is zero-padded.
+torch::Tensor tiled_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "w must be [N, K] float32");
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + kNR - 1) / kNR;
+  auto padded = torch::zeros({panels * kNR, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  return padded.view({panels, kNR, k}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32 (rows contiguous) times the packed weight of an [N, K] linear, plus bias
+// (fp32 [N], optional, added to the finished sum) -> [M, N] fp32.
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+                  packed.size(2) == kNR && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "packed must be tiled_pack's output for K = x.size(1)");
+  const auto xc = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), lda = xc.stride(0);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(k > 0, "K must be positive");
+  TORCH_CHECK(n > (panels - 1) * kNR && n <= panels * kNR, "n does not match packed");
+  const float* bias_ptr = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == n, "bias must have n elements");
+    bias_ptr = bc.data_ptr<float>();
+  }
+  auto out = torch::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  const float* a = xc.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t kc_max = std::min(k, kMaxKC);
+  const int64_t chunks = (m + kMC - 1) / kMC;
+  // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
+  // streams them in order, which is what the prefetch of "the next one" relies on.
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(static_cast<size_t>(std::min(m, kMC) * kNR));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, p = item % panels;
+      const int64_t m0 = chunk * kMC, rows = std::min(kMC, m - m0);
+      const int64_t n0 = p * kNR, cols = std::min(kNR, n - n0);
+      const float* panel = w + p * k * kNR;
+      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        // The first row tile of a block prefetches the block this thread reads next.
+        const float* next = k0 + kc < k ? panel + (k0 + kc) * kNR
+                            : item + 1 < end ? w + ((item + 1) % panels) * k * kNR
+                                             : nullptr;
+        for (int64_t r0 = 0; r0 < rows; r0 += kMR)
+          tile_rows(static_cast<int>(std::min<int64_t>(kMR, rows - r0)),
+                    a + (m0 + r0) * lda + k0, lda, panel + k0 * kNR, kc, c.data() + r0 * kNR,
+                    k0 == 0, r0 == 0 ? next : nullptr);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* orow = o + (m0 + r) * n + n0;
+        const float* crow = c.data() + r * kNR;
+        for (int64_t j = 0; j < cols; ++j)
+          orow[j] = bias_ptr == nullptr ? crow[j] : crow[j] + bias_ptr[n0 + j];
+      }
+    }
+  });
+  return out;
+}
