@@ -3,11 +3,11 @@
 // on an AVX2-only AMD EPYC (docs/backends/cpu.md, "The fp32 tiled GEMM"). linear.py measures it
 // against oneDNN and F.linear on the model's own shapes and keeps the fastest.
 //
-// Why it wins at decode sizes: at 16-64 rows oneDNN's inner product runs at 40-56 GFLOP/s
-// there against ~68 at 2048 rows. Here a weight panel (kNR columns, the whole K) is read
+// Why it wins at decode sizes: at 16-64 rows oneDNN's inner product runs at 45-61 GFLOP/s
+// there against ~72 at 2048 rows. Here a weight panel (kNR columns, the whole K) is read
 // from memory once per chunk of rows, the next panel is prefetched while the current one is
 // used by every row tile, and a tile of kMR rows x kNR columns lives in registers (12 of the
-// 16 AVX2 registers), so the FMA units are fed from L1 whatever the number of rows.
+// 16 AVX2 registers), so the FMA units are fed from cache whatever the number of rows.
 //
 // NOTE batch invariance: every output element is one FMA chain over k = 0..K-1 in order,
 // whatever M is, which row tile or chunk holds the row, or which thread computes it (a K
