@@ -139,7 +139,8 @@ class BrgemmLinear(_PrepackedLinear):
         return self.ops.brgemm_linear(x, self.packed, self.out_features, self.bias)
 
 
-_NO_TILED = ("cpu linear 'tiled' needs the compiled CPU kernels (a C++ compiler); use "
+_NO_TILED = ("cpu linear 'tiled' needs the compiled CPU kernels, which are turned off "
+             "(CADENCE_CPU_KERNELS=0) or did not build here (a C++ compiler is needed); use "
              "--cpu-linear auto, packed or torch")
 
 

@@ -30,8 +30,8 @@ using namespace cadence_cpu;
 
 constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
 constexpr int kMR = 6;             // rows per register tile: 2 x 6 accumulators
-constexpr int64_t kMaxKC = 1536;   // a panel's K block: 96 KiB at most, kept in L2
-constexpr int64_t kMC = 128;       // rows per chunk: the chunk's K block of x stays in L2
+constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
+constexpr int64_t kMC = 128;       // rows per chunk: how often a panel is read again (large M)
 
 // a * b + c as one fused operation in every instantiation (the compiler's contraction is a
 // choice it may make differently per function; the bits must not depend on it).
@@ -52,11 +52,12 @@ inline vfloat fma(vfloat a, vfloat b, vfloat c) {
   return r;
 }
 
-// c[MR, kNR] (+)= a[MR, kc] (rows lda apart) x b[kc, kNR]; while it runs, the first kc
-// lines (of kNR floats) at pf are prefetched into L2 for the next panel or K block.
+// c[MR, kNR] (+)= a[MR, kc] (rows lda apart) x b[kc, kNR]; while it runs, the first
+// min(pf_rows, kc) rows (of kNR floats) at pf are prefetched into L2: the next panel or K
+// block this thread reads (one row per k; a longer next block is only partly prefetched).
 template <int MR>
 inline void tile(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t kc,
-                 float* __restrict c, bool first, const float* __restrict pf) {
+                 float* __restrict c, bool first, const float* __restrict pf, int64_t pf_rows) {
   vfloat acc0[MR], acc1[MR];
   for (int r = 0; r < MR; ++r) {
     acc0[r] = first ? splat(0.0f) : load(c + r * kNR);
@@ -64,7 +65,7 @@ inline void tile(const float* __restrict a, int64_t lda, const float* __restrict
   }
   for (int64_t k = 0; k < kc; ++k) {
     const vfloat b0 = load(b + k * kNR), b1 = load(b + k * kNR + kVec);
-    if (pf != nullptr) {
+    if (k < pf_rows) {
       for (int64_t line = 0; line < kNR * 4; line += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(pf + k * kNR) + line, 0, 2);
     }
@@ -81,14 +82,14 @@ inline void tile(const float* __restrict a, int64_t lda, const float* __restrict
 }
 
 void tile_rows(int rows, const float* a, int64_t lda, const float* b, int64_t kc, float* c,
-               bool first, const float* pf) {
+               bool first, const float* pf, int64_t pf_rows) {
   switch (rows) {
-    case 6: tile<6>(a, lda, b, kc, c, first, pf); break;
-    case 5: tile<5>(a, lda, b, kc, c, first, pf); break;
-    case 4: tile<4>(a, lda, b, kc, c, first, pf); break;
-    case 3: tile<3>(a, lda, b, kc, c, first, pf); break;
-    case 2: tile<2>(a, lda, b, kc, c, first, pf); break;
-    default: tile<1>(a, lda, b, kc, c, first, pf); break;
+    case 6: tile<6>(a, lda, b, kc, c, first, pf, pf_rows); break;
+    case 5: tile<5>(a, lda, b, kc, c, first, pf, pf_rows); break;
+    case 4: tile<4>(a, lda, b, kc, c, first, pf, pf_rows); break;
+    case 3: tile<3>(a, lda, b, kc, c, first, pf, pf_rows); break;
+    case 2: tile<2>(a, lda, b, kc, c, first, pf, pf_rows); break;
+    default: tile<1>(a, lda, b, kc, c, first, pf, pf_rows); break;
   }
 }
 
@@ -112,6 +113,7 @@ torch::Tensor tiled_pack(torch::Tensor w) {
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be on the CPU");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
                   packed.size(2) == kNR && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "packed must be tiled_pack's output for K = x.size(1)");
@@ -145,14 +147,21 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
       const float* panel = w + p * k * kNR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, k - k0);
-        // The first row tile of a block prefetches the block this thread reads next.
-        const float* next = k0 + kc < k ? panel + (k0 + kc) * kNR
-                            : item + 1 < end ? w + ((item + 1) % panels) * k * kNR
-                                             : nullptr;
+        // The first row tile of a block prefetches the block this thread reads next: the
+        // panel's next K block, or the first K block of its next item's panel.
+        const float* next = nullptr;
+        int64_t next_rows = 0;
+        if (k0 + kc < k) {
+          next = panel + (k0 + kc) * kNR;
+          next_rows = std::min(kc_max, k - k0 - kc);
+        } else if (item + 1 < end) {
+          next = w + ((item + 1) % panels) * k * kNR;
+          next_rows = kc_max;
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += kMR)
           tile_rows(static_cast<int>(std::min<int64_t>(kMR, rows - r0)),
                     a + (m0 + r0) * lda + k0, lda, panel + k0 * kNR, kc, c.data() + r0 * kNR,
-                    k0 == 0, r0 == 0 ? next : nullptr);
+                    k0 == 0, next, r0 == 0 ? next_rows : 0);
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* orow = o + (m0 + r) * n + n0;
