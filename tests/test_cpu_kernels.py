@@ -811,6 +811,10 @@ def test_tiled_kernel_refuses_mismatched_arguments(ops) -> None:
         ops.tiled_linear(torch.randn(3, 24).to(torch.bfloat16), packed, 40)
     with pytest.raises(RuntimeError, match="bias must have n elements"):
         ops.tiled_linear(torch.randn(3, 24), packed, 40, torch.zeros(39))
+    with pytest.raises(RuntimeError, match="must be on the CPU"):
+        ops.tiled_linear(torch.randn(3, 24, device="meta"), packed, 40)
+    with pytest.raises(RuntimeError, match="bias must be on the CPU"):
+        ops.tiled_linear(torch.randn(3, 24), packed, 40, torch.zeros(40, device="meta"))
 
 
 def test_tiled_choice_refused_by_name(monkeypatch) -> None:
@@ -837,6 +841,7 @@ def test_auto_measures_tiled_in_fp32_only(ops, tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
     monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: True)
+    monkeypatch.setattr(cpu_linear, "packed_available", lambda: True)  # always a rival
     assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "tiled"
     assert len(seen) == 1 and "tiled" in seen[0]
     if cpu_info().has_native_bf16:  # bf16 without it takes F.linear unmeasured
@@ -844,7 +849,6 @@ def test_auto_measures_tiled_in_fp32_only(ops, tmp_path, monkeypatch) -> None:
         assert len(seen) == 2 and "tiled" not in seen[1]
     # Without the compiled kernels it is not a candidate (the verdict's key says so too).
     monkeypatch.setattr(cpu_linear, "tiled_ops", lambda: None)
-    monkeypatch.setattr(cpu_linear, "packed_available", lambda: True)
     before = len(seen)
     assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) != "tiled"
     assert len(seen) == before + 1 and "tiled" not in seen[-1]

@@ -125,6 +125,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const float* bias_ptr = nullptr;
   torch::Tensor bc;
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu(), "bias must be on the CPU");
     bc = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bc.numel() == n, "bias must have n elements");
     bias_ptr = bc.data_ptr<float>();
