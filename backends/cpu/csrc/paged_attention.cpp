@@ -65,25 +65,32 @@ struct Geometry {
   float soft_cap;  // cap * tanh(score / cap) when > 0 (attention_common.h)
 };
 
-// Pointers to the rows of tokens [t, t + count) (all KV heads of a token are one
-// contiguous run in the core's token-major layout), prefetching the row kVec tokens ahead
-// of each: the lookahead is one tile, spread evenly, so the next tile's loads are in flight
-// while this one is computed. The hardware prefetcher alone does not follow a jump to the
-// next block of the table, which can sit anywhere in the cache (measured: a burst of a
-// whole block's prefetches at once mostly went unused).
+// The row of token tt: all KV heads of a token are one contiguous run in the core's
+// token-major layout.
+template <typename cache_t>
+inline const cache_t* token_row(const Geometry& g, const cache_t* cache, int64_t block_stride,
+                                int64_t token_stride, const int32_t* table, int64_t tt) {
+  return cache + table[tt / g.block_size] * block_stride + (tt % g.block_size) * token_stride;
+}
+
+// Pointers to the rows of tokens [t, t + count), prefetching the row kVec tokens ahead of
+// each while it is below t_end (t_end = t: none): the lookahead is one tile, spread evenly,
+// so the next tile's loads are in flight while this one is computed. The hardware
+// prefetcher alone does not follow a jump to the next block of the table, which can sit
+// anywhere in the cache (measured: a burst of a whole block's prefetches at once mostly
+// went unused).
 template <typename cache_t>
 inline void tile_rows(const Geometry& g, const cache_t* cache, int64_t block_stride,
                       int64_t token_stride, int64_t head_stride, const int32_t* table,
                       int64_t kh0, int64_t kh1, int64_t d, int64_t t, int64_t count,
                       int64_t t_end, const cache_t** rows) {
-  const int64_t bs = g.block_size;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t tt = t + i;
     const int64_t ahead = tt + kVec;
     if (ahead < t_end)
-      prefetch_row(cache + table[ahead / bs] * block_stride + (ahead % bs) * token_stride,
-                   head_stride, kh0, kh1, d);
-    rows[i] = cache + table[tt / bs] * block_stride + (tt % bs) * token_stride;
+      prefetch_row(token_row(g, cache, block_stride, token_stride, table, ahead), head_stride,
+                   kh0, kh1, d);
+    rows[i] = token_row(g, cache, block_stride, token_stride, table, tt);
   }
   // A short last tile repeats its last row: the scores of the copies are masked out, and a
   // full tile keeps the score loop at a fixed trip count (its kVec partials stay in registers).
@@ -140,22 +147,29 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   const cache_t* rows[kVec];
   const vfloat neg_inf = splat(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < nh; ++h) maxes[h] = neg_inf;
+  // The K pass's prefetches (the next tile's K rows; in fp32 also this tile's V rows, so the
+  // V pass streams from L2 while K's and V's DRAM reads overlap) go out a few between each
+  // head's scores instead of in one burst before them: measured 13-21 % faster on an AVX2
+  // EPYC in fp32 (batch 64 at 192 tokens, batch 1 at 2048). In bf16, where the item is
+  // closer to compute-bound, the V prefetch measured ~6 % slower and is left out.
+  const cache_t* k_ahead[kVec];
+  const cache_t* v_ahead[kVec];
   for (int64_t t = t0; t < t1; t += kVec) {
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
     tile_rows(g, k_cache, g.k_block_stride, g.k_token_stride, g.k_head_stride, table, kh0,
-              kh1, d, t, count, t1, rows);
-    if constexpr (sizeof(cache_t) == 4) {
-      // fp32 only: the V pass then streams from L2 while K's and V's DRAM reads overlap
-      // (measured ~12 % faster at batch 64; in bf16, where the item is closer to
-      // compute-bound, it measured ~6 % slower).
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t tt = t + i;
-        prefetch_row(v_cache + table[tt / g.block_size] * g.v_block_stride +
-                         (tt % g.block_size) * g.v_token_stride,
-                     g.v_head_stride, kh0, kh1, d);
-      }
-    }
+              kh1, d, t, count, t, rows);
+    int64_t n_k = 0, n_v = 0;
+    for (int64_t tt = t + kVec; tt < std::min<int64_t>(t1, t + 2 * kVec); ++tt)
+      k_ahead[n_k++] = token_row(g, k_cache, g.k_block_stride, g.k_token_stride, table, tt);
+    if constexpr (sizeof(cache_t) == 4)
+      for (int64_t tt = t; tt < t + count; ++tt)
+        v_ahead[n_v++] = token_row(g, v_cache, g.v_block_stride, g.v_token_stride, table, tt);
     for (int64_t h = 0; h < nh; ++h) {
+      // Each head issues its share of both lists (measured faster than K's rows first).
+      for (int64_t j = h * n_v / nh; j < (h + 1) * n_v / nh; ++j)
+        prefetch_row(v_ahead[j], g.v_head_stride, kh0, kh1, d);
+      for (int64_t j = h * n_k / nh; j < (h + 1) * n_k / nh; ++j)
+        prefetch_row(k_ahead[j], g.k_head_stride, kh0, kh1, d);
       const int64_t off = (kh0 + h / G) * g.k_head_stride;
       vfloat sc = soft_cap_scores(
           tile_scores<cache_t, NC>(q + h * d, qb == nullptr ? nullptr : qb + h * d, rows, off,
@@ -171,8 +185,7 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   }
   // The first V tile is on its way while the softmax runs.
   for (int64_t tt = std::max(t0, lo); tt < std::min<int64_t>(t1, t0 + kVec); ++tt)
-    prefetch_row(v_cache + table[tt / g.block_size] * g.v_block_stride +
-                     (tt % g.block_size) * g.v_token_stride,
+    prefetch_row(token_row(g, v_cache, g.v_block_stride, g.v_token_stride, table, tt),
                  g.v_head_stride, kh0, kh1, d);
   for (int64_t h = 0; h < nh; ++h)
     exp_partition(scores + h * stride, maxes[h], padded, max_out + h, sum_out + h);
