@@ -110,8 +110,41 @@ class PackedLinear(_PrepackedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-_NO_BRGEMM = ("cpu linear 'brgemm' needs the compiled CPU kernels and a CPU where torch's bf16 "
-              "micro-kernel runs (AMX); use --cpu-linear auto, packed or torch")
+class _KernelLinear(_PrepackedLinear):
+    """A ``Linear`` on one of the compiled kernels' GEMMs (``<kind>_pack`` once at load,
+    ``<kind>_linear`` per call). A subclass names the kernel, the weight dtype it runs and
+    what is missing where the kernels cannot run it; ``choose_linear`` refuses a request for
+    it with the same words as its constructor."""
+
+    kind: str
+    runs: torch.dtype
+    unavailable: str
+
+    @staticmethod
+    def kernel_ops() -> ModuleType | None:
+        """The compiled kernels where they can run this GEMM, else None."""
+        raise NotImplementedError
+
+    @classmethod
+    def kernels_for(cls, dtype: torch.dtype) -> ModuleType:
+        """The compiled kernels for weights of ``dtype``, or a ValueError naming the dtype it
+        runs or what is missing, and the choices left."""
+        if dtype != cls.runs:
+            name = str(cls.runs).removeprefix("torch.")
+            raise ValueError(f"cpu linear {cls.kind!r} runs {name} weights, got {dtype}; use "
+                             f"--dtype {name}, or --cpu-linear auto, packed or torch")
+        ops = cls.kernel_ops()
+        if ops is None:
+            raise ValueError(cls.unavailable)
+        return ops
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        self.ops = self.kernels_for(w.dtype)
+        self._run = getattr(self.ops, f"{self.kind}_linear")
+        return getattr(self.ops, f"{self.kind}_pack")(w)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, self.packed, self.out_features, self.bias)
 
 
 def brgemm_ops() -> ModuleType | None:
@@ -122,28 +155,6 @@ def brgemm_ops() -> ModuleType | None:
     return ops if ops is not None and ops.brgemm_available() else None
 
 
-class BrgemmLinear(_PrepackedLinear):
-    """A bf16 ``Linear`` on torch's batch-reduce GEMM micro-kernel (csrc/brgemm_linear.cpp)."""
-
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        if w.dtype != torch.bfloat16:
-            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {w.dtype}; use "
-                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
-        ops = brgemm_ops()
-        if ops is None:
-            raise ValueError(_NO_BRGEMM)
-        self.ops = ops
-        return ops.brgemm_pack(w)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.brgemm_linear(x, self.packed, self.out_features, self.bias)
-
-
-_NO_TILED = ("cpu linear 'tiled' needs the compiled CPU kernels, which are turned off "
-             "(CADENCE_CPU_KERNELS=0) or did not build here (a C++ compiler is needed); use "
-             "--cpu-linear auto, packed or torch")
-
-
 def tiled_ops() -> ModuleType | None:
     """The compiled kernels (they carry the fp32 tiled GEMM), else None."""
     from cadence.backends.cpu.kernels import load_kernels
@@ -151,21 +162,31 @@ def tiled_ops() -> ModuleType | None:
     return load_kernels()
 
 
-class TiledLinear(_PrepackedLinear):
+class BrgemmLinear(_KernelLinear):
+    """A bf16 ``Linear`` on torch's batch-reduce GEMM micro-kernel (csrc/brgemm_linear.cpp)."""
+
+    kind = "brgemm"
+    runs = torch.bfloat16
+    unavailable = ("cpu linear 'brgemm' needs the compiled CPU kernels and a CPU where torch's "
+                   "bf16 micro-kernel runs (AMX); use --cpu-linear auto, packed or torch")
+
+    @staticmethod
+    def kernel_ops() -> ModuleType | None:
+        return brgemm_ops()  # looked up per call: tests replace the module's function
+
+
+class TiledLinear(_KernelLinear):
     """An fp32 ``Linear`` on the register-tiled micro-kernel of csrc/tiled_linear.cpp."""
 
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        if w.dtype != torch.float32:
-            raise ValueError(f"cpu linear 'tiled' runs float32 weights, got {w.dtype}; use "
-                             "--dtype float32, or --cpu-linear auto, packed or torch")
-        ops = tiled_ops()
-        if ops is None:
-            raise ValueError(_NO_TILED)
-        self.ops = ops
-        return ops.tiled_pack(w)
+    kind = "tiled"
+    runs = torch.float32
+    unavailable = ("cpu linear 'tiled' needs the compiled CPU kernels, which are turned off "
+                   "(CADENCE_CPU_KERNELS=0) or did not build here (a C++ compiler is needed); "
+                   "use --cpu-linear auto, packed or torch")
 
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.tiled_linear(x, self.packed, self.out_features, self.bias)
+    @staticmethod
+    def kernel_ops() -> ModuleType | None:
+        return tiled_ops()
 
 
 _KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear}
@@ -264,24 +285,13 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
     if requested == "torch":
         return "torch"
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
-    if requested == "brgemm":
-        if dtype != torch.bfloat16:
-            raise ValueError(f"cpu linear 'brgemm' runs bfloat16 weights, got {dtype}; use "
-                             "--dtype bfloat16, or --cpu-linear auto, packed or torch")
-        if brgemm_ops() is None:
-            raise ValueError(_NO_BRGEMM)
+    if requested in ("brgemm", "tiled"):
+        _KINDS[requested].kernels_for(dtype)
         odd = [k for _, k in shapes if k % 2]
-        if odd:
+        if requested == "brgemm" and odd:
             raise ValueError(f"cpu linear 'brgemm' needs even input widths (bf16 pairs), the "
                              f"model has {odd[:3]}; use --cpu-linear auto, packed or torch")
-        return "brgemm"
-    if requested == "tiled":
-        if dtype != torch.float32:
-            raise ValueError(f"cpu linear 'tiled' runs float32 weights, got {dtype}; use "
-                             "--dtype float32, or --cpu-linear auto, packed or torch")
-        if tiled_ops() is None:
-            raise ValueError(_NO_TILED)
-        return "tiled"
+        return requested
     if requested == "packed":
         if not packed_available():
             raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
