@@ -38,6 +38,7 @@ from cadence.backend import (
     raise_if_device_lost,
 )
 from cadence.backends.hpu import buckets as bk
+from cadence.backends.hpu.parts import BucketedSteps
 from cadence.backends.hpu.sampling import (
     Part,
     expand_sampling,  # noqa: F401  (its old home)
@@ -61,8 +62,11 @@ def emulation_requested() -> bool:
     return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class HpuBackend(Backend):
-    """Runs the model on a Habana Gaudi (or, with CADENCE_HPU_EMULATE=1, its emulation)."""
+class HpuBackend(BucketedSteps, Backend):
+    """Runs the model on a Habana Gaudi (or, with CADENCE_HPU_EMULATE=1, its emulation).
+
+    How a step becomes bucketed parts (split, run, sample, read back) and the warmup over
+    every bucket come from ``BucketedSteps`` (parts.py); this class keeps the step order."""
 
     name = "hpu"
     # Placeholders are filled on the device from a fixed-size buffer of the last step's
@@ -178,95 +182,6 @@ class HpuBackend(Backend):
             self._sampled = SampledIds(self.buckets, self.device,
                                        self.config.scheduler_config.max_num_seqs)
         return num_blocks
-
-    def warmup(self) -> None:
-        """Run every bucket, largest first, and remember the compiled-graph count.
-
-        NOTE pipeline parallel: every stage runs the same plan in the same order, so each
-        stage's warmup forwards receive the previous stage's in lockstep (as TP ranks meet
-        in their collectives); ``skip_warmup`` therefore applies to the whole engine.
-        """
-        if self.config.backend_option("skip_warmup"):
-            logger.warning("HPU warmup skipped: graphs will compile while serving")
-            return
-        from cadence.backends.hpu.feedback import Fill
-
-        plan = bk.warmup_plan(self.buckets)
-        # Greedy and plain random sampling; top-k/top-p, penalties, seeds and logprobs add
-        # ops and compile on first use (docs/backends/hpu.md).
-        metas = [SamplingMetadata([], [], [], [], [], [], all_greedy=greedy)
-                 for greedy in (True, False)]
-        for shape in plan:
-            for meta in metas:
-                batch = bk.dummy_batch(shape, self.dummy_block, self.buckets.block_size)
-                part = Part(batch, [None] * shape.batch_size)
-                if self._sampled is not None:  # the placeholder fill compiles here too
-                    part.fill = Fill.nothing(shape.num_tokens)
-                self._run_parts([part])
-                self.device.mark_step()
-                self._sample_parts([part], meta)
-                self.device.mark_step()
-                self._host_parts([part], 0)
-        self._warmed = set(plan)
-        self.num_warmup_compiles = self.device.num_compiles()
-        logger.info("HPU warmup: %d bucket shapes, %d graphs compiled", len(plan),
-                    self.num_warmup_compiles)
-
-    def recompiles_after_warmup(self) -> int:
-        return self.device.num_compiles() - self.num_warmup_compiles
-
-    def _split(self, mi: ModelInput) -> list[Part]:
-        slot_of = {seq: j for j, seq in enumerate(mi.sample_seq_indices)}
-        parts = []
-        for kind, seqs in (("decode", range(mi.num_decodes)),
-                           ("prefill", range(mi.num_decodes, mi.num_seqs))):
-            if not seqs:
-                continue
-            shape = bk.bucket_for(self.buckets, mi, seqs, kind)
-            if self._warmed and shape not in self._warmed and shape not in self._unwarmed_seen:
-                self._unwarmed_seen.add(shape)
-                logger.warning("HPU shape %s was not warmed up: compiling it now; widen the "
-                               "bucket ranges to cover it", shape)
-            batch = bk.pad_batch(mi, seqs, shape, self.dummy_block, self.buckets.block_size)
-            rows = [slot_of.get(seqs[r]) if r < len(seqs) else None
-                    for r in range(shape.batch_size)]
-            fill = None if self._sampled is None else self._sampled.fill_for(mi, seqs, batch)
-            parts.append(Part(batch, rows, fill=fill))
-        return parts
-
-    def _run_parts(self, parts: list[Part]) -> None:
-        import torch
-
-        from cadence.backends.hpu.attention import graph_kind, to_tensors
-
-        with torch.inference_mode():
-            for p in parts:
-                args = to_tensors(p.batch, self.device.torch_device)
-                if p.fill is not None:
-                    args = (self._sampled.apply(args[0], p.fill), *args[1:])
-                p.result = self._graphs[graph_kind(p.batch)](*args)
-
-    @property
-    def _is_last_stage(self) -> bool:
-        """Whether this process computes logits (always, without pipeline parallel)."""
-        return getattr(self.runner.model, "is_last_stage", True)
-
-    def _sample_parts(self, parts: list[Part], meta: SamplingMetadata) -> None:
-        from cadence.backends.hpu.sampling import sample_parts
-
-        if not self._is_last_stage:
-            return  # no logits here: the parts' activations went to the next stage
-        sample_parts(parts, meta, self.runner, self.device, self._sampled)
-
-    def _host_parts(self, parts: list[Part], num_sampled: int) -> SamplerOutput:
-        from cadence.backends.hpu.sampling import parts_to_host
-
-        if not self._is_last_stage:
-            # What the CPU backend's stage returns: no ids. The step ends once the stage's
-            # work is done, as the last stage's does when it reads its samples.
-            self.device.synchronize()
-            return SamplerOutput([])
-        return parts_to_host(parts, num_sampled)
 
     # The per-step API: forward/sample/to_host take and return the step's parts.
     def forward(self, model_input: ModelInput) -> list[Part]:
