@@ -11,11 +11,12 @@ step rather than from cache as in a one-layer loop. Reports the median and best 
 
 ``--against`` builds the kernels a second time from another version's csrc folder, e.g.
 
-    git archive cb6b571 backends/cpu/csrc | tar -x -C /tmp/before
+    mkdir -p /tmp/before && git archive cb6b571 backends/cpu/csrc | tar -x -C /tmp/before
     python scripts/cpu_attention_bench.py --against /tmp/before/backends/cpu/csrc
 
-and alternates the two builds pass by pass on the same inputs, so a noisy host's drift
-falls on both alike; it also checks that the two give the same bits.
+and alternates the two builds pass by pass on the same inputs (which goes first swaps every
+round), so a noisy host's drift falls on both alike; it also checks that the two give the
+same bits on every layer.
 """
 
 import argparse
@@ -60,11 +61,13 @@ def build_from(csrc: Path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="64:192,4:512,1:2048")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="timed passes per build (>= 1)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--against", type=Path, metavar="CSRC",
                     help="another version's backends/cpu/csrc folder to alternate with")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     dtype = getattr(torch, args.dtype)
     ops = load_kernels()
     if ops is None:
@@ -80,15 +83,20 @@ def main() -> None:
         batch, context = (int(x) for x in shape.split(":"))
         q, caches, tables, lens = step_inputs(batch, context, dtype, g)
         times: dict[str, list[float]] = {name: [] for name in builds}
-        outs = {}
+        outs: dict[str, list[torch.Tensor]] = {name: [] for name in builds}
         for r in range(args.rounds + 1):  # the first warms the thread pool and the pages
-            for name, mod in builds.items():
+            order = list(builds.items())
+            if r % 2:
+                order.reverse()
+            for name, mod in order:
                 t = time.perf_counter()
                 for k, v in caches:
-                    out = mod.paged_decode_attention(q, k, v, tables, lens, scale, 0, 0.0)
+                    # Six arguments: what every version of the binding accepts.
+                    out = mod.paged_decode_attention(q, k, v, tables, lens, scale)
+                    if r == 0:
+                        outs[name].append(out)
                 if r:
                     times[name].append(time.perf_counter() - t)
-                outs[name] = out
         kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * q.element_size()
         line = f"batch {batch:3d} x {context:5d} tokens:"
         for name, ts in times.items():
@@ -98,8 +106,9 @@ def main() -> None:
                      f"({kv_bytes / med / 1e9:5.1f} GB/s of K/V);")
         if len(builds) > 1:
             ratio = statistics.median(times["against"]) / statistics.median(times["this"])
-            line += (f" against/this {ratio:.2f}x, same bits: "
-                     f"{torch.equal(outs['against'], outs['this'])}")
+            same = all(torch.equal(a, b) for a, b in zip(outs["against"], outs["this"],
+                                                          strict=True))
+            line += f" against/this {ratio:.2f}x, same bits on every layer: {same}"
         print(line.rstrip(";") + f"  (per step of {LAYERS} layers)")
 
 

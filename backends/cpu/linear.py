@@ -186,7 +186,7 @@ class TiledLinear(_KernelLinear):
 
     @staticmethod
     def kernel_ops() -> ModuleType | None:
-        return tiled_ops()
+        return tiled_ops()  # looked up per call, as BrgemmLinear's
 
 
 _KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear}

@@ -24,7 +24,6 @@ of it on CPU tensors (a test aid, never a fallback; see docs/backends/hpu.md).
 from __future__ import annotations
 
 import importlib.util
-import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,8 +45,6 @@ from cadence.backends.hpu.sampling import (
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 EMULATE_ENV = "CADENCE_HPU_EMULATE"
 #: Errors of the Habana runtime after which the device serves nothing more in this process.

@@ -150,8 +150,9 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   // The K pass's prefetches (the next tile's K rows; in fp32 also this tile's V rows, so the
   // V pass streams from L2 while K's and V's DRAM reads overlap) go out a few between each
   // head's scores instead of in one burst before them: 1.22-1.26x on an AVX2 EPYC in fp32,
-  // batch 64 at 192 tokens to batch 1 at 2048 (docs/backends/cpu.md). In bf16, where the
-  // item is closer to compute-bound, the V prefetch measured ~6 % slower and is left out.
+  // batch 64 at 192 tokens to batch 1 at 2048, items of 9 query heads (docs/backends/cpu.md).
+  // In bf16, where the item is closer to compute-bound, the V prefetch measured ~6 % slower
+  // and is left out.
   const cache_t* k_ahead[kVec];
   const cache_t* v_ahead[kVec];
   for (int64_t t = t0; t < t1; t += kVec) {
