@@ -102,6 +102,10 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
     if linear != "torch":
+        if linear == "tiled":
+            from cadence.backends.cpu.gated import fuse_gated_mlps
+
+            fuse_gated_mlps(runner.model)  # first: it packs the plain gate/up weights itself
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)

@@ -82,6 +82,10 @@ class MLP(nn.Module):
     """SiLU-gated MLP with gate and up fused into one linear; column-parallel gate/up and
     row-parallel down under tensor parallel."""
 
+    # act_fn reads gate_up_proj's output and nothing else reads it: a backend may run the
+    # two as one GEMM with the activation in its epilogue (backends/cpu/gated.py).
+    gate_act_fusable = True
+
     def __init__(self, config: Any, bias: bool) -> None:
         super().__init__()
         size = self.intermediate_size = config.intermediate_size

@@ -20,6 +20,9 @@ int64_t tiled_panel_width();
 torch::Tensor tiled_pack(torch::Tensor w);
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                            c10::optional<torch::Tensor> bias);
+torch::Tensor tiled_pack_gated(torch::Tensor w);
+torch::Tensor tiled_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
+                                 c10::optional<torch::Tensor> bias);
 bool brgemm_available();
 torch::Tensor brgemm_pack(torch::Tensor w);
 torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
@@ -47,6 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_pack", &tiled_pack, "an fp32 [N, K] weight packed in panels for tiled_linear");
   m.def("tiled_linear", &tiled_linear, "x @ w.T (+ bias) on a tiled_pack'ed fp32 weight",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("tiled_pack_gated", &tiled_pack_gated,
+        "an fp32 [2 * h, K] gate-then-up weight packed for tiled_linear_gated");
+  m.def("tiled_linear_gated", &tiled_linear_gated,
+        "silu(x @ gate.T + b) * (x @ up.T + b) on a tiled_pack_gated weight", py::arg("x"),
+        py::arg("packed"), py::arg("h"), py::arg("bias") = py::none());
   m.def("brgemm_available", &brgemm_available,
         "whether ATen's bf16 micro-kernel runs on this CPU (it needs AMX)");
   m.def("brgemm_pack", &brgemm_pack, "a bf16 [N, K] weight packed for brgemm_linear");

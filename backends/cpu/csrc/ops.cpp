@@ -95,7 +95,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
       int64_t i = 0;
       for (; i + kVec <= n; i += kVec) {
         const vfloat g = load(gate + i);
-        const vfloat act = round_to(g / (1.0f + exp(-g)), gate);
+        const vfloat act = round_to(silu(g), gate);
         store(o + i, act * load(up + i));
       }
       for (; i < n; ++i) {

@@ -9,6 +9,11 @@
 // used by every row tile, and a tile of kMR rows x kNR columns lives in registers (12 of the
 // 16 AVX2 registers), so the FMA units are fed from cache whatever the number of rows.
 //
+// A gated MLP's gate/up weight can be packed with each panel holding the gate and the up
+// columns of the same outputs (tiled_pack_gated); tiled_linear_gated then writes
+// silu(gate) * up from the finished panel, without the [M, 2 * h] intermediate
+// (backends/cpu/gated.py).
+//
 // NOTE batch invariance: every output element is one FMA chain over k = 0..K-1 in order,
 // whatever M is, which row tile or chunk holds the row, or which thread computes it (a K
 // block ends with the partial sums stored as fp32 and reloaded: no rounding). Rows of any
@@ -108,33 +113,54 @@ torch::Tensor tiled_pack(torch::Tensor w) {
   return padded.view({panels, kNR, k}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] fp32 (rows contiguous) times the packed weight of an [N, K] linear, plus bias
-// (fp32 [N], optional, added to the finished sum) -> [M, N] fp32.
-torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be on the CPU");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
-                  packed.size(2) == kNR && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "packed must be tiled_pack's output for K = x.size(1)");
-  const auto xc = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), lda = xc.stride(0);
-  const int64_t panels = packed.size(0);
-  TORCH_CHECK(k > 0, "K must be positive");
-  TORCH_CHECK(n > (panels - 1) * kNR && n <= panels * kNR, "n does not match packed");
-  const float* bias_ptr = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu(), "bias must be on the CPU");
-    bc = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bc.numel() == n, "bias must have n elements");
-    bias_ptr = bc.data_ptr<float>();
+namespace {
+
+// Epilogues: what becomes of a finished panel (the kNR sums of each of `rows` rows, in c)
+// from row m0 on. A panel's sums are complete before the epilogue sees them, so it changes
+// no bit of the GEMM itself.
+
+// The panel's columns (a short last panel: the first ones), plus bias, into o [M, n].
+struct PlainOut {
+  float* o;
+  int64_t n;
+  const float* bias;  // [n] or null
+  void operator()(const float* c, int64_t m0, int64_t rows, int64_t p) const {
+    const int64_t n0 = p * kNR, cols = std::min(kNR, n - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* orow = o + (m0 + r) * n + n0;
+      const float* crow = c + r * kNR;
+      for (int64_t j = 0; j < cols; ++j)
+        orow[j] = bias == nullptr ? crow[j] : crow[j] + bias[n0 + j];
+    }
   }
-  auto out = torch::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (m == 0) return out;
-  const float* a = xc.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+};
+
+// A gated panel (tiled_pack_gated: kVec gate columns, then the kVec up columns of the same
+// outputs), plus bias, -> silu(gate) * up into o [M, half]: the arithmetic of tiled_linear
+// followed by silu_and_mul, without the [M, 2 * half] intermediate.
+struct GatedOut {
+  float* o;
+  int64_t half;
+  const float* bias;  // [2 * half] in the weight's own order (gate, then up), or null
+  void operator()(const float* c, int64_t m0, int64_t rows, int64_t p) const {
+    const int64_t j0 = p * kVec;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* crow = c + r * kNR;
+      vfloat g = load(crow), u = load(crow + kVec);
+      if (bias != nullptr) {
+        g = g + load(bias + j0);
+        u = u + load(bias + half + j0);
+      }
+      store(o + (m0 + r) * half + j0, silu(g) * u);
+    }
+  }
+};
+
+// a [M, K] (rows lda apart) times the packed weight (`panels` panels of K rows), each
+// finished panel handed to `out`.
+template <typename Out>
+void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const float* w,
+               int64_t panels, const Out& out) {
   const int64_t kc_max = std::min(k, kMaxKC);
   const int64_t chunks = (m + kMC - 1) / kMC;
   // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
@@ -144,7 +170,6 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, p = item % panels;
       const int64_t m0 = chunk * kMC, rows = std::min(kMC, m - m0);
-      const int64_t n0 = p * kNR, cols = std::min(kNR, n - n0);
       const float* panel = w + p * k * kNR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, k - k0);
@@ -164,13 +189,78 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                     a + (m0 + r0) * lda + k0, lda, panel + k0 * kNR, kc, c.data() + r0 * kNR,
                     k0 == 0, next, r0 == 0 ? next_rows : 0);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* orow = o + (m0 + r) * n + n0;
-        const float* crow = c.data() + r * kNR;
-        for (int64_t j = 0; j < cols; ++j)
-          orow[j] = bias_ptr == nullptr ? crow[j] : crow[j] + bias_ptr[n0 + j];
-      }
+      out(c.data(), m0, rows, p);
     }
   });
+}
+
+// x as run_tiled reads it: fp32 [M, K], rows contiguous (a strided row view is kept).
+torch::Tensor rows_of(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be on the CPU");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+                  packed.size(2) == kNR && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "packed must be tiled_pack's output for K = x.size(1)");
+  TORCH_CHECK(x.size(1) > 0, "K must be positive");
+  return x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+}
+
+// bias as an fp32 [count] tensor (empty: none); `what` names count in the error.
+torch::Tensor bias_of(const c10::optional<torch::Tensor>& bias, int64_t count,
+                      const char* what) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->device().is_cpu(), "bias must be on the CPU");
+  auto bc = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(bc.numel() == count, "bias must have ", what, " elements (", count, "), got ",
+              bc.numel());
+  return bc;
+}
+
+}  // namespace
+
+// x [M, K] fp32 (rows contiguous) times the packed weight of an [N, K] linear, plus bias
+// (fp32 [N], optional, added to the finished sum) -> [M, N] fp32.
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                           c10::optional<torch::Tensor> bias) {
+  const auto xc = rows_of(x, packed);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(n > (panels - 1) * kNR && n <= panels * kNR, "n does not match packed");
+  const auto bc = bias_of(bias, n, "n");
+  auto out = torch::empty({xc.size(0), n},
+                         x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (xc.size(0) == 0) return out;
+  run_tiled(xc.data_ptr<float>(), xc.size(0), xc.size(1), xc.stride(0),
+            packed.data_ptr<float>(), panels,
+            PlainOut{out.data_ptr<float>(), n, bc.defined() ? bc.data_ptr<float>() : nullptr});
+  return out;
+}
+
+// w [2 * h, K] fp32, the gate rows then the up rows of a gated MLP, h a multiple of the
+// vector width -> tiled_pack of its rows reordered so that every panel holds kVec gate
+// columns and the kVec up columns of the same outputs (tiled_linear_gated's layout).
+torch::Tensor tiled_pack_gated(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) % 2 == 0,
+              "w must be [2 * h, K] float32 (gate rows, then up rows)");
+  const int64_t h = w.size(0) / 2;
+  TORCH_CHECK(h % kVec == 0, "the gated layout needs h (", h, ") to be a multiple of ", kVec);
+  const int64_t k = w.size(1);
+  return tiled_pack(
+      w.contiguous().view({2, h / kVec, kVec, k}).transpose(0, 1).reshape({2 * h, k}));
+}
+
+// silu(x @ gate.T + bias_gate) * (x @ up.T + bias_up) -> [M, h] on tiled_pack_gated's
+// weight: the bits of tiled_linear then silu_and_mul on the same weight.
+torch::Tensor tiled_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
+                                 c10::optional<torch::Tensor> bias) {
+  const auto xc = rows_of(x, packed);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(h % kVec == 0 && panels * kVec == h, "h does not match the gated packed weight");
+  const auto bc = bias_of(bias, 2 * h, "2 * h");
+  auto out = torch::empty({xc.size(0), h},
+                         x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (xc.size(0) == 0) return out;
+  run_tiled(xc.data_ptr<float>(), xc.size(0), xc.size(1), xc.stride(0),
+            packed.data_ptr<float>(), panels,
+            GatedOut{out.data_ptr<float>(), h, bc.defined() ? bc.data_ptr<float>() : nullptr});
   return out;
 }

@@ -148,4 +148,8 @@ inline vfloat exp(vfloat x) {
   return p * s1 * s2;
 }
 
+// SiLU of a vector of fp32 gate values, x / (1 + exp(-x)): one definition, so the
+// elementwise kernel (silu_and_mul) and the gated GEMM's epilogue give the same bits.
+inline vfloat silu(vfloat x) { return x / (1.0f + exp(-x)); }
+
 }  // namespace cadence_cpu
