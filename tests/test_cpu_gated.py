@@ -156,6 +156,7 @@ def test_engine_on_the_tiled_gemm_fuses_and_matches_transformers(ops, tiny_model
         mlps = [m for m in llm.engine.backend.runner.model.modules()
                 if isinstance(m, gated.TiledGatedLinear)]
         assert len(mlps) == 2
+        assert llm.engine.backend.runtime_info["cpu_fused_mlps"] == "2"
         outs[overlap] = [list(o.outputs[0].token_ids)
                          for o in generate(llm, [{"prompt_token_ids": p} for p in prompts],
                                            params)]

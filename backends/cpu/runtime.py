@@ -28,9 +28,11 @@ class CpuRuntime:
     num_blocks: int
     attention: str  # "kernel" or "torch"
     linear: str  # "packed", "tiled", "brgemm" or "torch"
+    fused_mlps: int = 0  # gated MLPs run as one GEMM with their activation (gated.py)
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,
+                "cpu_fused_mlps": str(self.fused_mlps),
                 "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "cpu_threads": str(torch.get_num_threads())}
 
@@ -101,11 +103,13 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     runner.load_model()
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
+    fused_mlps = 0
     if linear != "torch":
         if linear == "tiled":
             from cadence.backends.cpu.gated import fuse_gated_mlps
 
-            fuse_gated_mlps(runner.model)  # first: it packs the plain gate/up weights itself
+            # First: it packs the plain gate/up weights itself.
+            fused_mlps = fuse_gated_mlps(runner.model)
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
@@ -126,6 +130,6 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
     check_supported(runner.attn, runner.model)
-    rt = CpuRuntime(runner, num_blocks, attention, linear)
+    rt = CpuRuntime(runner, num_blocks, attention, linear, fused_mlps)
     logger.info("CPU backend: %s", ", ".join(f"{k}={v}" for k, v in rt.describe().items()))
     return rt
