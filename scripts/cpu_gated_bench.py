@@ -42,12 +42,12 @@ def main() -> None:
         fused = [ops.tiled_pack_gated(w) for w in weights]
         x = torch.randn(rows, HIDDEN, generator=g)
 
-        def unfused_pass() -> torch.Tensor:
+        def unfused_pass(plain=plain, x=x) -> torch.Tensor:
             for p in plain:
                 out = ops.silu_and_mul(ops.tiled_linear(x, p, 2 * INTERMEDIATE))
             return out
 
-        def fused_pass() -> torch.Tensor:
+        def fused_pass(fused=fused, x=x) -> torch.Tensor:
             for p in fused:
                 out = ops.tiled_linear_gated(x, p, INTERMEDIATE)
             return out
