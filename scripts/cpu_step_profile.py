@@ -6,15 +6,17 @@ timed in process (docs/performance.md).
 
 Runs the workload once with the ``sync`` strategy (everything on one thread, so a kernel's
 wall time is its cost) after a short warm-up, with a timer around each kernel call and
-each GEMM (named by its output width; "prefill" where it has more rows than requests).
-Prints seconds per entry, the GEMMs' GFLOP/s and what is left outside the timed calls
-(sampling's torch ops, Python, scheduling, output processing).
+each GEMM (named by its shape; "prefill" where it has more rows than requests), and
+around torch.softmax and torch.cat. Prints seconds per entry, the GEMMs' GFLOP/s and what
+is left outside the timed calls (other torch ops, Python, scheduling, output processing).
 """
 
 import argparse
 import collections
 import random
 import time
+
+import torch
 
 from cadence import LLM, SamplingParams
 from cadence.backends.cpu import gated
@@ -60,6 +62,10 @@ def main() -> None:
             flops[0] += 2 * x.shape[0] * self.in_features * width
             return timed(f"gemm {self.in_features}->{width} {phase}", _run)(self, x)
         cls._gemm = gemm
+    # The two torch ops of the step that showed in a profile: sampling's softmax and the
+    # concatenations (row padding, penalties' history).
+    for name in ("softmax", "cat"):
+        setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
     llm = LLM(dtype=args.dtype, backend_options={"overlap": "sync"})
     print(machine_line({**machine_info(), "dtype": args.dtype}))
     rng = random.Random(0)

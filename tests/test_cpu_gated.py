@@ -145,20 +145,47 @@ def test_fuse_gated_mlps_leaves_what_it_cannot_fuse(ops, tiny_model_dir, monkeyp
     assert gated.fuse_gated_mlps(_load_tiny(tiny_model_dir("llama"))) == 0
 
 
-def test_engine_on_the_tiled_gemm_fuses_and_matches_transformers(ops, tiny_model_dir) -> None:
+def _run(model: str, options: dict, prompts: list[list[int]]):
+    """(tokens, logprobs, runtime info, fused modules) of a greedy run with logprobs."""
+    llm = make_llm(model, backend_options={"kv_cache_gb": 0.02, **options})
+    try:
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
+                                logprobs=2)
+        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                             strict=True)] for o in outs]
+        fused = [m for m in llm.engine.backend.runner.model.modules()
+                 if isinstance(m, gated.TiledGatedLinear)]
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        return tokens, lps, dict(llm.engine.backend.runtime_info), fused
+    finally:
+        llm.engine.backend.shutdown()
+
+
+def test_engine_on_the_tiled_gemm_fuses_and_keeps_its_bits(ops, tiny_model_dir,
+                                                           monkeypatch) -> None:
     model = tiny_model_dir("qwen2")  # biases on q/k/v; the MLP is Llama's
     prompts = _prompts()
     expected = hf_greedy(model, prompts, NUM_TOKENS)
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for overlap in ("sync", "thread"):
-        llm = make_llm(model, backend_options={"overlap": overlap, "linear": "tiled"})
-        mlps = [m for m in llm.engine.backend.runner.model.modules()
-                if isinstance(m, gated.TiledGatedLinear)]
-        assert len(mlps) == 2
-        assert llm.engine.backend.runtime_info["cpu_fused_mlps"] == "2"
-        outs[overlap] = [list(o.outputs[0].token_ids)
-                         for o in generate(llm, [{"prompt_token_ids": p} for p in prompts],
-                                           params)]
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
-    assert outs["sync"] == outs["thread"] == expected
+    tiled = {"linear": "tiled", "attention": "kernel"}
+    runs = {overlap: _run(model, {"overlap": overlap, **tiled}, prompts)
+            for overlap in ("sync", "thread")}
+    for tokens, lps, info, fused in runs.values():
+        assert len(fused) == 2 and info["cpu_fused_mlps"] == "2"
+        assert tokens == expected
+    assert runs["sync"][:2] == runs["thread"][:2]  # async == sync, logprobs bit for bit
+    # The unfused pair (tiled GEMM, then the silu_and_mul kernel) gives the same bits.
+    monkeypatch.setattr(gated, "fuse_gated_mlps", lambda model: 0)
+    tokens, lps, info, fused = _run(model, {"overlap": "sync", **tiled}, prompts)
+    assert not fused and info["cpu_fused_mlps"] == "0"
+    assert (tokens, lps) == runs["sync"][:2]
+
+
+def test_torch_attention_path_keeps_torch_activation(ops, tiny_model_dir) -> None:
+    # The torch attention path is the reference: no compiled activation beside it.
+    _, _, info, fused = _run(tiny_model_dir("llama"),
+                             {"overlap": "sync", "linear": "tiled", "attention": "torch"},
+                             _prompts()[:2])
+    assert info["cpu_attention"] == "torch" and info["cpu_linear"] == "tiled"
+    assert not fused and info["cpu_fused_mlps"] == "0"

@@ -29,6 +29,7 @@ from cadence.backends.cpu import kernels
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu import runtime as cpu_runtime
 from cadence.backends.cpu.fused import KernelRMSNorm, KernelRotary, KernelSiluAndMul
+from cadence.backends.cpu.gated import TiledGatedLinear
 from cadence.cpuinfo import CpuInfo, cpu_info
 from cadence.layers import paged_attention as ref
 from cadence.layers.activation import SiluAndMul
@@ -1161,7 +1162,11 @@ def test_engine_kernel_path_matches_torch_path(ops, tiny_model_dir, tmp_path, mo
     assert info_k["cpu_linear"] in ("packed", "tiled", "torch")
     assert isinstance(runner.attn, cpu_attention.CpuPagedAttention)
     replaced = {type(m) for m in runner.model.modules()}
-    assert {KernelRMSNorm, KernelSiluAndMul, KernelRotary} <= replaced
+    assert {KernelRMSNorm, KernelRotary} <= replaced
+    # Under the tiled GEMM the activation runs inside the gate/up GEMM (gated.py).
+    fused = info_k["cpu_linear"] == "tiled"
+    assert (TiledGatedLinear if fused else KernelSiluAndMul) in replaced
+    assert info_k["cpu_fused_mlps"] == (str(_num_layers(runner)) if fused else "0")
     assert tokens_k == tokens_t
     for a, b in zip(lps_k, lps_t):
         assert a == pytest.approx(b, abs=1e-4)
@@ -1176,9 +1181,14 @@ def test_engine_kernel_path_matches_torch_path(ops, tiny_model_dir, tmp_path, mo
                                                           "attention": "kernel"})
     assert info_g["cpu_linear"] == "tiled"
     assert any(isinstance(m, cpu_linear.TiledLinear) for m in runner.model.modules())
+    assert any(isinstance(m, TiledGatedLinear) for m in runner.model.modules())
     assert tokens_g == tokens_t
     for a, b in zip(lps_g, lps_t):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def _num_layers(runner) -> int:
+    return runner.model.config.num_hidden_layers
 
 
 def test_engine_with_kernels_disabled_runs_the_torch_path(tiny_model_dir, monkeypatch) -> None:

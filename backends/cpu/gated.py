@@ -11,12 +11,14 @@ NOTE exactness: every output is the same FMA chain over K as in ``tiled_linear``
 moves columns between panels, not the order of a column's sum), the bias is added to the
 finished sum, and the activation is ``silu_and_mul``'s own (csrc/vec.h ``silu``). So the
 fused module gives the bits of ``TiledLinear`` followed by ``KernelSiluAndMul``, and a row's
-bits still do not depend on its batch; tests/test_cpu_kernels.py checks both.
+bits still do not depend on its batch; tests/test_cpu_gated.py checks both.
 
 Which modules qualify is declared by the model, not guessed from names: a module whose
 class sets ``gate_act_fusable = True`` promises that its ``act_fn`` is applied to
 ``gate_up_proj``'s output and to nothing else, and that ``gate_up_proj`` feeds nothing else
-(core/models/llama.py ``MLP``).
+(core/models/llama.py ``MLP``). The fusion is made only beside the other compiled kernels:
+where the attention runs the torch path, the model runs as the reference, torch's SiLU
+included (backends/cpu/runtime.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ class CpuRuntime:
     num_blocks: int
     attention: str  # "kernel" or "torch"
     linear: str  # "packed", "tiled", "brgemm" or "torch"
-    fused_mlps: int = 0  # gated MLPs run as one GEMM with their activation (gated.py)
+    # Gated MLPs run as one GEMM with their activation (gated.py), on this rank.
+    fused_mlps: int = 0
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,
@@ -103,23 +104,25 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     runner.load_model()
     linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
                            runner.dtype)
+    spec = runner.kv_cache_spec()
+    kernels, attention = _choose_attention(str(config.backend_option("attention", "auto")),
+                                           spec.head_dim, runner.dtype,
+                                           attention_keywords(runner.model))
     fused_mlps = 0
     if linear != "torch":
-        if linear == "tiled":
+        if linear == "tiled" and kernels is not None:
             from cadence.backends.cpu.gated import fuse_gated_mlps
 
-            # First: it packs the plain gate/up weights itself.
+            # Only beside the other kernels: with the torch attention path the activation
+            # stays torch's (the reference path keeps its bits). First: it packs the plain
+            # gate/up weights itself.
             fused_mlps = fuse_gated_mlps(runner.model)
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
     k, v = runner.allocate_kv_cache(num_blocks)
-    spec = runner.kv_cache_spec()
     scale = spec.head_dim ** -0.5
-    kernels, attention = _choose_attention(str(config.backend_option("attention", "auto")),
-                                           spec.head_dim, runner.dtype,
-                                           attention_keywords(runner.model))
     if kernels is not None:
         from cadence.backends.cpu.attention import CpuPagedAttention, build_metadata
         from cadence.backends.cpu.fused import install_fused_ops

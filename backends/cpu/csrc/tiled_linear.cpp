@@ -249,7 +249,9 @@ torch::Tensor tiled_pack_gated(torch::Tensor w) {
 }
 
 // silu(x @ gate.T + bias_gate) * (x @ up.T + bias_up) -> [M, h] on tiled_pack_gated's
-// weight: the bits of tiled_linear then silu_and_mul on the same weight.
+// weight: the bits of tiled_linear then silu_and_mul on the same weight. The packed tensor
+// does not say which packing made it: a tiled_pack weight of the same shape runs, wrongly,
+// so the caller (gated.py) keeps the two apart.
 torch::Tensor tiled_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
                                  c10::optional<torch::Tensor> bias) {
   const auto xc = rows_of(x, packed);
