@@ -39,16 +39,12 @@ class TiledGatedLinear(TiledLinear):
     """``gate_up_proj`` (a [2I, K] gate-then-up weight) and SiLU-and-mul in one GEMM:
     x [T, K] -> silu(x @ gate.T + b_gate) * (x @ up.T + b_up) [T, I]."""
 
+    variant = "_gated"
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
-        self.out_features = linear.out_features // 2  # what the module returns
-
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        self.ops = self.kernels_for(w.dtype)
-        return self.ops.tiled_pack_gated(w)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.tiled_linear_gated(x, self.packed, self.out_features, self.bias)
+        # What the module returns, and the h the gated kernel is called with.
+        self.out_features = linear.out_features // 2
 
 
 def gated_width_ok(linear: nn.Module, vector: int) -> bool:

@@ -119,6 +119,9 @@ class _KernelLinear(_PrepackedLinear):
     kind: str
     runs: torch.dtype
     unavailable: str
+    # Appended to the kernel's names: "_gated" picks <kind>_pack_gated / <kind>_linear_gated
+    # (gated.py), the same call with another layout and epilogue.
+    variant = ""
 
     @staticmethod
     def kernel_ops() -> ModuleType | None:
@@ -140,8 +143,8 @@ class _KernelLinear(_PrepackedLinear):
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         self.ops = self.kernels_for(w.dtype)
-        self._run = getattr(self.ops, f"{self.kind}_linear")
-        return getattr(self.ops, f"{self.kind}_pack")(w)
+        self._run = getattr(self.ops, f"{self.kind}_linear{self.variant}")
+        return getattr(self.ops, f"{self.kind}_pack{self.variant}")(w)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, self.packed, self.out_features, self.bias)
