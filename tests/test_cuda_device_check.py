@@ -59,9 +59,19 @@ def test_dry_run_names_the_gpu_and_the_commands(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "GPU: GPU 0: Fake GPU" in proc.stdout
     assert f"output folder: {tmp_path / 'out'}" in proc.stdout
-    assert "pip install -e .[cuda,test]" in proc.stdout
+    assert "pip install -e .[cuda,test,default-model]" in proc.stdout
     assert "--batch-sizes 1,8" in proc.stdout
+    assert f"make-small-model --output {tmp_path / 'out' / 'small'}" in proc.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_takes_a_given_small_model(tmp_path) -> None:
+    proc = _run(tmp_path, "--dry-run", nvidia_smi="echo 'GPU 0: Fake GPU (UUID: x)'",
+                STAGES="hostheavy", SMALL_MODEL="tiny")
+    assert proc.returncode == 0, proc.stderr
+    assert "make-small-model" not in proc.stdout
+    assert f"--model {tmp_path / 'tiny'} --host-work light,heavy" in proc.stdout
+    assert "-m pytest" not in proc.stdout and "pip install" not in proc.stdout
 
 
 def test_dry_run_without_a_gpu_says_it_would_stop(tmp_path) -> None:
@@ -103,3 +113,20 @@ def test_the_bench_flags_it_passes_exist() -> None:
     ns = build_parser().parse_args(shlex.split(cmd.replace("\\\n", " ")))
     assert ns.backend == "cuda" and ns.runs == "async,async_sched,sync,floor" and ns.skip_hf
     assert ns.breakdown
+
+
+def test_the_host_heavy_flags_it_passes_exist() -> None:
+    from cadence.cli.main import build_parser
+
+    text = SCRIPT.read_text()
+    cmd = re.search(r'limited hostheavy "\$PY" -m cadence\.cli\.main (bench compare .*?) >>"',
+                    text, re.DOTALL).group(1)
+    for name, value in {"$small_dir": "m", "$results": "out"}.items():
+        cmd = cmd.replace(name, value)
+    ns = build_parser().parse_args(shlex.split(cmd.replace("\\\n", " ")))
+    assert ns.backend == "cuda" and ns.runs == "async,async_sched,sync,floor"
+    assert ns.host_work == "light,heavy" and ns.rounds == 2 and ns.breakdown
+    # The summary greps the paired-ratio rows: the pairs it names must be ones the bench prints.
+    from cadence.bench import rounds
+
+    assert {("async_sched", "async"), ("async_sched", "floor")} <= set(rounds.PAIRS)
