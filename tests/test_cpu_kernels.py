@@ -83,8 +83,8 @@ def _kernel_decode(ops, q, kc, vc, mi: ModelInput, block_size: int, scale: float
     md = cpu_attention.build_metadata(mi, block_size)
     kvh, d = kc.shape[1:]
     return ops.paged_decode_attention(q, kc.view(-1, block_size, kvh, d),
-                                      vc.view(-1, block_size, kvh, d), md.decode_tables,
-                                      md.decode_lens, scale)
+                                      vc.view(-1, block_size, kvh, d), md.kernel_tables,
+                                      md.kernel_lens, scale)
 
 
 def _reference_decode(q, kc, vc, mi: ModelInput, block_size: int, scale: float):
@@ -159,14 +159,24 @@ def test_decode_attention_matches_reference_bf16(ops, case) -> None:
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_impls_agree_on_a_mixed_decode_and_prefill_step(ops) -> None:
-    """CpuPagedAttention (all kernels) against TorchPagedAttention on one step with decodes,
-    a prefill chunk with cached context and a fresh prompt."""
+# (tokens in the cache before this step, tokens this step); the first num_decodes are decodes.
+MIXED_STEPS = {
+    # decodes, a chunk with cached context, a fresh prompt: kernel rows q[:n], then a prefill
+    "decode_context_fresh": ([(0, 1), (39, 1), (299, 1), (20, 13), (0, 9)], 3),
+    # chunks with cached context on both sides of a fresh prompt: kernel rows gathered
+    "context_fresh_context": ([(0, 1), (16, 5), (0, 7), (40, 17), (3, 1), (0, 4)], 1),
+    # prefix-cache hits only (no decodes, no fresh prompt): one call gives the whole output
+    "context_only": ([(112, 16), (112, 16), (97, 3), (5, 40)], 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_STEPS))
+def test_attention_impls_agree_on_a_mixed_decode_and_prefill_step(ops, name) -> None:
+    """CpuPagedAttention (all kernels) against TorchPagedAttention on one step mixing decodes,
+    prefill chunks with cached context and fresh prompts."""
+    seqs, num_decodes = MIXED_STEPS[name]
     h, kvh, d, bs = 8, 2, 32, 16
     rng = random.Random(5)
-    # (tokens in the cache before this step, tokens this step)
-    seqs = [(0, 1), (39, 1), (299, 1), (20, 13), (0, 9)]
-    num_decodes = 3
     num_blocks = sum(-(-(c + n) // bs) for c, n in seqs) + 2
     pool = list(range(num_blocks))
     rng.shuffle(pool)
@@ -186,20 +196,26 @@ def test_attention_impls_agree_on_a_mixed_decode_and_prefill_step(ops) -> None:
     torch_impl = ref.TorchPagedAttention([kc], [vc], d ** -0.5)
     kernel_impl = cpu_attention.CpuPagedAttention(ops, [kc2], [vc2], bs, d ** -0.5)
     expected = torch_impl.forward(0, q, k, v, ref.build_metadata(mi, bs))
-    out = kernel_impl.forward(0, q, k, v, cpu_attention.build_metadata(mi, bs))
+    md = cpu_attention.build_metadata(mi, bs)
+    out = kernel_impl.forward(0, q, k, v, md)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    # The chunk with cached context ran through the decode kernel row by row: each row has
-    # the bits a decode of that position would have (what keeps async == sync exact when a
-    # recompute after preemption replaces decodes).
-    start = sum(n for _, n in seqs[:3])
-    ctx, n = seqs[3]
-    for i in range(n):
-        row = ops.paged_decode_attention(
-            q[start + i:start + i + 1], kc2.view(-1, bs, kvh, d), vc2.view(-1, bs, kvh, d),
-            torch.tensor([tables[3]], dtype=torch.int32),
-            torch.tensor([ctx + i + 1], dtype=torch.int32), d ** -0.5)
-        assert torch.equal(out[start + i], row[0])
+    # Every decode and every row of a chunk with cached context went through the decode
+    # kernel in one call, and has the bits a decode of that position alone would have (what
+    # keeps async == sync exact when a recompute after preemption replaces decodes).
+    kernel_rows, start = [], 0
+    for i, (ctx, n) in enumerate(seqs):
+        if i < num_decodes or ctx:
+            kernel_rows += [(start + j, i, ctx + j + 1) for j in range(n)]
+        start += n
+    assert md.num_kernel_rows == len(kernel_rows)
+    assert (md.kernel_rows is None) == (name != "context_fresh_context")
+    for row, i, length in kernel_rows:
+        alone = ops.paged_decode_attention(
+            q[row:row + 1], kc2.view(-1, bs, kvh, d), vc2.view(-1, bs, kvh, d),
+            torch.tensor([tables[i]], dtype=torch.int32),
+            torch.tensor([length], dtype=torch.int32), d ** -0.5)
+        assert torch.equal(out[row], alone[0]), (row, i)
     # The kernel read the token written this step (a stale cache would not match).
     assert torch.equal(kc2[slots[1]], k[1])
 
@@ -244,9 +260,9 @@ def test_decode_attention_empty_sequence_gives_zeros(ops) -> None:
     kc, vc = _random_caches(num_blocks * bs, kvh, d, torch.float32, seed=4)
     md = cpu_attention.build_metadata(mi, bs)
     q = torch.randn(2, 4, d)
-    args = (kc.view(-1, bs, kvh, d), vc.view(-1, bs, kvh, d), md.decode_tables)
-    full = ops.paged_decode_attention(q, *args, md.decode_lens, d ** -0.5)
-    lens = md.decode_lens.clone()
+    args = (kc.view(-1, bs, kvh, d), vc.view(-1, bs, kvh, d), md.kernel_tables)
+    full = ops.paged_decode_attention(q, *args, md.kernel_lens, d ** -0.5)
+    lens = md.kernel_lens.clone()
     lens[0] = 0
     out = ops.paged_decode_attention(q, *args, lens, d ** -0.5)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -260,7 +276,7 @@ def test_decode_attention_rejects_bad_input(ops) -> None:
     kb, vb = kc.view(-1, bs, kvh, d), vc.view(-1, bs, kvh, d)
     md = cpu_attention.build_metadata(mi, bs)
     q = torch.randn(1, 4, d)
-    tables, lens = md.decode_tables, md.decode_lens
+    tables, lens = md.kernel_tables, md.kernel_lens
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32  # what build_metadata makes
     ops.paged_decode_attention(q, kb, vb, tables, lens, 1.0)  # the valid call runs
 

@@ -1,9 +1,10 @@
 """The CPU backend's attention, all compiled (csrc/): decode rows through the paged kernel
 (paged_attention.cpp), which reads K/V blocks in place; the fresh prompts of a step in one
 call with the decode kernel's arithmetic (prefill_attention.cpp); chunks with cached context
-row by row through the decode kernel (see ``build_metadata``); the cache write in one pass
-(ops.cpp). A layer's sliding window goes to each kernel call; the kernels read only the
-window's blocks, so blocks the engine freed behind it are never touched.
+row by row through the decode kernel, in the decodes' call (see ``build_metadata``); the
+cache write in one pass (ops.cpp). A layer's sliding window goes to each kernel call; the
+kernels read only the window's blocks, so blocks the engine freed behind it are never
+touched.
 
 The kernel reads the core's flat-slot cache ([num_slots, KVH, D], viewed as
 [num_blocks, block_size, KVH, D]) as it is. It accepts any strided layout with that index
@@ -27,26 +28,18 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
-class ContextChunk:
-    """A prefill chunk with cached context, attended one query row at a time by the decode
-    kernel: row i sees the first ``lens[i]`` tokens of the sequence (causal)."""
-
-    query_start: int
-    query_len: int
-    tables: torch.Tensor  # [query_len, num_blocks] int32: the sequence's table on every row
-    lens: torch.Tensor  # [query_len] int32: context_len + 1 ... context_len + query_len
-
-
-@dataclass(slots=True)
 class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decodes: int
-    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, padded with 0
-    decode_lens: torch.Tensor | None  # [num_decodes] int32: tokens in the cache
+    # Rows through the decode kernel, in one call: the decodes, then every query row of each
+    # chunk with cached context (row i of a chunk sees its sequence's first context + i + 1
+    # tokens: causal).
+    num_kernel_rows: int
+    kernel_rows: torch.Tensor | None  # int64 [num_kernel_rows] rows of q; None: q's first rows
+    kernel_tables: torch.Tensor | None  # [num_kernel_rows, max_blocks] int32, padded with 0
+    kernel_lens: torch.Tensor | None  # [num_kernel_rows] int32: tokens each row attends to
     # Fresh prompts (no cached context): first token and length of each, int64 [n] (None: none)
     prefill_starts: torch.Tensor | None
     prefill_lens: torch.Tensor | None
-    context_chunks: list[ContextChunk]
 
 
 def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str = "cpu"
@@ -56,17 +49,20 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     kernel row by row, not through SDPA. A token's attention then has the same bits whether
     it was computed as a decode or inside such a chunk, so async on == off stays exact even
     when the two preempt at different moments (the recompute would otherwise produce K/V a
-    few ulps off the originals, and every later token would inherit the difference)."""
+    few ulps off the originals, and every later token would inherit the difference). The
+    kernel's rows are batch-invariant, so every such chunk of a step rides in the decodes'
+    call: one call per layer instead of one per chunk (64 prefix-cache hits in a step were
+    64 calls per layer, each with its own query scaling and copy)."""
     slot_mapping = torch.tensor(mi.slot_mapping, dtype=torch.int64)
     nd = mi.num_decodes
-    tables = lens = None
-    if nd:
-        need = (max(mi.seq_lens[:nd]) + block_size - 1) // block_size
-        rows = [bt[:need] + [0] * (need - len(bt[:need])) for bt in mi.block_tables[:nd]]
-        tables = torch.tensor(rows, dtype=torch.int32)
-        lens = torch.tensor(mi.seq_lens[:nd], dtype=torch.int32)
-    starts, fresh_lens, chunks = [], [], []
-    start = sum(mi.query_lens[:nd])
+    # One table per decode or chunk, repeated over the chunk's rows below.
+    tables = [bt[:(n + block_size - 1) // block_size]
+              for bt, n in zip(mi.block_tables[:nd], mi.seq_lens[:nd])]
+    repeats = [1] * nd
+    lens = list(mi.seq_lens[:nd])
+    ranges = [(0, nd)] if nd else []  # (first row, rows) of the kernel's rows in q
+    starts, fresh_lens = [], []
+    start = num_rows = nd  # a decode is one query row
     for i in range(nd, mi.num_seqs):
         qlen, slen = mi.query_lens[i], mi.seq_lens[i]
         ctx = slen - qlen
@@ -74,14 +70,28 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
             starts.append(start)
             fresh_lens.append(qlen)
         else:
-            need = (slen + block_size - 1) // block_size
-            table = torch.tensor(mi.block_tables[i][:need], dtype=torch.int32)
-            chunks.append(ContextChunk(start, qlen, table.expand(qlen, need).contiguous(),
-                                       torch.arange(ctx + 1, slen + 1, dtype=torch.int32)))
+            tables.append(mi.block_tables[i][:(slen + block_size - 1) // block_size])
+            repeats.append(qlen)
+            lens.extend(range(ctx + 1, slen + 1))
+            if ranges and ranges[-1][0] + ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + qlen)
+            else:
+                ranges.append((start, qlen))
+            num_rows += qlen
         start += qlen
+    rows = kernel_tables = kernel_lens = None
+    if num_rows:
+        width = max(len(t) for t in tables)
+        kernel_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                     dtype=torch.int32)
+        if len(repeats) != num_rows:
+            kernel_tables = kernel_tables.repeat_interleave(torch.tensor(repeats), dim=0)
+        kernel_lens = torch.tensor(lens, dtype=torch.int32)
+        if ranges != [(0, num_rows)]:
+            rows = torch.cat([torch.arange(s, s + n) for s, n in ranges])
     fresh = (torch.tensor(starts, dtype=torch.int64), torch.tensor(fresh_lens, dtype=torch.int64)
              ) if starts else (None, None)
-    return CpuAttentionMetadata(slot_mapping, nd, tables, lens, *fresh, chunks)
+    return CpuAttentionMetadata(slot_mapping, num_rows, rows, kernel_tables, kernel_lens, *fresh)
 
 
 # Attention keywords (core/layers/attention.py) the compiled kernels implement.
@@ -125,20 +135,19 @@ class CpuPagedAttention:
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         kb, vb = self.k_blocks[layer_idx], self.v_blocks[layer_idx]
         self.ops.write_kv(kc, vc, k, v, metadata.slot_mapping)
-        nd = metadata.num_decodes
-        decode = None
-        if nd:
-            decode = self.ops.paged_decode_attention(q[:nd], kb, vb, metadata.decode_tables,
-                                                     metadata.decode_lens, scale, window, cap)
-            if metadata.prefill_starts is None and not metadata.context_chunks:
-                return decode
+        n, rows = metadata.num_kernel_rows, metadata.kernel_rows
+        if n:
+            res = self.ops.paged_decode_attention(q[:n] if rows is None else q[rows], kb, vb,
+                                                  metadata.kernel_tables, metadata.kernel_lens,
+                                                  scale, window, cap)
+            if metadata.prefill_starts is None:  # every row is a kernel row, in order
+                return res
         out = torch.empty_like(q)
-        if decode is not None:
-            out[:nd] = decode
-        for c in metadata.context_chunks:
-            s, e = c.query_start, c.query_start + c.query_len
-            out[s:e] = self.ops.paged_decode_attention(q[s:e], kb, vb, c.tables, c.lens,
-                                                       scale, window, cap)
+        if n:
+            if rows is None:
+                out[:n] = res
+            else:
+                out.index_copy_(0, rows, res)
         if metadata.prefill_starts is not None:
             self.ops.prefill_attention(q, k, v, out, metadata.prefill_starts,
                                        metadata.prefill_lens, scale, window, cap)
