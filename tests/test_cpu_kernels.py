@@ -165,8 +165,9 @@ MIXED_STEPS = {
     "decode_context_fresh": ([(0, 1), (39, 1), (299, 1), (20, 13), (0, 9)], 3),
     # chunks with cached context on both sides of a fresh prompt: kernel rows gathered
     "context_fresh_context": ([(0, 1), (16, 5), (0, 7), (40, 17), (3, 1), (0, 4)], 1),
-    # prefix-cache hits only (no decodes, no fresh prompt): one call gives the whole output
-    "context_only": ([(112, 16), (112, 16), (97, 3), (5, 40)], 0),
+    # prefix-cache hits only (no decodes, no fresh prompt), one of them crossing a 256-key
+    # partition: one call gives the whole output
+    "context_only": ([(112, 16), (112, 16), (97, 3), (5, 40), (230, 70)], 0),
 }
 
 
