@@ -210,6 +210,8 @@ if has hostheavy; then
     echo "hostheavy exit $?" | tee -a "$results/summary.txt"
     grep -E "^(light|heavy) +[0-9]+ +async_sched/(async|floor) " "$results/hostheavy.log" \
       | tee -a "$results/summary.txt"
+  else
+    say "skipped the host-heavy runs: no model at $small_dir"
   fi
 fi
 say "done: $results/summary.txt"

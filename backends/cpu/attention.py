@@ -58,11 +58,10 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
     # One table per decode or chunk, repeated over the chunk's rows below.
     tables = [bt[:(n + block_size - 1) // block_size]
               for bt, n in zip(mi.block_tables[:nd], mi.seq_lens[:nd])]
-    repeats = [1] * nd
     lens = list(mi.seq_lens[:nd])
-    ranges = [(0, nd)] if nd else []  # (first row, rows) of the kernel's rows in q
+    chunks = []  # (first row in q, rows) of each chunk with cached context
     starts, fresh_lens = [], []
-    start = num_rows = nd  # a decode is one query row
+    start = nd  # a decode is one query row
     for i in range(nd, mi.num_seqs):
         qlen, slen = mi.query_lens[i], mi.seq_lens[i]
         ctx = slen - qlen
@@ -71,24 +70,22 @@ def build_metadata(mi: ModelInput, block_size: int, device: torch.device | str =
             fresh_lens.append(qlen)
         else:
             tables.append(mi.block_tables[i][:(slen + block_size - 1) // block_size])
-            repeats.append(qlen)
             lens.extend(range(ctx + 1, slen + 1))
-            if ranges and ranges[-1][0] + ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], ranges[-1][1] + qlen)
-            else:
-                ranges.append((start, qlen))
-            num_rows += qlen
+            chunks.append((start, qlen))
         start += qlen
+    num_rows = len(lens)
     rows = kernel_tables = kernel_lens = None
     if num_rows:
         width = max(len(t) for t in tables)
         kernel_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                      dtype=torch.int32)
-        if len(repeats) != num_rows:
-            kernel_tables = kernel_tables.repeat_interleave(torch.tensor(repeats), dim=0)
         kernel_lens = torch.tensor(lens, dtype=torch.int32)
-        if ranges != [(0, num_rows)]:
-            rows = torch.cat([torch.arange(s, s + n) for s, n in ranges])
+    if chunks:
+        kernel_tables = kernel_tables.repeat_interleave(
+            torch.tensor([1] * nd + [n for _, n in chunks]), dim=0)
+        # The kernel's rows are q[:num_rows] unless a fresh prompt sits before a chunk.
+        if sum(chunks[-1]) != num_rows:
+            rows = torch.cat([torch.arange(nd), *(torch.arange(s, s + n) for s, n in chunks)])
     fresh = (torch.tensor(starts, dtype=torch.int64), torch.tensor(fresh_lens, dtype=torch.int64)
              ) if starts else (None, None)
     return CpuAttentionMetadata(slot_mapping, num_rows, rows, kernel_tables, kernel_lens, *fresh)
