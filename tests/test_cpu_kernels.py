@@ -939,7 +939,7 @@ def test_choose_linear_forced_and_invalid() -> None:
     model = _two_linears()
     assert cpu_linear.choose_linear("torch", model, torch.float32) == "torch"
     with pytest.raises(ValueError,
-                       match=r"\('auto', 'packed', 'tiled', 'brgemm', 'torch'\).*'fastest'"):
+                       match=r"\('auto', 'packed', 'tiled', 'brgemm', 'amx', 'torch'\).*'fastest'"):
         cpu_linear.choose_linear("fastest", model, torch.float32)
     if cpu_linear.packed_available():
         assert cpu_linear.choose_linear("packed", model, torch.float32) == "packed"

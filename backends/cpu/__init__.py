@@ -30,14 +30,16 @@ def cadence_add_cli_options(parser) -> None:
                         help="decode attention: 'kernel' (compiled once per CPU, reads the paged "
                              "cache in place), 'torch' (the reference path), or 'auto' "
                              "(default: the kernel where it builds, else torch with a warning)")
-    parser.add_argument("--cpu-linear", choices=("auto", "packed", "tiled", "brgemm", "torch"),
+    parser.add_argument("--cpu-linear",
+                        choices=("auto", "packed", "tiled", "brgemm", "amx", "torch"),
                         default=None,
                         help="GEMMs: 'packed' (oneDNN weights packed at load), 'tiled' (fp32 "
                              "on a compiled register-tiled kernel, weights packed at load), "
-                             "'brgemm' (bf16 "
-                             "on torch's AMX micro-kernel, weights packed at load), 'torch' "
-                             "(F.linear), or 'auto' (default: whichever measured fastest on "
-                             "this CPU, measured once and cached)")
+                             "'brgemm' (bf16 on torch's AMX micro-kernel, weights packed at "
+                             "load), 'amx' (bf16 on a compiled AMX tile loop that prefetches "
+                             "the weights, packed at load), 'torch' (F.linear), or 'auto' "
+                             "(default: whichever measured fastest on this CPU, measured once "
+                             "and cached)")
     parser.add_argument("--cpu-bind", choices=("cores", "none"), default=None,
                         help="ranks and data-parallel replicas: 'cores' (default: each binds "
                              "to its own share of the cores) or 'none' (no binding; each "

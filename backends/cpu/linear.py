@@ -46,7 +46,7 @@ from cadence.layers.linear import Linear, row_aligned
 
 logger = logging.getLogger(__name__)
 
-LINEAR_CHOICES = ("auto", "packed", "tiled", "brgemm", "torch")
+LINEAR_CHOICES = ("auto", "packed", "tiled", "brgemm", "amx", "torch")
 
 
 def packed_available() -> bool:
@@ -158,6 +158,14 @@ def brgemm_ops() -> ModuleType | None:
     return ops if ops is not None and ops.brgemm_available() else None
 
 
+def amx_ops() -> ModuleType | None:
+    """The compiled kernels where their own AMX tile loop runs on this CPU, else None."""
+    from cadence.backends.cpu.kernels import load_kernels
+
+    ops = load_kernels()
+    return ops if ops is not None and ops.amx_available() else None
+
+
 def tiled_ops() -> ModuleType | None:
     """The compiled kernels (they carry the fp32 tiled GEMM), else None."""
     from cadence.backends.cpu.kernels import load_kernels
@@ -178,6 +186,20 @@ class BrgemmLinear(_KernelLinear):
         return brgemm_ops()  # looked up per call: tests replace the module's function
 
 
+class AmxLinear(_KernelLinear):
+    """A bf16 ``Linear`` on csrc/amx_linear.cpp's AMX tile loop, which prefetches the weight
+    stream ahead of the tiles; the same bits as ``BrgemmLinear`` on the CPUs measured."""
+
+    kind = "amx"
+    runs = torch.bfloat16
+    unavailable = ("cpu linear 'amx' needs the compiled CPU kernels and a CPU with AMX bf16 "
+                   "tiles (amx_tile, amx_bf16); use --cpu-linear auto, packed or torch")
+
+    @staticmethod
+    def kernel_ops() -> ModuleType | None:
+        return amx_ops()  # looked up per call, as BrgemmLinear's
+
+
 class TiledLinear(_KernelLinear):
     """An fp32 ``Linear`` on the register-tiled micro-kernel of csrc/tiled_linear.cpp."""
 
@@ -192,13 +214,15 @@ class TiledLinear(_KernelLinear):
         return tiled_ops()  # looked up per call, as BrgemmLinear's
 
 
-_KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear}
+_KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear,
+          "amx": AmxLinear}
 
 
 def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = (),
                  kind: str = "packed") -> int:
     """Replace every ``cadence.layers.linear.Linear`` in ``model`` by a ``PackedLinear``
-    (``kind`` "packed"), a ``TiledLinear`` ("tiled") or a ``BrgemmLinear`` ("brgemm").
+    (``kind`` "packed"), a ``TiledLinear`` ("tiled"), a ``BrgemmLinear`` ("brgemm") or an
+    ``AmxLinear`` ("amx").
 
     A weight shared with another module (the LM head tied to the embeddings) is packed as a
     copy; the other module keeps the plain tensor. Modules named in ``keep_weight_of`` keep
@@ -233,17 +257,32 @@ def _gemm_of(choice: str) -> Callable[[torch.Tensor], nn.Module]:
     return build
 
 
+# Weights the measurement streams through per pass: each shape gets enough distinct copies
+# that together they are far larger than a core's L2, as a decode step's layers are. Timed on
+# one weight per shape instead, every candidate ran from cache, and on an AMX Xeon that
+# ranked a kernel first that streams the real model's weights 1.15x slower.
+_STREAM_BYTES = 48 << 20
+
+
 def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
              choices: tuple[str, ...] = ("torch", "packed")) -> dict:
-    """Seconds per pass over ``shapes`` for each of ``choices`` (best of 5 each)."""
+    """Seconds per pass over ``shapes`` for each of ``choices`` (best of 5 each), a pass
+    running every shape on weights that stream from memory (``_STREAM_BYTES``)."""
     g = torch.Generator().manual_seed(0)
-    times = dict.fromkeys((f"{c}_s" for c in choices), 0.0)
-    for n, k in shapes:
-        w = torch.randn(n, k, generator=g).to(dtype)
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        for c in choices:
-            gemm = _gemm_of(c)(w)
-            times[f"{c}_s"] += _time(lambda gemm=gemm, x=x: gemm(x), 5)
+    pass_bytes = sum(n * k for n, k in shapes) * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, _STREAM_BYTES // max(pass_bytes, 1))
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in shapes for _ in range(copies)]
+    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes}
+    times = {}
+    for c in choices:
+        gemms = [(_gemm_of(c)(w), xs[w.shape[1]]) for w in weights]
+
+        def run(gemms=gemms) -> None:
+            for gemm, x in gemms:
+                gemm(x)
+
+        times[f"{c}_s"] = _time(run, 5) / copies
+        del gemms
     return times
 
 
@@ -271,7 +310,7 @@ def _rows_independent(gemm: Callable[[torch.Tensor], Callable],
 
 
 _LABELS = {"torch": "F.linear", "packed": "packed oneDNN", "tiled": "tiled fp32 micro-kernel",
-           "brgemm": "brgemm micro-kernel"}
+           "brgemm": "brgemm micro-kernel", "amx": "AMX tile loop"}
 
 
 def _verdict_file() -> Path:
@@ -281,14 +320,15 @@ def _verdict_file() -> Path:
 
 
 def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
-    """``packed``, ``tiled``, ``brgemm`` or ``torch`` for ``requested`` in LINEAR_CHOICES (auto measures,
-    once per CPU, torch, dtype, thread count and set of shapes)."""
+    """``packed``, ``tiled``, ``brgemm``, ``amx`` or ``torch`` for ``requested`` in
+    LINEAR_CHOICES (auto measures, once per CPU, torch, dtype, thread count and set of
+    shapes)."""
     if requested not in LINEAR_CHOICES:
         raise ValueError(f"cpu linear must be one of {LINEAR_CHOICES}, got {requested!r}")
     if requested == "torch":
         return "torch"
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
-    if requested in ("brgemm", "tiled"):
+    if requested in ("brgemm", "amx", "tiled"):
         _KINDS[requested].kernels_for(dtype)
         odd = [k for _, k in shapes if k % 2]
         if requested == "brgemm" and odd:
@@ -306,15 +346,18 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
     brgemm = brgemm_ops() if dtype == torch.bfloat16 else None
     if brgemm is not None and any(k % 2 for _, k in shapes):
         brgemm = None  # its VNNI layout pairs the input features
+    amx = dtype == torch.bfloat16 and amx_ops() is not None
     info = cpu_info()
     tiled = dtype == torch.float32 and tiled_ops() is not None
     candidates = ["torch"] + (["packed"] if packed_available() else []) + \
-        (["tiled"] if tiled else []) + (["brgemm"] if brgemm is not None else [])
+        (["tiled"] if tiled else []) + (["brgemm"] if brgemm is not None else []) + \
+        (["amx"] if amx else [])
     if candidates == ["torch"]:
         return "torch"
-    # "rows checked": verdicts from before the batch-independence check are measured again.
+    # "rows checked", "streamed": verdicts from before the batch-independence check, or
+    # timed on cached weights, are measured again.
     key = json.dumps([info.model, info.relevant_flags, torch.__version__, str(dtype),
-                      torch.get_num_threads(), shapes, candidates, "rows checked"])
+                      torch.get_num_threads(), shapes, candidates, "rows checked", "streamed"])
     path = _verdict_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     # One process measures; others wait on the lock and read its verdict, so two engines
@@ -328,9 +371,10 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         if key not in verdicts:
             small = [s for s in shapes if s[0] <= 8192]
             times = _measure(small, dtype, choices=tuple(candidates))
-            # Ties go to the earlier of packed, tiled, brgemm, torch; a kernel whose rows
+            # Ties go to the earlier of packed, tiled, amx, brgemm, torch; a kernel whose rows
             # depend on the batch is out (async == sync exactness needs them independent).
-            order = [c for c in ("packed", "tiled", "brgemm", "torch") if f"{c}_s" in times]
+            order = [c for c in ("packed", "tiled", "amx", "brgemm", "torch")
+                     if f"{c}_s" in times]
             dependent = [c for c in order
                          if not _rows_independent(_gemm_of(c), shapes, dtype)]
             choice = min([c for c in order if c not in dependent] or order,

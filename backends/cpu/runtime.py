@@ -27,7 +27,7 @@ class CpuRuntime:
     runner: ModelRunner
     num_blocks: int
     attention: str  # "kernel" or "torch"
-    linear: str  # "packed", "tiled", "brgemm" or "torch"
+    linear: str  # "packed", "tiled", "brgemm", "amx" or "torch"
     # Gated MLPs run as one GEMM with their activation (gated.py), on this rank.
     fused_mlps: int = 0
 

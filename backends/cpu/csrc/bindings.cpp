@@ -27,6 +27,10 @@ bool brgemm_available();
 torch::Tensor brgemm_pack(torch::Tensor w);
 torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                             c10::optional<torch::Tensor> bias);
+bool amx_available();
+torch::Tensor amx_pack(torch::Tensor w);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -59,5 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether ATen's bf16 micro-kernel runs on this CPU (it needs AMX)");
   m.def("brgemm_pack", &brgemm_pack, "a bf16 [N, K] weight packed for brgemm_linear");
   m.def("brgemm_linear", &brgemm_linear, "x @ w.T (+ bias) on a brgemm_pack'ed weight",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_available", &amx_available,
+        "whether this CPU has AMX bf16 tiles and the kernel may use them");
+  m.def("amx_pack", &amx_pack, "a bf16 [N, K] weight packed for amx_linear");
+  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on an amx_pack'ed weight, on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
 }

@@ -1,0 +1,225 @@
+// bf16 GEMMs on AMX tiles with our own tile loop, on weights packed once at load.
+//
+// Why not only the batch-reduce micro-kernel (brgemm_linear.cpp): at a decode step's 64 rows
+// the weights stream from memory, and each of its calls loads its 32-column block with no
+// look-ahead, so a core waits on memory, then computes, then waits again: measured on an AMX
+// Xeon the default model's decode GEMMs read their weights at ~10 GB/s where two cores read
+// 22. This loop prefetches the weight stream ahead of the tiles that consume it, so the next
+// block arrives while the current one is multiplied.
+//
+// NOTE batch invariance: every output element is the fp32 tile accumulation of
+// tdpbf16ps over K in steps of 32, in order, whatever M is or which thread runs the block;
+// a row is computed by the same instructions whether it sits in a tile with 15 other rows or
+// alone with zero padding (a tile row's dot products never read another row). So a row's bits
+// do not depend on its batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace cadence_cpu;
+
+constexpr int64_t kBlockN = 32;   // output columns per block: two 16-column tiles
+constexpr int64_t kStepK = 32;    // K per tile step (16 VNNI pairs)
+constexpr int64_t kBlockM = 256;  // rows per work item; bounds the fp32 scratch
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool request_amx() {
+  // Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// C[mtiles * 16, 32] (fp32, ldc 32) = A[mtiles * 16, kpad] . B[kpad, 32], B in VNNI pairs
+// ([kpad / 2][32][2]); A rows padded to whole tiles. Rows go two tiles at a time (four
+// accumulators, two A and two B tiles: all eight tile registers). `pf` is the next block
+// (prefetched into L2 a few lines per K step, spread over every pass so the loads keep coming
+// while the tiles compute), or nullptr.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_kernel(
+    const at::BFloat16* a, int64_t lda, int64_t mtiles, const at::BFloat16* b, int64_t kpad,
+    float* c, const char* pf, const char* pf_end) {
+  const int64_t ksteps = kpad / kStepK;
+  const int64_t a_stride = lda * 2;
+  constexpr int64_t b_stride = kBlockN * 2 * 2;  // bytes per VNNI pair row: 32 cols x 2 x bf16
+  constexpr int64_t step_bytes = (kStepK / 2) * b_stride;  // 2 KiB of weights per K step
+  const int64_t passes = (mtiles + 1) / 2;
+  // The next block's lines, spread evenly over every K step of every pass.
+  const int64_t pf_chunk = ((ksteps * step_bytes) / (passes * ksteps) + 63) / 64 * 64;
+  int64_t mt = 0;
+  for (; mt + 2 <= mtiles; mt += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const at::BFloat16* a0 = a + mt * 16 * lda;
+    const at::BFloat16* a1 = a0 + 16 * lda;
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      if (pf != nullptr) {
+        const int64_t it = (mt / 2) * ksteps + ks;
+        const char* p = pf + it * pf_chunk;
+        for (int64_t off = 0; off < pf_chunk && p + off < pf_end; off += 64)
+          _mm_prefetch(p + off, _MM_HINT_T1);
+      }
+      const char* bk = reinterpret_cast<const char*>(b) + ks * step_bytes;
+      _tile_loadd(4, a0 + ks * kStepK, a_stride);
+      _tile_loadd(5, a1 + ks * kStepK, a_stride);
+      _tile_loadd(6, bk, b_stride);
+      _tile_loadd(7, bk + 64, b_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* c0 = c + mt * 16 * kBlockN;
+    _tile_stored(0, c0, kBlockN * 4);
+    _tile_stored(1, c0 + 16, kBlockN * 4);
+    _tile_stored(2, c0 + 16 * kBlockN, kBlockN * 4);
+    _tile_stored(3, c0 + 16 * kBlockN + 16, kBlockN * 4);
+  }
+  if (mt < mtiles) {
+    _tile_zero(0);
+    _tile_zero(1);
+    const at::BFloat16* a0 = a + mt * 16 * lda;
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      if (pf != nullptr) {
+        const int64_t it = (mt / 2) * ksteps + ks;
+        const char* p = pf + it * pf_chunk;
+        for (int64_t off = 0; off < pf_chunk && p + off < pf_end; off += 64)
+          _mm_prefetch(p + off, _MM_HINT_T1);
+      }
+      const char* bk = reinterpret_cast<const char*>(b) + ks * step_bytes;
+      _tile_loadd(4, a0 + ks * kStepK, a_stride);
+      _tile_loadd(6, bk, b_stride);
+      _tile_loadd(7, bk + 64, b_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    float* c0 = c + mt * 16 * kBlockN;
+    _tile_stored(0, c0, kBlockN * 4);
+    _tile_stored(1, c0 + 16, kBlockN * 4);
+  }
+}
+
+}  // namespace
+
+bool amx_available() {
+  static const bool ok = __builtin_cpu_supports("amx-tile") &&
+                         __builtin_cpu_supports("amx-bf16") && request_amx();
+  return ok;
+}
+
+// w [N, K] bf16 -> [ceil(N / 32), kpad / 2, 32, 2] (K pairs interleaved), kpad = K rounded up
+// to 32; padding columns and K rows are zeros.
+torch::Tensor amx_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
+  const int64_t kpad = (k + kStepK - 1) / kStepK * kStepK;
+  auto wp = torch::zeros({blocks * kBlockN, kpad}, w.options());
+  wp.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
+  // [blocks, 32, kpad/2, 2] -> [blocks, kpad/2, 32, 2]
+  return wp.view({blocks, kBlockN, kpad / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2,
+              "packed must be amx_pack's output");
+  TORCH_CHECK(amx_available(), "this CPU has no AMX bf16 tiles");
+  const int64_t m = x.size(0), k = x.size(1), kpad = packed.size(1) * 2;
+  TORCH_CHECK(kpad >= k && kpad - k < kStepK, "packed does not match K = ", k);
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "n does not match packed");
+  const at::BFloat16* b_ptr = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(at::kBFloat16).contiguous();
+    TORCH_CHECK(bc.numel() == n, "bias must have n elements");
+    b_ptr = bc.data_ptr<at::BFloat16>();
+  }
+  auto out = torch::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  // Tiles read whole 16-row, 32-column steps: rows and K are zero-padded unless x already
+  // is a whole number of them with rows at a stride the tile can load.
+  const int64_t mpad = (m + 15) / 16 * 16;
+  torch::Tensor xa;
+  if (m == mpad && k == kpad && x.stride(1) == 1) {
+    xa = x;
+  } else {
+    xa = torch::zeros({mpad, kpad}, x.options());
+    xa.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  }
+  const int64_t lda = xa.stride(0);
+  const auto* a = xa.data_ptr<at::BFloat16>();
+  const auto* w = packed.data_ptr<at::BFloat16>();
+  const char* w_end = reinterpret_cast<const char*>(w + packed.numel());
+  auto* o = out.data_ptr<at::BFloat16>();
+  const int64_t block_elems = kpad * kBlockN;
+  const int64_t mchunks = (mpad + kBlockM - 1) / kBlockM;
+  // Work items are (row chunk, column block), each over the whole K. A thread's items are
+  // consecutive blocks, which lie one after the other in memory, so prefetching the block
+  // after the current one runs ahead along the thread's own stream.
+  at::parallel_for(0, mchunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    struct ReleaseOnExit {
+      ~ReleaseOnExit() { release_tiles(); }
+    } release;
+    std::vector<float> c(static_cast<size_t>(std::min(mpad, kBlockM) * kBlockN));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t mc = item / blocks, nb = item % blocks;
+      const int64_t m0 = mc * kBlockM, rows = std::min(kBlockM, m - m0);
+      const int64_t mtiles = (std::min(kBlockM, mpad - m0)) / 16;
+      const int64_t n0 = nb * kBlockN, cols = std::min(kBlockN, n - n0);
+      const at::BFloat16* wb = w + nb * block_elems;
+      const char* pf = reinterpret_cast<const char*>(wb + block_elems);  // the next block
+      block_kernel(a + m0 * lda, lda, mtiles, wb, kpad, c.data(),
+                   pf < w_end ? pf : nullptr, w_end);
+      for (int64_t r = 0; r < rows; ++r) {
+        at::BFloat16* orow = o + (m0 + r) * n + n0;
+        const float* crow = c.data() + r * kBlockN;
+        int64_t j = 0;
+        for (; j + kVec <= cols; j += kVec) {
+          vfloat v = load(crow + j);
+          if (b_ptr != nullptr) v += load(b_ptr + n0 + j);
+          store(orow + j, v);
+        }
+        for (; j < cols; ++j) {
+          const float v = b_ptr == nullptr ? crow[j] : crow[j] + static_cast<float>(b_ptr[n0 + j]);
+          orow[j] = static_cast<at::BFloat16>(v);
+        }
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,131 @@
+"""The bf16 GEMM on the compiled AMX tile loop (backends/cpu/csrc/amx_linear.cpp): its
+arithmetic, its rows' independence from the batch, how it is chosen and refused, and an
+engine run on it. Where the CPU has no AMX the kernel tests skip, and the refusals are still
+checked on any CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import generate, make_llm
+from test_engine_parity import NUM_TOKENS, _prompts
+
+from cadence import SamplingParams
+from cadence.backends.cpu import linear as cpu_linear
+from cadence.layers.linear import Linear
+
+_NO_AMX = "this CPU has no AMX bf16 tiles (amx_tile, amx_bf16), or the CPU kernels did not build"
+needs_amx = pytest.mark.skipif(cpu_linear.amx_ops() is None, reason=_NO_AMX)
+
+
+def _linear(k: int, n: int, bias: bool, seed: int, dtype=torch.bfloat16) -> Linear:
+    lin = Linear(k, n, bias=bias)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * k ** -0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin.to(dtype)
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+# (1536, 576): whole tiles; (64, 100): a last column block of 4; (40, 24): K not a whole
+# number of 32-wide steps (x and the weight are zero-padded) and one partial block.
+@pytest.mark.parametrize("k,n", [(1536, 576), (64, 100), (40, 24)])
+def test_amx_linear_matches_reference_and_is_batch_invariant(k, n, bias) -> None:
+    lin = _linear(k, n, bias, seed=3 + int(bias))
+    gemm = cpu_linear.AmxLinear(lin)
+    assert (gemm.in_features, gemm.out_features) == (k, n)
+    x = torch.randn(333, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    with torch.no_grad():
+        full = gemm(x)
+        assert full.shape == (333, n) and full.dtype == torch.bfloat16
+        reference = F.linear(x.float(), lin.weight.float(),
+                             None if lin.bias is None else lin.bias.float())
+        # One bf16 rounding of an fp32 sum: within bf16's half ulp of the exact result.
+        torch.testing.assert_close(full.float(), reference, atol=1e-2, rtol=8e-3)
+        # Row counts on and off the 16-row tiles and the 256-row work items.
+        for m in (*range(1, 70), 255, 256, 257):
+            assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
+            assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
+        # Rows at a stride (a view of a wider tensor) give the same bits as contiguous ones.
+        wide = torch.cat([x, x], dim=1)[:, :k]
+        assert torch.equal(gemm(wide), full)
+
+
+@needs_amx
+def test_amx_linear_gives_the_brgemm_micro_kernels_bits() -> None:
+    # Both run tdpbf16ps over K in steps of 32; the loop differs in prefetching only.
+    if cpu_linear.brgemm_ops() is None:
+        pytest.skip("torch's bf16 micro-kernel does not run on this CPU")
+    g = torch.Generator().manual_seed(4)
+    for k, n in ((576, 960), (1536, 576)):
+        lin = _linear(k, n, True, seed=k)
+        amx, brgemm = cpu_linear.AmxLinear(lin), cpu_linear.BrgemmLinear(lin)
+        for m in (4, 37, 64, 300):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            with torch.no_grad():
+                assert torch.equal(amx(x), brgemm(x)), (k, n, m)
+
+
+def test_amx_choice_refused_by_name(monkeypatch) -> None:
+    lin = _linear(64, 32, False, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="'amx' runs bfloat16 weights.*--dtype bfloat16"):
+        cpu_linear.choose_linear("amx", torch.nn.Sequential(lin), torch.float32)
+    monkeypatch.setattr(cpu_linear, "amx_ops", lambda: None)
+    bf16 = _linear(64, 32, False, seed=0)
+    with pytest.raises(ValueError, match="'amx' needs the compiled CPU kernels.*amx_tile.*auto"):
+        cpu_linear.choose_linear("amx", torch.nn.Sequential(bf16), torch.bfloat16)
+    with pytest.raises(ValueError, match="AMX"):
+        cpu_linear.AmxLinear(bf16)
+
+
+@needs_amx
+def test_auto_measures_amx_and_takes_it_when_fastest(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Sequential(_linear(64, 96, False, seed=0), _linear(96, 64, False, seed=1))
+    measured: list[tuple[str, ...]] = []
+
+    def fake_measure(shapes, dtype, rows=64, choices=("torch", "packed")):
+        measured.append(tuple(choices))
+        return {f"{c}_s": (1.0 if c == "amx" else 2.0) for c in choices}
+
+    monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
+    assert cpu_linear.choose_linear("auto", model, torch.bfloat16) == "amx"
+    assert len(measured) == 1 and "amx" in measured[0]
+    # Forced by name, it is taken without measuring.
+    assert cpu_linear.choose_linear("amx", model, torch.bfloat16) == "amx"
+    assert len(measured) == 1
+
+
+def _run(model: str, options: dict, prompts: list[list[int]]):
+    llm = make_llm(model, dtype="bfloat16", backend_options={"kv_cache_gb": 0.02, **options})
+    try:
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
+                                logprobs=2)
+        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                             strict=True)] for o in outs]
+        gemms = {type(m).__name__ for m in llm.engine.backend.runner.model.modules()
+                 if isinstance(m, cpu_linear._PrepackedLinear)}
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        return tokens, lps, dict(llm.engine.backend.runtime_info), gemms
+    finally:
+        llm.engine.backend.shutdown()
+
+
+@needs_amx
+def test_engine_on_amx_keeps_brgemm_bits_and_async_equals_sync(tiny_model_dir) -> None:
+    model = tiny_model_dir("qwen2")  # biases on q/k/v
+    prompts = _prompts()
+    runs = {overlap: _run(model, {"overlap": overlap, "linear": "amx"}, prompts)
+            for overlap in ("sync", "thread")}
+    for _, _, info, gemms in runs.values():
+        assert info["cpu_linear"] == "amx" and gemms == {"AmxLinear"}
+    assert runs["sync"][:2] == runs["thread"][:2]  # async == sync, logprobs bit for bit
+    if cpu_linear.brgemm_ops() is not None:
+        assert _run(model, {"overlap": "sync", "linear": "brgemm"}, prompts)[:2] == \
+            runs["sync"][:2]
