@@ -94,7 +94,8 @@ def test_auto_measures_amx_and_takes_it_when_fastest(tmp_path, monkeypatch) -> N
 
     monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
     assert cpu_linear.choose_linear("auto", model, torch.bfloat16) == "amx"
-    assert len(measured) == 1 and "amx" in measured[0]
+    # The brgemm micro-kernel (the same bits, no prefetching) is not timed beside it.
+    assert len(measured) == 1 and "amx" in measured[0] and "brgemm" not in measured[0]
     # Forced by name, it is taken without measuring.
     assert cpu_linear.choose_linear("amx", model, torch.bfloat16) == "amx"
     assert len(measured) == 1
