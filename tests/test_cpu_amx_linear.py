@@ -12,7 +12,9 @@ from engine_helpers import generate, make_llm
 from test_engine_parity import NUM_TOKENS, _prompts
 
 from cadence import SamplingParams
+from cadence.backends.cpu import gated
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu.fused import KernelSiluAndMul
 from cadence.layers.linear import Linear
 
 _NO_AMX = "this CPU has no AMX bf16 tiles (amx_tile, amx_bf16), or the CPU kernels did not build"
@@ -70,6 +72,32 @@ def test_amx_linear_gives_the_brgemm_micro_kernels_bits() -> None:
                 assert torch.equal(amx(x), brgemm(x)), (k, n, m)
 
 
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k,h", [(576, 1536), (40, 48)])
+def test_amx_gated_gives_the_bits_of_the_gemm_then_silu_and_mul(k, h, bias) -> None:
+    gate_up = _linear(k, 2 * h, bias, seed=11 + int(bias))
+    fused = gated.AmxGatedLinear(gate_up)
+    assert fused.out_features == h
+    unfused_gemm = cpu_linear.AmxLinear(gate_up)
+    act = KernelSiluAndMul(cpu_linear.amx_ops())
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        full = fused(x)
+        assert full.shape == (300, h) and full.dtype == torch.bfloat16
+        assert torch.equal(full, act(unfused_gemm(x)))
+        for m in (1, 2, 15, 16, 17, 37, 64, 257):
+            assert torch.equal(fused(x[:m]), full[:m]), f"first {m} rows"
+
+
+def test_amx_gated_width_rule() -> None:
+    # Halves of whole 16-column tiles in bf16 only.
+    assert gated.gated_width_ok(_linear(8, 64, False, seed=0), 16, torch.bfloat16)
+    assert not gated.gated_width_ok(_linear(8, 2 * 24, False, seed=0), 16, torch.bfloat16)
+    assert not gated.gated_width_ok(_linear(8, 64, False, seed=0, dtype=torch.float32), 16,
+                                    torch.bfloat16)
+
+
 def test_amx_choice_refused_by_name(monkeypatch) -> None:
     lin = _linear(64, 32, False, seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="'amx' runs bfloat16 weights.*--dtype bfloat16"):
@@ -119,14 +147,22 @@ def _run(model: str, options: dict, prompts: list[list[int]]):
 
 
 @needs_amx
-def test_engine_on_amx_keeps_brgemm_bits_and_async_equals_sync(tiny_model_dir) -> None:
-    model = tiny_model_dir("qwen2")  # biases on q/k/v
+def test_engine_on_amx_fuses_keeps_brgemm_bits_and_async_equals_sync(tiny_model_dir,
+                                                                     monkeypatch) -> None:
+    model = tiny_model_dir("qwen2")  # biases on q/k/v; the MLP is Llama's
     prompts = _prompts()
     runs = {overlap: _run(model, {"overlap": overlap, "linear": "amx"}, prompts)
             for overlap in ("sync", "thread")}
     for _, _, info, gemms in runs.values():
-        assert info["cpu_linear"] == "amx" and gemms == {"AmxLinear"}
+        assert info["cpu_linear"] == "amx" and gemms == {"AmxLinear", "AmxGatedLinear"}
+        assert info["cpu_fused_mlps"] == "2"
     assert runs["sync"][:2] == runs["thread"][:2]  # async == sync, logprobs bit for bit
+    # Unfused (the tile loop, then the silu_and_mul kernel), and on the brgemm micro-kernel
+    # (never fused): the same bits.
+    monkeypatch.setattr(gated, "fuse_gated_mlps", lambda model, kind="tiled": 0)
+    tokens, lps, info, gemms = _run(model, {"overlap": "sync", "linear": "amx"}, prompts)
+    assert info["cpu_fused_mlps"] == "0" and gemms == {"AmxLinear"}
+    assert (tokens, lps) == runs["sync"][:2]
     if cpu_linear.brgemm_ops() is not None:
         assert _run(model, {"overlap": "sync", "linear": "brgemm"}, prompts)[:2] == \
             runs["sync"][:2]

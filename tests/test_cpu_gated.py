@@ -176,7 +176,7 @@ def test_engine_on_the_tiled_gemm_fuses_and_keeps_its_bits(ops, tiny_model_dir,
         assert tokens == expected
     assert runs["sync"][:2] == runs["thread"][:2]  # async == sync, logprobs bit for bit
     # The unfused pair (tiled GEMM, then the silu_and_mul kernel) gives the same bits.
-    monkeypatch.setattr(gated, "fuse_gated_mlps", lambda model: 0)
+    monkeypatch.setattr(gated, "fuse_gated_mlps", lambda model, kind="tiled": 0)
     tokens, lps, info, fused = _run(model, {"overlap": "sync", **tiled}, prompts)
     assert not fused and info["cpu_fused_mlps"] == "0"
     assert (tokens, lps) == runs["sync"][:2]

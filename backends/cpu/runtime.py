@@ -110,13 +110,13 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
                                            attention_keywords(runner.model))
     fused_mlps = 0
     if linear != "torch":
-        if linear == "tiled" and kernels is not None:
+        if linear in ("tiled", "amx") and kernels is not None:
             from cadence.backends.cpu.gated import fuse_gated_mlps
 
             # Only beside the other kernels: with the torch attention path the activation
             # stays torch's (the reference path keeps its bits). First: it packs the plain
             # gate/up weights itself.
-            fused_mlps = fuse_gated_mlps(runner.model)
+            fused_mlps = fuse_gated_mlps(runner.model, linear)
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)

@@ -32,6 +32,7 @@ namespace {
 using namespace cadence_cpu;
 
 constexpr int64_t kBlockN = 32;   // output columns per block: two 16-column tiles
+constexpr int64_t kHalf = 16;     // the gated layout's gate (or up) columns per block
 constexpr int64_t kStepK = 32;    // K per tile step (16 VNNI pairs)
 constexpr int64_t kBlockM = 256;  // rows per work item; bounds the fp32 scratch
 
@@ -151,25 +152,26 @@ torch::Tensor amx_pack(torch::Tensor w) {
   return wp.view({blocks, kBlockN, kpad / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
-                         c10::optional<torch::Tensor> bias) {
+namespace {
+
+torch::Tensor bias_of(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  auto bc = bias->to(at::kBFloat16).contiguous();
+  TORCH_CHECK(bc.numel() == n, "bias must have ", n, " elements, got ", bc.numel());
+  return bc;
+}
+
+// x [M, K] times every column block of `packed`; `epilogue(c, m0, rows, nb)` writes the
+// outputs of block nb for rows m0 .. m0 + rows from its fp32 sums c ([rows, 32]).
+template <typename Epilogue>
+void run_amx(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2,
               "packed must be amx_pack's output");
   TORCH_CHECK(amx_available(), "this CPU has no AMX bf16 tiles");
   const int64_t m = x.size(0), k = x.size(1), kpad = packed.size(1) * 2;
   TORCH_CHECK(kpad >= k && kpad - k < kStepK, "packed does not match K = ", k);
-  const int64_t blocks = packed.size(0);
-  TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "n does not match packed");
-  const at::BFloat16* b_ptr = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kBFloat16).contiguous();
-    TORCH_CHECK(bc.numel() == n, "bias must have n elements");
-    b_ptr = bc.data_ptr<at::BFloat16>();
-  }
-  auto out = torch::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (m == 0) return out;
+  if (m == 0) return;
   // Tiles read whole 16-row, 32-column steps: rows and K are zero-padded unless x already
   // is a whole number of them with rows at a stride the tile can load.
   const int64_t mpad = (m + 15) / 16 * 16;
@@ -184,7 +186,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const auto* a = xa.data_ptr<at::BFloat16>();
   const auto* w = packed.data_ptr<at::BFloat16>();
   const char* w_end = reinterpret_cast<const char*>(w + packed.numel());
-  auto* o = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = packed.size(0);
   const int64_t block_elems = kpad * kBlockN;
   const int64_t mchunks = (mpad + kBlockM - 1) / kBlockM;
   // Work items are (row chunk, column block), each over the whole K. A thread's items are
@@ -198,26 +200,90 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
     std::vector<float> c(static_cast<size_t>(std::min(mpad, kBlockM) * kBlockN));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mc = item / blocks, nb = item % blocks;
-      const int64_t m0 = mc * kBlockM, rows = std::min(kBlockM, m - m0);
+      const int64_t m0 = mc * kBlockM;
       const int64_t mtiles = (std::min(kBlockM, mpad - m0)) / 16;
-      const int64_t n0 = nb * kBlockN, cols = std::min(kBlockN, n - n0);
       const at::BFloat16* wb = w + nb * block_elems;
       const char* pf = reinterpret_cast<const char*>(wb + block_elems);  // the next block
       block_kernel(a + m0 * lda, lda, mtiles, wb, kpad, c.data(),
                    pf < w_end ? pf : nullptr, w_end);
-      for (int64_t r = 0; r < rows; ++r) {
-        at::BFloat16* orow = o + (m0 + r) * n + n0;
-        const float* crow = c.data() + r * kBlockN;
-        int64_t j = 0;
-        for (; j + kVec <= cols; j += kVec) {
-          vfloat v = load(crow + j);
-          if (b_ptr != nullptr) v += load(b_ptr + n0 + j);
-          store(orow + j, v);
+      epilogue(c.data(), m0, std::min(kBlockM, m - m0), nb);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias) {
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "n does not match packed");
+  const auto bc = bias_of(bias, n);
+  const at::BFloat16* b_ptr = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
+  auto out = torch::empty({x.size(0), n},
+                          x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto* o = out.data_ptr<at::BFloat16>();
+  run_amx(x, packed, [&](const float* c, int64_t m0, int64_t rows, int64_t nb) {
+    const int64_t n0 = nb * kBlockN, cols = std::min(kBlockN, n - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      at::BFloat16* orow = o + (m0 + r) * n + n0;
+      const float* crow = c + r * kBlockN;
+      // The bias is added to the fp32 sum, as brgemm_linear and oneDNN add it.
+      int64_t j = 0;
+      for (; j + kVec <= cols; j += kVec) {
+        vfloat v = load(crow + j);
+        if (b_ptr != nullptr) v += load(b_ptr + n0 + j);
+        store(orow + j, v);
+      }
+      for (; j < cols; ++j) {
+        const float v = b_ptr == nullptr ? crow[j] : crow[j] + static_cast<float>(b_ptr[n0 + j]);
+        orow[j] = static_cast<at::BFloat16>(v);
+      }
+    }
+  });
+  return out;
+}
+
+// w [2 * h, K] bf16, a gated MLP's gate rows then its up rows, h a multiple of 16 -> amx_pack
+// of its rows reordered so that every 32-column block holds 16 gate columns and the 16 up
+// columns of the same outputs (amx_linear_gated's layout).
+torch::Tensor amx_pack_gated(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) % 2 == 0,
+              "w must be [2 * h, K] bfloat16 (gate rows, then up rows)");
+  const int64_t h = w.size(0) / 2, k = w.size(1);
+  TORCH_CHECK(h % kHalf == 0, "the gated layout needs h (", h, ") to be a multiple of ", kHalf);
+  return amx_pack(
+      w.contiguous().view({2, h / kHalf, kHalf, k}).transpose(0, 1).reshape({2 * h, k}));
+}
+
+// silu(x @ gate.T + bias_gate) * (x @ up.T + bias_up) -> [M, h] on amx_pack_gated's weight:
+// the bits of amx_linear, then silu_and_mul (csrc/ops.cpp), on the same weight. Each sum is
+// rounded to bf16 first, as amx_linear's output is, and the activation is silu_and_mul's own
+// (vec.h silu, rounded to bf16 before the product). The packed tensor does not say which
+// packing made it, so the caller (gated.py) keeps the two apart.
+torch::Tensor amx_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(h % kHalf == 0 && packed.size(0) * kHalf == h,
+              "h does not match the gated packed weight");
+  const auto bc = bias_of(bias, 2 * h);
+  const at::BFloat16* b_ptr = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
+  auto out = torch::empty({x.size(0), h},
+                          x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto* o = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* bf16_tag = nullptr;
+  run_amx(x, packed, [&](const float* c, int64_t m0, int64_t rows, int64_t nb) {
+    const int64_t j0 = nb * kHalf;  // this block's first output
+    for (int64_t r = 0; r < rows; ++r) {
+      at::BFloat16* orow = o + (m0 + r) * h + j0;
+      const float* crow = c + r * kBlockN;
+      for (int64_t j = 0; j < kHalf; j += kVec) {
+        vfloat g = load(crow + j), u = load(crow + kHalf + j);
+        if (b_ptr != nullptr) {
+          g += load(b_ptr + j0 + j);
+          u += load(b_ptr + h + j0 + j);
         }
-        for (; j < cols; ++j) {
-          const float v = b_ptr == nullptr ? crow[j] : crow[j] + static_cast<float>(b_ptr[n0 + j]);
-          orow[j] = static_cast<at::BFloat16>(v);
-        }
+        g = round_to(g, bf16_tag);
+        u = round_to(u, bf16_tag);
+        store(orow + j, round_to(silu(g), bf16_tag) * u);
       }
     }
   });

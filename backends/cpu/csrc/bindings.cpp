@@ -31,6 +31,9 @@ bool amx_available();
 torch::Tensor amx_pack(torch::Tensor w);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias);
+torch::Tensor amx_pack_gated(torch::Tensor w);
+torch::Tensor amx_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
+                               c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -69,4 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "a bf16 [N, K] weight packed for amx_linear");
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on an amx_pack'ed weight, on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_pack_gated", &amx_pack_gated,
+        "a bf16 [2 * h, K] gate-then-up weight packed for amx_linear_gated");
+  m.def("amx_linear_gated", &amx_linear_gated,
+        "silu(x @ gate.T + b) * (x @ up.T + b) on an amx_pack_gated weight", py::arg("x"),
+        py::arg("packed"), py::arg("h"), py::arg("bias") = py::none());
 }
