@@ -32,6 +32,8 @@ def candidates(dtype: torch.dtype) -> list[str]:
         out.append("tiled")
     if dtype == torch.bfloat16 and cpu_linear.brgemm_ops() is not None:
         out.append("brgemm")
+    if dtype == torch.bfloat16 and cpu_linear.amx_ops() is not None:
+        out.append("amx")
     return out
 
 

@@ -52,13 +52,15 @@ def main() -> None:
     if ops is not None:
         for name in KERNELS:
             setattr(ops, name, timed(name, getattr(ops, name)))
-    # TiledGatedLinear inherits TiledLinear's (timed) _gemm.
-    for cls in (cpu_linear.PackedLinear, cpu_linear.TiledLinear, cpu_linear.BrgemmLinear):
+    # The gated modules inherit their GEMM's (timed) _gemm.
+    for cls in (cpu_linear.PackedLinear, cpu_linear.TiledLinear, cpu_linear.BrgemmLinear,
+                cpu_linear.AmxLinear):
         original = cls.__dict__.get("_gemm", cls._gemm)
 
         def gemm(self, x, _run=original):
             phase = "prefill" if x.shape[0] > args.num_prompts else "decode"
-            width = self.out_features * (2 if isinstance(self, gated.TiledGatedLinear) else 1)
+            fused = isinstance(self, (gated.TiledGatedLinear, gated.AmxGatedLinear))
+            width = self.out_features * (2 if fused else 1)
             flops[0] += 2 * x.shape[0] * self.in_features * width
             return timed(f"gemm {self.in_features}->{width} {phase}", _run)(self, x)
         cls._gemm = gemm

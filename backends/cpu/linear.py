@@ -15,7 +15,9 @@ the default model's decode GEMMs faster than oneDNN on an AVX2-only EPYC (docs/b
 In bf16, where torch's batch-reduce GEMM micro-kernel runs on this CPU (AMX), a third
 candidate joins: ``BrgemmLinear`` (csrc/brgemm_linear.cpp), the same oneDNN arithmetic units
 without the ~25 us a call oneDNN's inner product spends building its primitive descriptor
-(docs/backends/cpu.md).
+(docs/backends/cpu.md). Where the CPU has AMX tiles, ``AmxLinear`` (csrc/amx_linear.cpp)
+runs the same tile arithmetic in a loop of cadence's own that prefetches the weight stream
+while it multiplies; it gives brgemm's bits and replaces it as the candidate.
 
 NOTE batch invariance: oneDNN computes a single row with another kernel (measured on an
 AMD EPYC: M=1 differs in the last bits from the same row in any larger batch; every M >= 2

@@ -2,10 +2,10 @@
 //
 // Why not only the batch-reduce micro-kernel (brgemm_linear.cpp): at a decode step's 64 rows
 // the weights stream from memory, and each of its calls loads its 32-column block with no
-// look-ahead, so a core waits on memory, then computes, then waits again: measured on an AMX
-// Xeon the default model's decode GEMMs read their weights at ~10 GB/s where two cores read
-// 22. This loop prefetches the weight stream ahead of the tiles that consume it, so the next
-// block arrives while the current one is multiplied.
+// look-ahead, so a core waits on memory, then computes, then waits again. Measured on an AMX
+// Xeon, the default model's decode GEMMs took about the sum of their tile arithmetic and their
+// weight stream. This loop prefetches the next block while it multiplies the current one:
+// 1.15-1.2x on those GEMMs (docs/backends/cpu.md).
 //
 // NOTE batch invariance: every output element is the fp32 tile accumulation of
 // tdpbf16ps over K in steps of 32, in order, whatever M is or which thread runs the block;
@@ -203,9 +203,12 @@ void run_amx(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue
       const int64_t m0 = mc * kBlockM;
       const int64_t mtiles = (std::min(kBlockM, mpad - m0)) / 16;
       const at::BFloat16* wb = w + nb * block_elems;
-      const char* pf = reinterpret_cast<const char*>(wb + block_elems);  // the next block
+      // The next block, where there are tiles to multiply while it arrives: with one row
+      // tile the loop is the weight stream alone, and its own loads keep the hardware
+      // prefetchers busy (measured: prefetching then ran 1.1x slower at 4 rows).
+      const char* pf = reinterpret_cast<const char*>(wb + block_elems);
       block_kernel(a + m0 * lda, lda, mtiles, wb, kpad, c.data(),
-                   pf < w_end ? pf : nullptr, w_end);
+                   pf < w_end && mtiles >= 2 ? pf : nullptr, w_end);
       epilogue(c.data(), m0, std::min(kBlockM, m - m0), nb);
     }
   });
