@@ -52,9 +52,46 @@ def test_amx_linear_matches_reference_and_is_batch_invariant(k, n, bias) -> None
         for m in (*range(1, 70), 255, 256, 257):
             assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
             assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
-        # Rows at a stride (a view of a wider tensor) give the same bits as contiguous ones.
+        # Rows at a stride (a view of a wider tensor) give the same bits as contiguous ones:
+        # with 333 rows through the padded copy, with 320 (whole tiles) and K a whole number
+        # of steps read in place at that stride.
         wide = torch.cat([x, x], dim=1)[:, :k]
         assert torch.equal(gemm(wide), full)
+        assert torch.equal(gemm(wide[:320]), full[:320])
+
+
+@needs_amx
+def test_amx_linear_rows_do_not_depend_on_the_thread_count() -> None:
+    lin = _linear(1536, 576, True, seed=8)
+    gemm, fused = cpu_linear.AmxLinear(lin), gated.AmxGatedLinear(_linear(576, 3072, True, 9))
+    g = torch.Generator().manual_seed(3)
+    x, h = torch.randn(96, 1536, generator=g), torch.randn(96, 576, generator=g)
+    x, h = x.to(torch.bfloat16), h.to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = gemm(x), fused(h)
+            torch.set_num_threads(3)
+            three = gemm(x), fused(h)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], three[0]) and torch.equal(one[1], three[1])
+
+
+@needs_amx
+def test_amx_linear_refuses_mismatched_inputs() -> None:
+    ops = cpu_linear.amx_ops()
+    packed = ops.amx_pack(_linear(64, 40, False, seed=0).weight.detach())
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="packed does not match K"):
+        ops.amx_linear(torch.zeros(4, 128, dtype=torch.bfloat16), packed, 40)
+    with pytest.raises(RuntimeError, match="n does not match packed"):
+        ops.amx_linear(x, packed, 80)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_linear(x.float(), packed, 40)
+    with pytest.raises(RuntimeError, match="non-empty"):
+        ops.amx_pack(torch.zeros(8, 0, dtype=torch.bfloat16))
 
 
 @needs_amx
@@ -63,7 +100,7 @@ def test_amx_linear_gives_the_brgemm_micro_kernels_bits() -> None:
     if cpu_linear.brgemm_ops() is None:
         pytest.skip("torch's bf16 micro-kernel does not run on this CPU")
     g = torch.Generator().manual_seed(4)
-    for k, n in ((576, 960), (1536, 576)):
+    for k, n in ((576, 960), (1536, 576), (40, 100)):  # (40, 100): padded K, partial block
         lin = _linear(k, n, True, seed=k)
         amx, brgemm = cpu_linear.AmxLinear(lin), cpu_linear.BrgemmLinear(lin)
         for m in (4, 37, 64, 300):
@@ -96,6 +133,35 @@ def test_amx_gated_width_rule() -> None:
     assert not gated.gated_width_ok(_linear(8, 2 * 24, False, seed=0), 16, torch.bfloat16)
     assert not gated.gated_width_ok(_linear(8, 64, False, seed=0, dtype=torch.float32), 16,
                                     torch.bfloat16)
+
+
+def test_measure_streams_alternated_copies_within_its_budget(monkeypatch) -> None:
+    built: list[tuple[str, tuple[int, int]]] = []
+    order: list[str] = []
+
+    def fake_gemm_of(c):
+        def make(w):
+            built.append((c, tuple(w.shape)))
+            return lambda x: order.append(c)
+        return make
+
+    monkeypatch.setattr(cpu_linear, "_gemm_of", fake_gemm_of)
+    shapes = [(64, 32), (32, 64)]
+    # 2 candidates, 16 KB of fp32 weights a pass: 4 copies within a 128 KB budget.
+    monkeypatch.setattr(cpu_linear, "_STREAM_BYTES", 128 * 1024)
+    times = cpu_linear._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
+    assert set(times) == {"torch_s", "packed_s"}
+    assert [s for c, s in built if c == "packed"] == [(64, 32), (32, 64)] * 4  # layer order
+    # A warm-up call of each shape, then the passes alternate candidate by candidate.
+    passes = order[4:]
+    assert passes == (["torch"] * 8 + ["packed"] * 8) * cpu_linear._PASSES
+    # Over budget: one candidate at a time, one copy.
+    built.clear()
+    order.clear()
+    monkeypatch.setattr(cpu_linear, "_STREAM_BYTES", 1024)
+    cpu_linear._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
+    assert len(built) == 4 and order == ["torch"] * (2 + 2 * cpu_linear._PASSES) + \
+        ["packed"] * (2 + 2 * cpu_linear._PASSES)
 
 
 def test_amx_choice_refused_by_name(monkeypatch) -> None:

@@ -161,9 +161,12 @@ def brgemm_ops() -> ModuleType | None:
 
 
 def amx_ops() -> ModuleType | None:
-    """The compiled kernels where their own AMX tile loop runs on this CPU, else None."""
+    """The compiled kernels where their own AMX tile loop runs on this CPU, else None (also
+    where ATEN_CPU_CAPABILITY caps the instruction set below AMX)."""
     from cadence.backends.cpu.kernels import load_kernels
 
+    if "amx_bf16" not in cpu_info().flags:
+        return None
     ops = load_kernels()
     return ops if ops is not None and ops.amx_available() else None
 
@@ -254,36 +257,51 @@ def _gemm_of(choice: str) -> Callable[[torch.Tensor], nn.Module]:
 # decode step's layers are. Timed on one weight per shape instead, every candidate ran from
 # cache, and on an AMX Xeon that ranked first a kernel that streams the real model's weights
 # 1.15x slower. Candidates alternate pass by pass, so a drift in the machine's speed does not
-# favour whichever ran first.
-_STREAM_BYTES = 128 << 20
+# favour whichever ran first. _STREAM_BYTES bounds the copies of all candidates together;
+# where one pass of a model's shapes alone exceeds a candidate's share, its weights stream
+# anyway, and the candidates are timed one after another, each freed before the next.
+_STREAM_BYTES = 256 << 20
 _MAX_COPIES = 32
 _PASSES = 7
 
 
 def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
              choices: tuple[str, ...] = ("torch", "packed")) -> dict:
-    """Seconds per pass over ``shapes`` for each of ``choices`` (the best of ``_PASSES``
-    alternated passes), on weights that stream from memory (``_STREAM_BYTES``)."""
+    """Seconds per pass over ``shapes`` for each of ``choices`` (best of ``_PASSES``), on
+    weights that stream from memory (``_STREAM_BYTES``)."""
     g = torch.Generator().manual_seed(0)
     pass_bytes = sum(n * k for n, k in shapes) * torch.empty((), dtype=dtype).element_size()
-    copies = min(_MAX_COPIES, max(1, _STREAM_BYTES // max(pass_bytes, 1)))
+    copies = min(_MAX_COPIES, _STREAM_BYTES // len(choices) // max(pass_bytes, 1))
     # Copy by copy, every shape in turn, as a step runs layer after layer.
-    weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies) for n, k in shapes]
+    weights = [torch.randn(n, k, generator=g).to(dtype)
+               for _ in range(max(copies, 1)) for n, k in shapes]
     xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes}
-    gemms = {c: [(_gemm_of(c)(w), xs[w.shape[1]]) for w in weights] for c in choices}
-    del weights
+
+    def timed_pass(gemms: list) -> float:
+        t = time.perf_counter()
+        for gemm, x in gemms:
+            gemm(x)
+        return time.perf_counter() - t
+
+    def build(c: str) -> list:
+        gemms = [(_gemm_of(c)(w), xs[w.shape[1]]) for w in weights]
+        for gemm, x in gemms[:len(shapes)]:  # a first call builds what a kernel caches
+            gemm(x)
+        return gemms
+
     best = dict.fromkeys(choices, float("inf"))
     with torch.no_grad():
-        for c in choices:  # a first call builds what a kernel caches per shape
-            for gemm, x in gemms[c][:len(shapes)]:
-                gemm(x)
-        for _ in range(_PASSES):
+        if copies >= 1:
+            gemms = {c: build(c) for c in choices}
+            for _ in range(_PASSES):
+                for c in choices:
+                    best[c] = min(best[c], timed_pass(gemms[c]))
+        else:
             for c in choices:
-                t = time.perf_counter()
-                for gemm, x in gemms[c]:
-                    gemm(x)
-                best[c] = min(best[c], time.perf_counter() - t)
-    return {f"{c}_s": best[c] / copies for c in choices}
+                one = build(c)
+                best[c] = min(timed_pass(one) for _ in range(_PASSES))
+                del one
+    return {f"{c}_s": best[c] / max(copies, 1) for c in choices}
 
 
 _CHECK_ROWS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)

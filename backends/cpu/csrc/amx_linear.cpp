@@ -56,6 +56,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void configure_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  // Some compilers' _tile_loadconfig tells the optimizer it reads 8 bytes of the config, which
+  // lets it drop the stores above; the barrier keeps all 64 bytes written.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -142,7 +145,9 @@ bool amx_available() {
 // w [N, K] bf16 -> [ceil(N / 32), kpad / 2, 32, 2] (K pairs interleaved), kpad = K rounded up
 // to 32; padding columns and K rows are zeros.
 torch::Tensor amx_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be [N, K] bfloat16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) > 0 &&
+                  w.size(1) > 0,
+              "w must be a non-empty [N, K] bfloat16");
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t blocks = (n + kBlockN - 1) / kBlockN;
   const int64_t kpad = (k + kStepK - 1) / kStepK * kStepK;
@@ -153,6 +158,11 @@ torch::Tensor amx_pack(torch::Tensor w) {
 }
 
 namespace {
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "x must be [M, K] bfloat16 on the CPU");
+}
 
 torch::Tensor bias_of(const c10::optional<torch::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return {};
@@ -165,12 +175,12 @@ torch::Tensor bias_of(const c10::optional<torch::Tensor>& bias, int64_t n) {
 // outputs of block nb for rows m0 .. m0 + rows from its fp32 sums c ([rows, 32]).
 template <typename Epilogue>
 void run_amx(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue& epilogue) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2,
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2 &&
+                  packed.is_contiguous() && packed.size(1) * 2 % kStepK == 0,
               "packed must be amx_pack's output");
   TORCH_CHECK(amx_available(), "this CPU has no AMX bf16 tiles");
   const int64_t m = x.size(0), k = x.size(1), kpad = packed.size(1) * 2;
-  TORCH_CHECK(kpad >= k && kpad - k < kStepK, "packed does not match K = ", k);
+  TORCH_CHECK(k > 0 && kpad >= k && kpad - k < kStepK, "packed does not match K = ", k);
   if (m == 0) return;
   // Tiles read whole 16-row, 32-column steps: rows and K are zero-padded unless x already
   // is a whole number of them with rows at a stride the tile can load.
@@ -218,6 +228,7 @@ void run_amx(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias) {
+  check_x(x);
   const int64_t blocks = packed.size(0);
   TORCH_CHECK(n > (blocks - 1) * kBlockN && n <= blocks * kBlockN, "n does not match packed");
   const auto bc = bias_of(bias, n);
@@ -265,6 +276,7 @@ torch::Tensor amx_pack_gated(torch::Tensor w) {
 // packing made it, so the caller (gated.py) keeps the two apart.
 torch::Tensor amx_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
                                c10::optional<torch::Tensor> bias) {
+  check_x(x);
   TORCH_CHECK(h % kHalf == 0 && packed.size(0) * kHalf == h,
               "h does not match the gated packed weight");
   const auto bc = bias_of(bias, 2 * h);
