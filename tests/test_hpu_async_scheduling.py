@@ -7,11 +7,17 @@ after warmup and every block free at the end.
 Everything is compared exactly, logprobs included: the emulation computes a token's
 attention with the same bits whichever path and batch it lands in (exact_attention.py),
 so a batch that differs (the lagging step, a preemption at another moment) changes
-nothing."""
+nothing. Its GEMMs are torch's ``F.linear``, whose rows on some CPUs (an AMX Xeon,
+docs/backends/cpu.md) take other bits in another batch; there the logprobs are compared
+to 1e-4 and everything else still exactly."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 from engine_helpers import PlanSpy, generate, make_llm, summarize
 from test_async_equivalence import CONFIGS, WORDS, _params
 from test_async_scheduling import SubmitSpy
@@ -60,10 +66,33 @@ def _run(model: str, params, **kw):
     return summarize(outs), eng, spy, plans
 
 
-def _assert_same(got: list, want: list) -> None:
+def _gemm_rows_depend_on_batch(model: str) -> bool:
+    """Whether ``F.linear`` (through the row padding every GEMM gets) gives the first rows of
+    a batch other bits than the same rows alone, on this model's shapes and this CPU."""
+    from cadence.layers.linear import linear
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((3 * h, h), (h, h), (2 * i, h), (h, i), (v, h)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)
+        full = linear(x, w)
+        if not all(torch.equal(linear(x[:m], w), full[:m]) for m in (1, 2, 4, 8, 16, 24, 32)):
+            return True
+    return False
+
+
+def _assert_same(got: list, want: list, exact_logprobs: bool = True) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a == b, f"request {i}: async scheduling {a}\n != sync {b}"
+        if exact_logprobs:
+            assert a == b, f"request {i}: async scheduling {a}\n != sync {b}"
+            continue
+        assert a[:6] == b[:6], f"request {i}: async scheduling {a}\n != sync {b}"
+        assert (a[6] is None) == (b[6] is None), f"request {i}"
+        for step_a, step_b in zip(a[6] or [], b[6] or [], strict=True):
+            assert [(t, r) for t, _, r in step_a] == [(t, r) for t, _, r in step_b], i
+            assert all(abs(x - y) <= 1e-4 for (_, x, _), (_, y, _) in zip(step_a, step_b))
 
 
 @pytest.mark.parametrize("config", ["preemption", "chunked"])
@@ -71,7 +100,7 @@ def test_hpu_async_scheduling_equals_sync(model, config) -> None:
     params = _workload(model)
     want, _, _, _ = _run(model, params, disable_async_output_proc=True, **CONFIGS[config])
     got, eng, spy, plans = _run(model, params, async_scheduling=True, **CONFIGS[config])
-    _assert_same(got, want)
+    _assert_same(got, want, exact_logprobs=not _gemm_rows_depend_on_batch(model))
     assert spy.num_placeholders > 0 and spy.num_penalty_placeholders > 0
     assert {row[4] for row in got} >= {"stop", "length"}
     assert any(isinstance(row[5], int) for row in got), "no stop id was hit"
