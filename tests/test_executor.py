@@ -102,3 +102,22 @@ def test_the_group_rules_for_replies(monkeypatch):
         assert lost.killed
         with pytest.raises(WorkerLostError, match=message):
             lost.check_health()  # /health says so until a restart
+
+
+def test_a_killed_rank_is_named_as_killed_not_as_a_closed_pipe() -> None:
+    # A killed process's pipes close a moment before its exit status can be read; the
+    # reason is taken once it is reaped.
+    import signal
+    import subprocess
+    import sys
+
+    from cadence.executor import multiproc
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            stdin=subprocess.PIPE)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        assert multiproc._reaped_reason(proc) == "died (killed by SIGKILL)"
+    finally:
+        proc.kill()
+        proc.wait()

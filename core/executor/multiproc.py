@@ -53,6 +53,17 @@ def _exit_reason(proc: subprocess.Popen) -> str:
     return f"exited (code {code})"
 
 
+def _reaped_reason(proc: subprocess.Popen) -> str:
+    """``_exit_reason`` once a rank whose pipe broke has been reaped: a killed process closes
+    its pipes a moment before its exit status can be read, and the error should say it was
+    killed, not that its pipe closed."""
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pass
+    return _exit_reason(proc)
+
+
 class MultiprocExecutor(RankGroup):
     """``RankGroup`` over one worker process per rank, on this host."""
 
@@ -87,7 +98,7 @@ class MultiprocExecutor(RankGroup):
             try:
                 send(proc.stdin, msg)
             except OSError:  # a broken pipe: that rank is gone
-                raise self._lost(f"rank {rank} of {self.world_size} {_exit_reason(proc)}; "
+                raise self._lost(f"rank {rank} of {self.world_size} {_reaped_reason(proc)}; "
                                  "every rank was stopped") from None
 
     def _wait(self, ranks: list[int], timeout: float | None) -> list[int]:
@@ -101,12 +112,7 @@ class MultiprocExecutor(RankGroup):
         try:
             return read_reply(fd)
         except (EOFError, OSError, pickle.UnpicklingError):
-            proc = self._procs[rank]
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-            raise _RankGone(_exit_reason(proc)) from None
+            raise _RankGone(_reaped_reason(self._procs[rank])) from None
 
     def _kill_ranks(self) -> None:
         _kill_all(self._procs)
