@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import generate, make_llm
+from test_cpu_kernels import _linear as kernels_linear
 from test_engine_parity import NUM_TOKENS, _prompts
 
 from cadence import SamplingParams
@@ -22,13 +23,7 @@ needs_amx = pytest.mark.skipif(cpu_linear.amx_ops() is None, reason=_NO_AMX)
 
 
 def _linear(k: int, n: int, bias: bool, seed: int, dtype=torch.bfloat16) -> Linear:
-    lin = Linear(k, n, bias=bias)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=g) * k ** -0.5)
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=g))
-    return lin.to(dtype)
+    return kernels_linear(k, n, bias, dtype, seed)  # bf16 unless told
 
 
 @needs_amx
