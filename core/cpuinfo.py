@@ -140,6 +140,8 @@ def torch_capability() -> str:
 
 def describe(num_threads: int | None = None, dtype: str | None = None) -> dict[str, object]:
     """The machine block every bench JSON and performance table carries."""
+    from cadence.host_memory import thp_mode
+
     info = cpu_info()
     out: dict[str, object] = {
         "cpu_model": info.model,
@@ -149,6 +151,8 @@ def describe(num_threads: int | None = None, dtype: str | None = None) -> dict[s
         "torch_cpu_capability": torch_capability(),
         "native_bf16": info.has_native_bf16,
         "cpu_count": os.cpu_count(),
+        # Streamed weights and KV cache run faster on huge pages (docs/backends/cpu.md).
+        "transparent_hugepages": thp_mode(),
     }
     if info.isa_limit is not None:
         out["isa_limit"] = info.isa_limit

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from cadence.backend import ModelInput, SamplerOutput, SamplingMetadata
 from cadence.config import EngineConfig
 from cadence.forward_context import set_forward_context
+from cadence.host_memory import anonymous_buffer
 from cadence.layers import paged_attention, sampler
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,10 @@ class PreparedInput:
     metadata: object
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
-    """``count`` zero-filled CPU tensors of ``shape``, backed by one anonymous memory mapping.
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
+               huge_pages: bool = False) -> list[torch.Tensor]:
+    """``count`` zero-filled CPU tensors of ``shape``, backed by one anonymous memory mapping
+    (on huge pages when ``huge_pages``: core/host_memory.py).
 
     NOTE the kernel maps a fresh anonymous page as zeros on first touch, so memory nobody has
     written yet costs nothing. ``torch.zeros`` writes every byte up front instead: for the CPU
@@ -57,8 +59,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0 or count == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
-    # frombuffer keeps the mapping alive for as long as any of the views lives.
-    flat = torch.frombuffer(mmap.mmap(-1, nbytes * count), dtype=torch.uint8)
+    flat = anonymous_buffer(nbytes * count, huge_pages)
     return [flat[i * nbytes:(i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 
@@ -119,11 +120,13 @@ class ModelRunner:
             return min(-(-tokens // bs), -(-(window - 1 + chunk) // bs) + 1)
         return -(-tokens // bs)
 
-    def allocate_kv_cache(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, huge_pages: bool = False
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V caches; ``huge_pages``: on the CPU, on 2 MiB pages."""
         spec = self.kv_cache_spec()
         shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
-            tensors = lazy_zeros(shape, self.dtype, 2 * spec.num_layers)
+            tensors = lazy_zeros(shape, self.dtype, 2 * spec.num_layers, huge_pages)
         else:
             tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                        for _ in range(2 * spec.num_layers)]

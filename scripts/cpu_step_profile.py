@@ -3,6 +3,7 @@ timed in process (docs/performance.md).
 
     python scripts/cpu_step_profile.py [--num-prompts 64] [--input-len 128]
                                        [--output-len 128] [--dtype float32]
+                                       [--huge-pages off|weights|all]
 
 Runs the workload once with the ``sync`` strategy (everything on one thread, so a kernel's
 wall time is its cost) after a short warm-up, with a timer around each kernel call and
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--huge-pages", choices=("off", "weights", "all"), default="off")
     args = ap.parse_args()
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -68,7 +70,8 @@ def main() -> None:
     # concatenations (row padding, penalties' history).
     for name in ("softmax", "cat"):
         setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
-    llm = LLM(dtype=args.dtype, backend_options={"overlap": "sync"})
+    llm = LLM(dtype=args.dtype,
+              backend_options={"overlap": "sync", "huge_pages": args.huge_pages})
     print(machine_line({**machine_info(), "dtype": args.dtype}))
     rng = random.Random(0)
 

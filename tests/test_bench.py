@@ -25,7 +25,7 @@ BREAKDOWN_KEYS = {"num_steps", "wall_s", "phases_s", "per_step_ms", "device_s",
                   "host_critical_s", "other_s", "device_idle_fraction"}
 PHASES = {"schedule", "prepare", "execute", "post_sample", "commit", "drain", "bitmask"}
 MACHINE_KEYS = {"cpu_model", "cpu_family", "cpu_model_id", "cpu_flags", "torch_cpu_capability",
-                "native_bf16", "cpu_count", "threads", "dtype"}
+                "native_bf16", "cpu_count", "threads", "dtype", "transparent_hugepages"}
 
 
 def _run(argv: list[str], out: Path) -> dict:
@@ -59,7 +59,8 @@ def test_throughput_json(tiny_model_dir, tmp_path, capsys, extra):
     assert machine["threads"] >= 1 and isinstance(machine["cpu_flags"], list)
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("machine: ") and f"{machine['threads']} threads" in header
-    assert header.endswith(f"dtype {machine['dtype']}")
+    thp = machine["transparent_hugepages"]
+    assert header.endswith(f"dtype {machine['dtype']}" + (f" | THP {thp}" if thp else ""))
     assert data["num_prompts"] == 5 and data["num_input_tokens"] == 40
     assert data["output_tokens_per_s"] > 0 and data["requests_per_s"] > 0
     if "--output-len-range" in extra:

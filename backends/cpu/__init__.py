@@ -40,6 +40,12 @@ def cadence_add_cli_options(parser) -> None:
                              "the weights, packed at load), 'torch' (F.linear), or 'auto' "
                              "(default: whichever measured fastest on this CPU, measured once "
                              "and cached)")
+    parser.add_argument("--cpu-huge-pages", choices=("off", "weights", "all"), default=None,
+                        help="transparent huge pages (2 MiB) for what every step streams: "
+                             "'off' (default: 4 KiB pages, as torch allocates), 'weights' (the "
+                             "model's tensors, moved at start-up) or 'all' (the weights and the "
+                             "KV cache, for long-running servers; the cache's first pages are "
+                             "touched at start-up). Needs THP 'always' or 'madvise'")
     parser.add_argument("--cpu-bind", choices=("cores", "none"), default=None,
                         help="ranks and data-parallel replicas: 'cores' (default: each binds "
                              "to its own share of the cores) or 'none' (no binding; each "
@@ -72,6 +78,7 @@ def cadence_configure(config) -> None:
     if config.get("cpu_kv_cache_gb"):
         opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
     for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear"),
+                      ("cpu_huge_pages", "huge_pages"),
                       ("cpu_bind", "bind"), ("cpu_reserved_cores", "reserved_cores")):
         if config.get(flag):
             opts[key] = config[flag]

@@ -30,10 +30,13 @@ class CpuRuntime:
     linear: str  # "packed", "tiled", "brgemm", "amx" or "torch"
     # Gated MLPs run as one GEMM with their activation (gated.py), on this rank.
     fused_mlps: int = 0
+    # What lives on transparent huge pages: "off", "weights" or "all" (memory.py).
+    huge_pages: str = "off"
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,
                 "cpu_fused_mlps": str(self.fused_mlps),
+                "cpu_huge_pages": self.huge_pages,
                 "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "cpu_threads": str(torch.get_num_threads())}
 
@@ -98,7 +101,13 @@ def tune_allocator() -> bool:
 
 def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     from cadence.backends.cpu.linear import choose_linear, pack_linears
+    from cadence.backends.cpu.memory import (
+        move_weights_to_huge_pages,
+        prefault_kv_cache,
+        resolve_huge_pages,
+    )
 
+    huge_pages = resolve_huge_pages(str(config.backend_option("huge_pages", "off")))
     tune_allocator()
     runner = ModelRunner(config, "cpu")
     runner.load_model()
@@ -120,8 +129,13 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
+    if huge_pages != "off":
+        move_weights_to_huge_pages(runner.model)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
-    k, v = runner.allocate_kv_cache(num_blocks)
+    kv_huge = huge_pages == "all"
+    k, v = runner.allocate_kv_cache(num_blocks, kv_huge)
+    if kv_huge:
+        prefault_kv_cache(k + v)
     scale = spec.head_dim ** -0.5
     if kernels is not None:
         from cadence.backends.cpu.attention import CpuPagedAttention, build_metadata
@@ -133,6 +147,6 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
     check_supported(runner.attn, runner.model)
-    rt = CpuRuntime(runner, num_blocks, attention, linear, fused_mlps)
+    rt = CpuRuntime(runner, num_blocks, attention, linear, fused_mlps, huge_pages)
     logger.info("CPU backend: %s", ", ".join(f"{k}={v}" for k, v in rt.describe().items()))
     return rt

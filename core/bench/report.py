@@ -160,13 +160,16 @@ def resolved_dtype(ns: Any) -> str:
 
 
 def machine_line(m: dict[str, Any]) -> str:
-    """One line: CPU model, its vector flags, torch's capability, threads and dtype."""
+    """One line: CPU model, its vector flags, torch's capability, threads, dtype and the
+    kernel's transparent huge page setting."""
     model = m.get("cpu_model") or "unknown CPU"
     if m.get("cpu_family") is not None:
         model += f" (family {m['cpu_family']} model {m.get('cpu_model_id')})"
     flags = " ".join(m.get("cpu_flags") or []) or "no vector flags"
+    thp = m.get("transparent_hugepages")
     return (f"machine: {model} | {flags} | torch capability {m.get('torch_cpu_capability')} "
-            f"| {m.get('threads') or '?'} threads | dtype {m.get('dtype')}")
+            f"| {m.get('threads') or '?'} threads | dtype {m.get('dtype')}"
+            + (f" | THP {thp}" if thp else ""))
 
 
 def draw_chart(runs: Sequence[dict[str, Any]], path: str | os.PathLike,
