@@ -58,6 +58,26 @@ def generate(llm: LLM, prompts, params: SamplingParams | list[SamplingParams]):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+def greedy_with_logprobs(model: str, prompts: list[list[int]], num_tokens: int,
+                         inspect=lambda llm: None, **llm_kw):
+    """(tokens, the chosen tokens' logprobs, the backend's runtime info, ``inspect(llm)``)
+    of a greedy run of ``prompts`` (token ids) for ``num_tokens`` tokens each, EOS ignored.
+    Checks that every KV block is free at the end; shuts the backend down."""
+    llm = make_llm(model, **llm_kw)
+    try:
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
+                                logprobs=2)
+        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                             strict=True)] for o in outs]
+        seen = inspect(llm)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        return tokens, lps, dict(llm.engine.backend.runtime_info), seen
+    finally:
+        llm.engine.backend.shutdown()
+
+
 def greedy_pair(model: str, prompt: list[int], num_tokens: int, **llm_kw
                 ) -> tuple[list[int], list[int]]:
     """(cadence's, transformers' cached ``generate``) greedy tokens for one prompt, exactly

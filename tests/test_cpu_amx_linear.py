@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import generate, make_llm
+from engine_helpers import greedy_with_logprobs
 from test_cpu_kernels import _linear as kernels_linear
 from test_engine_parity import NUM_TOKENS, _prompts
 
-from cadence import SamplingParams
 from cadence.backends.cpu import gated
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu.fused import KernelSiluAndMul
@@ -191,20 +190,11 @@ def test_auto_measures_amx_and_takes_it_when_fastest(tmp_path, monkeypatch) -> N
 
 
 def _run(model: str, options: dict, prompts: list[list[int]]):
-    llm = make_llm(model, dtype="bfloat16", backend_options={"kv_cache_gb": 0.02, **options})
-    try:
-        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
-                                logprobs=2)
-        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
-                                             strict=True)] for o in outs]
-        gemms = {type(m).__name__ for m in llm.engine.backend.runner.model.modules()
-                 if isinstance(m, cpu_linear._PrepackedLinear)}
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
-        return tokens, lps, dict(llm.engine.backend.runtime_info), gemms
-    finally:
-        llm.engine.backend.shutdown()
+    def gemms(llm):
+        return {type(m).__name__ for m in llm.engine.backend.runner.model.modules()
+                if isinstance(m, cpu_linear._PrepackedLinear)}
+    return greedy_with_logprobs(model, prompts, NUM_TOKENS, gemms, dtype="bfloat16",
+                                backend_options={"kv_cache_gb": 0.02, **options})
 
 
 @needs_amx

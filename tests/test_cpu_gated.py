@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import generate, make_llm
+from engine_helpers import greedy_with_logprobs
 from test_engine_parity import NUM_TOKENS, _prompts, hf_greedy
 
-from cadence import SamplingParams
 from cadence.backends.cpu import gated
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu.fused import KernelSiluAndMul, install_fused_ops
@@ -147,20 +146,11 @@ def test_fuse_gated_mlps_leaves_what_it_cannot_fuse(ops, tiny_model_dir, monkeyp
 
 def _run(model: str, options: dict, prompts: list[list[int]]):
     """(tokens, logprobs, runtime info, fused modules) of a greedy run with logprobs."""
-    llm = make_llm(model, backend_options={"kv_cache_gb": 0.02, **options})
-    try:
-        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
-                                logprobs=2)
-        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
-                                             strict=True)] for o in outs]
-        fused = [m for m in llm.engine.backend.runner.model.modules()
-                 if isinstance(m, gated.TiledGatedLinear)]
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
-        return tokens, lps, dict(llm.engine.backend.runtime_info), fused
-    finally:
-        llm.engine.backend.shutdown()
+    def fused(llm):
+        return [m for m in llm.engine.backend.runner.model.modules()
+                if isinstance(m, gated.TiledGatedLinear)]
+    return greedy_with_logprobs(model, prompts, NUM_TOKENS, fused,
+                                backend_options={"kv_cache_gb": 0.02, **options})
 
 
 def test_engine_on_the_tiled_gemm_fuses_and_keeps_its_bits(ops, tiny_model_dir,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import generate, make_llm
+from engine_helpers import greedy_with_logprobs, make_llm
 from test_engine_parity import NUM_TOKENS, _prompts, hf_greedy
 from torch import nn
 
-from cadence import SamplingParams, host_memory
+from cadence import host_memory
 from cadence.backends.cpu import memory
 from cadence.model_runner import lazy_zeros
 
@@ -129,22 +129,15 @@ def test_prefault_touches_from_the_first_block_up_within_its_time() -> None:
 
 
 def _greedy(model: str, huge: str, prompts: list[list[int]]):
-    llm = make_llm(model, backend_options={"overlap": "sync", "kv_cache_gb": 0.02,
-                                           "huge_pages": huge})
-    try:
-        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
-                                logprobs=2)
-        outs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
-                                             strict=True)] for o in outs]
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    """tokens, logprobs, runtime info, (parameter storages, whether the KV cache is marked)."""
+    def placement(llm):
         runner = llm.engine.backend.runner
         storages = {p.untyped_storage().data_ptr() for p in runner.model.parameters()}
         kv = _smaps_entry(runner.attn.k_caches[0].data_ptr())["VmFlags"].split()
-        return tokens, lps, dict(llm.engine.backend.runtime_info), len(storages), "hg" in kv
-    finally:
-        llm.engine.backend.shutdown()
+        return len(storages), "hg" in kv
+    return greedy_with_logprobs(model, prompts, NUM_TOKENS, placement,
+                                backend_options={"overlap": "sync", "kv_cache_gb": 0.02,
+                                                 "huge_pages": huge})
 
 
 def test_engine_gives_the_same_bits_on_every_choice(tiny_model_dir, monkeypatch) -> None:
@@ -152,11 +145,12 @@ def test_engine_gives_the_same_bits_on_every_choice(tiny_model_dir, monkeypatch)
     prompts = _prompts()
     monkeypatch.setattr(memory, "huge_pages_available", lambda: True)
     runs = {c: _greedy(model, c, prompts) for c in ("off", "weights", "all")}
-    for choice, (_, _, info, _, _) in runs.items():
+    for choice, (_, _, info, _) in runs.items():
         assert info["cpu_huge_pages"] == choice
-    assert runs["off"][3] > 1 and runs["weights"][3] == runs["all"][3] == 1  # one mapping
+    storages = {c: runs[c][3][0] for c in runs}
+    assert storages["off"] > 1 and storages["weights"] == storages["all"] == 1  # one mapping
     marked = host_memory.thp_mode() is not None  # the kernel has THP at all
-    assert [runs[c][4] for c in ("off", "weights", "all")] == [False, False, marked]
+    assert [runs[c][3][1] for c in ("off", "weights", "all")] == [False, False, marked]
     assert runs["off"][:2] == runs["weights"][:2] == runs["all"][:2]  # tokens, logprobs
     assert runs["off"][0] == hf_greedy(model, prompts, NUM_TOKENS)
 

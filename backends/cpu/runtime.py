@@ -68,43 +68,13 @@ def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype,
     return kernels, "kernel"
 
 
-# mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
-
-
-def tune_allocator() -> bool:
-    """Keep freed activation buffers in glibc's heap instead of returning them to the OS.
-
-    By default glibc serves every allocation above a few MB with a fresh mmap and unmaps it
-    on free, so each large activation of a forward pays page faults on first touch: measured
-    here, SiLU-and-mul over a 2048-token prefill chunk ran 4.7x slower that way. Raising the
-    mmap threshold only reaches glibc's cap (32 MiB), and a decode batch of 256 makes
-    logits of 48 MiB (and softmax temporaries the same size): a softmax over them took
-    18 ms with a fresh mapping per call against 4.7 ms from the heap. So mmap is off
-    altogether (``M_MMAP_MAX`` 0; glibc still maps when the heap cannot grow) and trimming
-    is deferred. The price is that memory freed in the middle of the heap stays with the
-    process for reuse, as it would in any caching allocator. Returns False where the C
-    library is not glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-    ok = ok and mallopt(_M_MMAP_MAX, 0) == 1
-    return ok and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
-
-
 def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     from cadence.backends.cpu.linear import choose_linear, pack_linears
     from cadence.backends.cpu.memory import (
         move_weights_to_huge_pages,
         prefault_kv_cache,
         resolve_huge_pages,
+        tune_allocator,
     )
 
     huge_pages = resolve_huge_pages(str(config.backend_option("huge_pages", "off")))
