@@ -41,6 +41,14 @@ namespace {
 using namespace cadence_cpu;
 
 
+// Whether the K pass of a bf16 item prefetches its V rows too (fp32 always does): measured
+// per CPU family, and AMX is what tells the Xeons that gain from it from the EPYCs that lose.
+#if defined(__AMX_TILE__)
+constexpr bool kPrefetchVBf16 = true;
+#else
+constexpr bool kPrefetchVBf16 = false;
+#endif
+
 // Software prefetch of one token row (KV heads [kh0, kh1)) into L2 (prefetcht1). Into L1
 // (prefetcht0) measured ~20 % slower on a cold cache: the lookahead below keeps more lines in
 // flight than L1's miss buffers hold.
@@ -65,32 +73,57 @@ struct Geometry {
   float soft_cap;  // cap * tanh(score / cap) when > 0 (attention_common.h)
 };
 
-// The row of token tt: all KV heads of a token are one contiguous run in the core's
-// token-major layout.
+// The rows of tokens [tt, end) of one sequence, in order: all KV heads of a token are one
+// contiguous run in the core's token-major layout. The cursor steps through the block table
+// one block at a time; a division per row to find its block had been about half of the
+// kernel's time with the cache in L2 (docs/backends/cpu.md).
 template <typename cache_t>
-inline const cache_t* token_row(const Geometry& g, const cache_t* cache, int64_t block_stride,
-                                int64_t token_stride, const int32_t* table, int64_t tt) {
-  return cache + table[tt / g.block_size] * block_stride + (tt % g.block_size) * token_stride;
-}
+struct RowCursor {
+  const cache_t* cache;
+  const int32_t* table;
+  int64_t block_stride, token_stride, block_size, end_block;
+  int64_t block, offset;
+  const cache_t* base = nullptr;
 
-// Pointers to the rows of tokens [t, t + count), prefetching the row kVec tokens ahead of
-// each while it is below t_end (t_end = t: none): the lookahead is one tile, spread evenly,
-// so the next tile's loads are in flight while this one is computed. The hardware
-// prefetcher alone does not follow a jump to the next block of the table, which can sit
-// anywhere in the cache (measured: a burst of a whole block's prefetches at once mostly
+  RowCursor(const Geometry& g, const cache_t* cache_, int64_t block_stride_,
+            int64_t token_stride_, const int32_t* table_, int64_t tt, int64_t end)
+      : cache(cache_), table(table_), block_stride(block_stride_),
+        token_stride(token_stride_), block_size(g.block_size),
+        end_block((end + g.block_size - 1) / g.block_size), block(tt / g.block_size),
+        offset(tt % g.block_size) {
+    locate();
+  }
+  // Table entries past the sequence's last block may hold anything: never read.
+  void locate() {
+    if (block < end_block) base = cache + table[block] * block_stride;
+  }
+  const cache_t* row() const { return base + offset * token_stride; }
+  void next() {
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+      locate();
+    }
+  }
+};
+
+// The next `count` rows of `cur` (tokens t .. t + count), prefetching through `ahead` (kVec
+// tokens further on) the rows below t_end (t_end = t: none): the lookahead is one tile,
+// spread evenly, so the next tile's loads are in flight while this one is computed. The
+// hardware prefetcher alone does not follow a jump to the next block of the table, which can
+// sit anywhere in the cache (measured: a burst of a whole block's prefetches at once mostly
 // went unused).
 template <typename cache_t>
-inline void tile_rows(const Geometry& g, const cache_t* cache, int64_t block_stride,
-                      int64_t token_stride, int64_t head_stride, const int32_t* table,
+inline void tile_rows(RowCursor<cache_t>& cur, RowCursor<cache_t>* ahead, int64_t head_stride,
                       int64_t kh0, int64_t kh1, int64_t d, int64_t t, int64_t count,
                       int64_t t_end, const cache_t** rows) {
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t tt = t + i;
-    const int64_t ahead = tt + kVec;
-    if (ahead < t_end)
-      prefetch_row(token_row(g, cache, block_stride, token_stride, table, ahead), head_stride,
-                   kh0, kh1, d);
-    rows[i] = token_row(g, cache, block_stride, token_stride, table, tt);
+    if (t + i + kVec < t_end) {
+      prefetch_row(ahead->row(), head_stride, kh0, kh1, d);
+      ahead->next();
+    }
+    rows[i] = cur.row();
+    cur.next();
   }
   // A short last tile repeats its last row: the scores of the copies are masked out, and a
   // full tile keeps the score loop at a fixed trip count (its kVec partials stay in registers).
@@ -151,20 +184,28 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   // V pass streams from L2 while K's and V's DRAM reads overlap) go out a few between each
   // head's scores instead of in one burst before them: 1.22-1.26x on an AVX2 EPYC in fp32,
   // batch 64 at 192 tokens to batch 1 at 2048, items of 9 query heads (docs/backends/cpu.md).
-  // In bf16, where the item is closer to compute-bound, the V prefetch measured ~6 % slower
-  // and is left out.
+  // In bf16 the V prefetch depends on the CPU: ~6 % slower on an AVX-512 EPYC (Zen 4), where
+  // the item is closer to compute-bound, and ~9 % faster on an AMX Xeon, where it waits on
+  // memory more; the build for a CPU with AMX tiles issues it (kPrefetchV).
   const cache_t* k_ahead[kVec];
   const cache_t* v_ahead[kVec];
+  RowCursor<cache_t> k_rows(g, k_cache, g.k_block_stride, g.k_token_stride, table, t0, t1);
+  RowCursor<cache_t> k_next(g, k_cache, g.k_block_stride, g.k_token_stride, table, t0 + kVec,
+                            t1);
+  RowCursor<cache_t> v_next(g, v_cache, g.v_block_stride, g.v_token_stride, table, t0, t1);
   for (int64_t t = t0; t < t1; t += kVec) {
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
-    tile_rows(g, k_cache, g.k_block_stride, g.k_token_stride, g.k_head_stride, table, kh0,
-              kh1, d, t, count, t, rows);
+    tile_rows(k_rows, &k_next, g.k_head_stride, kh0, kh1, d, t, count, t, rows);
     int64_t n_k = 0, n_v = 0;
-    for (int64_t tt = t + kVec; tt < std::min<int64_t>(t1, t + 2 * kVec); ++tt)
-      k_ahead[n_k++] = token_row(g, k_cache, g.k_block_stride, g.k_token_stride, table, tt);
-    if constexpr (sizeof(cache_t) == 4)
-      for (int64_t tt = t; tt < t + count; ++tt)
-        v_ahead[n_v++] = token_row(g, v_cache, g.v_block_stride, g.v_token_stride, table, tt);
+    for (int64_t tt = t + kVec; tt < std::min<int64_t>(t1, t + 2 * kVec); ++tt) {
+      k_ahead[n_k++] = k_next.row();
+      k_next.next();
+    }
+    if constexpr (sizeof(cache_t) == 4 || kPrefetchVBf16)
+      for (int64_t tt = t; tt < t + count; ++tt) {
+        v_ahead[n_v++] = v_next.row();
+        v_next.next();
+      }
     for (int64_t h = 0; h < nh; ++h) {
       // Each head issues its share of both lists (measured faster than K's rows first).
       for (int64_t j = h * n_v / nh; j < (h + 1) * n_v / nh; ++j)
@@ -185,16 +226,23 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
     }
   }
   // The first V tile is on its way while the softmax runs.
-  for (int64_t tt = std::max(t0, lo); tt < std::min<int64_t>(t1, t0 + kVec); ++tt)
-    prefetch_row(token_row(g, v_cache, g.v_block_stride, g.v_token_stride, table, tt),
-                 g.v_head_stride, kh0, kh1, d);
+  {
+    RowCursor<cache_t> first(g, v_cache, g.v_block_stride, g.v_token_stride, table,
+                             std::max(t0, lo), t1);
+    for (int64_t tt = std::max(t0, lo); tt < std::min<int64_t>(t1, t0 + kVec); ++tt) {
+      prefetch_row(first.row(), g.v_head_stride, kh0, kh1, d);
+      first.next();
+    }
+  }
   for (int64_t h = 0; h < nh; ++h)
     exp_partition(scores + h * stride, maxes[h], padded, max_out + h, sum_out + h);
   std::fill(acc_out, acc_out + nh * d, 0.f);
+  RowCursor<cache_t> v_rows(g, v_cache, g.v_block_stride, g.v_token_stride, table, t0, t1);
+  RowCursor<cache_t> v_ahead_rows(g, v_cache, g.v_block_stride, g.v_token_stride, table,
+                                  t0 + kVec, t1);
   for (int64_t t = t0; t < t1; t += kVec) {
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
-    tile_rows(g, v_cache, g.v_block_stride, g.v_token_stride, g.v_head_stride, table, kh0,
-              kh1, d, t, count, t1, rows);
+    tile_rows(v_rows, &v_ahead_rows, g.v_head_stride, kh0, kh1, d, t, count, t1, rows);
     // Rows before the window weigh exactly 0: skipped, which leaves the sum's bits as they
     // are (the prefill kernel skips them too).
     const int64_t skip = std::max<int64_t>(0, lo - t);
