@@ -75,8 +75,8 @@ struct Geometry {
 
 // The rows of tokens [tt, end) of one sequence, in order: all KV heads of a token are one
 // contiguous run in the core's token-major layout. The cursor steps through the block table
-// one block at a time; a division per row to find its block had been about half of the
-// kernel's time with the cache in L2 (docs/backends/cpu.md).
+// one block at a time: a division and a modulo per row (and per prefetched row) had cost
+// 3-8 % of the fp32 kernel (docs/backends/cpu.md).
 template <typename cache_t>
 struct RowCursor {
   const cache_t* cache;
@@ -186,7 +186,7 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   // batch 64 at 192 tokens to batch 1 at 2048, items of 9 query heads (docs/backends/cpu.md).
   // In bf16 the V prefetch depends on the CPU: ~6 % slower on an AVX-512 EPYC (Zen 4), where
   // the item is closer to compute-bound, and ~9 % faster on an AMX Xeon, where it waits on
-  // memory more; the build for a CPU with AMX tiles issues it (kPrefetchV).
+  // memory more; the build for a CPU with AMX tiles issues it (kPrefetchVBf16).
   const cache_t* k_ahead[kVec];
   const cache_t* v_ahead[kVec];
   RowCursor<cache_t> k_rows(g, k_cache, g.k_block_stride, g.k_token_stride, table, t0, t1);
