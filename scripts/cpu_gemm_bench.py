@@ -15,6 +15,7 @@ import time
 import torch
 
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu import linear_choice
 from cadence.bench.report import machine_info, machine_line
 
 # SmolLM2-135M: qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576; 30 layers;
@@ -50,7 +51,7 @@ def main() -> None:
                for _ in range(LAYERS) for n, k in LAYER]
     weights.append((torch.randn(*HEAD, generator=g) * HEAD[1] ** -0.5).to(dtype))
     names = candidates(dtype)
-    modules = {c: [cpu_linear._gemm_of(c)(w) for w in weights] for c in names}
+    modules = {c: [linear_choice._gemm_of(c)(w) for w in weights] for c in names}
     for rows in (int(r) for r in args.rows.split(",")):
         widths = {w.shape[1] for w in weights}
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in widths}

@@ -14,6 +14,7 @@ from test_engine_parity import NUM_TOKENS, _prompts
 
 from cadence.backends.cpu import gated
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu import linear_choice as cpu_choice
 from cadence.backends.cpu.fused import KernelSiluAndMul
 from cadence.layers.linear import Linear
 
@@ -139,33 +140,33 @@ def test_measure_streams_alternated_copies_within_its_budget(monkeypatch) -> Non
             return lambda x: order.append(c)
         return make
 
-    monkeypatch.setattr(cpu_linear, "_gemm_of", fake_gemm_of)
+    monkeypatch.setattr(cpu_choice, "_gemm_of", fake_gemm_of)
     shapes = [(64, 32), (32, 64)]
     # 2 candidates, 16 KB of fp32 weights a pass: 4 copies within a 128 KB budget.
-    monkeypatch.setattr(cpu_linear, "_STREAM_BYTES", 128 * 1024)
-    times = cpu_linear._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
+    monkeypatch.setattr(cpu_choice, "_STREAM_BYTES", 128 * 1024)
+    times = cpu_choice._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
     assert set(times) == {"torch_s", "packed_s"}
     assert [s for c, s in built if c == "packed"] == [(64, 32), (32, 64)] * 4  # layer order
     # A warm-up call of each shape, then the passes alternate candidate by candidate.
     passes = order[4:]
-    assert passes == (["torch"] * 8 + ["packed"] * 8) * cpu_linear._PASSES
+    assert passes == (["torch"] * 8 + ["packed"] * 8) * cpu_choice._PASSES
     # Over budget: one candidate at a time, one copy.
     built.clear()
     order.clear()
-    monkeypatch.setattr(cpu_linear, "_STREAM_BYTES", 1024)
-    cpu_linear._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
-    assert len(built) == 4 and order == ["torch"] * (2 + 2 * cpu_linear._PASSES) + \
-        ["packed"] * (2 + 2 * cpu_linear._PASSES)
+    monkeypatch.setattr(cpu_choice, "_STREAM_BYTES", 1024)
+    cpu_choice._measure(shapes, torch.float32, rows=4, choices=("torch", "packed"))
+    assert len(built) == 4 and order == ["torch"] * (2 + 2 * cpu_choice._PASSES) + \
+        ["packed"] * (2 + 2 * cpu_choice._PASSES)
 
 
 def test_amx_choice_refused_by_name(monkeypatch) -> None:
     lin = _linear(64, 32, False, seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="'amx' runs bfloat16 weights.*--dtype bfloat16"):
-        cpu_linear.choose_linear("amx", torch.nn.Sequential(lin), torch.float32)
+        cpu_choice.choose_linear("amx", torch.nn.Sequential(lin), torch.float32)
     monkeypatch.setattr(cpu_linear, "amx_ops", lambda: None)
     bf16 = _linear(64, 32, False, seed=0)
     with pytest.raises(ValueError, match="'amx' needs the compiled CPU kernels.*amx_tile.*auto"):
-        cpu_linear.choose_linear("amx", torch.nn.Sequential(bf16), torch.bfloat16)
+        cpu_choice.choose_linear("amx", torch.nn.Sequential(bf16), torch.bfloat16)
     with pytest.raises(ValueError, match="AMX"):
         cpu_linear.AmxLinear(bf16)
 
@@ -180,12 +181,12 @@ def test_auto_measures_amx_and_takes_it_when_fastest(tmp_path, monkeypatch) -> N
         measured.append(tuple(choices))
         return {f"{c}_s": (1.0 if c == "amx" else 2.0) for c in choices}
 
-    monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
-    assert cpu_linear.choose_linear("auto", model, torch.bfloat16) == "amx"
+    monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
+    assert cpu_choice.choose_linear("auto", model, torch.bfloat16) == "amx"
     # The brgemm micro-kernel (the same bits, no prefetching) is not timed beside it.
     assert len(measured) == 1 and "amx" in measured[0] and "brgemm" not in measured[0]
     # Forced by name, it is taken without measuring.
-    assert cpu_linear.choose_linear("amx", model, torch.bfloat16) == "amx"
+    assert cpu_choice.choose_linear("amx", model, torch.bfloat16) == "amx"
     assert len(measured) == 1
 
 

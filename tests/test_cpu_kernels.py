@@ -27,6 +27,7 @@ from cadence.backend import ModelInput, SamplingMetadata
 from cadence.backends.cpu import attention as cpu_attention
 from cadence.backends.cpu import kernels
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu import linear_choice as cpu_choice
 from cadence.backends.cpu import runtime as cpu_runtime
 from cadence.backends.cpu.fused import KernelRMSNorm, KernelRotary, KernelSiluAndMul
 from cadence.backends.cpu.gated import TiledGatedLinear
@@ -656,8 +657,8 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias, tmp_
         with pytest.raises(ValueError, match="needs AVX-512"):
             cpu_linear.PackedLinear(lin)
         with pytest.raises(ValueError, match="--cpu-linear torch"):
-            cpu_linear.choose_linear("packed", torch.nn.Sequential(lin), dtype)
-        assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype) == "torch"
+            cpu_choice.choose_linear("packed", torch.nn.Sequential(lin), dtype)
+        assert cpu_choice.choose_linear("auto", torch.nn.Sequential(lin), dtype) == "torch"
         return
     packed = cpu_linear.PackedLinear(lin)
     assert (packed.in_features, packed.out_features) == (1536, 576)
@@ -670,11 +671,11 @@ def test_packed_linear_matches_f_linear_and_is_batch_invariant(dtype, bias, tmp_
             torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-5)
         else:
             torch.testing.assert_close(full, expected)
-        if not cpu_linear._rows_independent(cpu_linear._gemm_of("packed"),
+        if not cpu_choice._rows_independent(cpu_choice._gemm_of("packed"),
                                             [(576, 1536)], dtype):
             # oneDNN computes small batches with another kernel on this CPU (bf16 on an AMX
             # Xeon): auto must see it and leave it out.
-            cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), dtype)
+            cpu_choice.choose_linear("auto", torch.nn.Sequential(lin), dtype)
             verdict_file = tmp_path / "tuning" / "linear.json"
             verdicts = list(json.loads(verdict_file.read_text()).values())
             assert "packed" in verdicts[0]["rows_depend_on_batch"]
@@ -713,7 +714,7 @@ def test_brgemm_linear_matches_f_linear_and_is_batch_invariant(k, n, bias) -> No
 def test_brgemm_choice_refused_by_name() -> None:
     lin = _linear(64, 32, False, torch.float32, seed=0)
     with pytest.raises(ValueError, match="'brgemm' runs bfloat16 weights.*--dtype bfloat16"):
-        cpu_linear.choose_linear("brgemm", torch.nn.Sequential(lin), torch.float32)
+        cpu_choice.choose_linear("brgemm", torch.nn.Sequential(lin), torch.float32)
     with pytest.raises(ValueError, match="'brgemm' runs bfloat16 weights"):
         cpu_linear.BrgemmLinear(lin)
 
@@ -724,13 +725,13 @@ def test_brgemm_left_out_for_an_odd_input_width(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     odd = torch.nn.Sequential(_linear(63, 32, False, torch.bfloat16, seed=0))
     with pytest.raises(ValueError, match=r"even input widths.*\[63\]"):
-        cpu_linear.choose_linear("brgemm", odd, torch.bfloat16)
+        cpu_choice.choose_linear("brgemm", odd, torch.bfloat16)
     measured: list[bool] = []
-    monkeypatch.setattr(cpu_linear, "_measure",
+    monkeypatch.setattr(cpu_choice, "_measure",
                         lambda shapes, dtype, rows=64, choices=("torch", "packed"): (
                             measured.append("brgemm" in choices) or
                             {"torch_s": 2.0, "packed_s": 1.0}))
-    assert cpu_linear.choose_linear("auto", odd, torch.bfloat16) != "brgemm"
+    assert cpu_choice.choose_linear("auto", odd, torch.bfloat16) != "brgemm"
     assert measured == [False]
 
 
@@ -738,7 +739,7 @@ def test_brgemm_choice_refused_where_it_cannot_run(monkeypatch) -> None:
     monkeypatch.setattr(cpu_linear, "brgemm_ops", lambda: None)
     lin = _linear(64, 32, False, torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="needs the compiled CPU kernels.*AMX.*auto, packed"):
-        cpu_linear.choose_linear("brgemm", torch.nn.Sequential(lin), torch.bfloat16)
+        cpu_choice.choose_linear("brgemm", torch.nn.Sequential(lin), torch.bfloat16)
     with pytest.raises(ValueError, match="AMX"):
         cpu_linear.BrgemmLinear(lin)
 
@@ -838,13 +839,13 @@ def test_tiled_kernel_refuses_mismatched_arguments(ops) -> None:
 def test_tiled_choice_refused_by_name(monkeypatch) -> None:
     lin = _linear(64, 32, False, torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="'tiled' runs float32 weights.*--dtype float32"):
-        cpu_linear.choose_linear("tiled", torch.nn.Sequential(lin), torch.bfloat16)
+        cpu_choice.choose_linear("tiled", torch.nn.Sequential(lin), torch.bfloat16)
     with pytest.raises(ValueError, match="'tiled' runs float32 weights"):
         cpu_linear.TiledLinear(lin)
     monkeypatch.setattr(cpu_linear, "tiled_ops", lambda: None)
     lin = _linear(64, 32, False, torch.float32, seed=0)
     with pytest.raises(ValueError, match="'tiled' needs the compiled CPU kernels.*auto, packed"):
-        cpu_linear.choose_linear("tiled", torch.nn.Sequential(lin), torch.float32)
+        cpu_choice.choose_linear("tiled", torch.nn.Sequential(lin), torch.float32)
     with pytest.raises(ValueError, match="CADENCE_CPU_KERNELS=0.*C\\+\\+ compiler"):
         cpu_linear.TiledLinear(lin)
 
@@ -857,18 +858,18 @@ def test_auto_measures_tiled_in_fp32_only(ops, tmp_path, monkeypatch) -> None:
         seen.append(tuple(choices))
         return {f"{c}_s": {"tiled": 1.0}.get(c, 2.0) for c in choices}
 
-    monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
-    monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: True)
+    monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
+    monkeypatch.setattr(cpu_choice, "_rows_independent", lambda gemm, shapes, dtype: True)
     monkeypatch.setattr(cpu_linear, "packed_available", lambda: True)  # always a rival
-    assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "tiled"
+    assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) == "tiled"
     assert len(seen) == 1 and "tiled" in seen[0]
     if cpu_info().has_native_bf16:  # bf16 without it takes F.linear unmeasured
-        assert cpu_linear.choose_linear("auto", _two_linears(), torch.bfloat16) != "tiled"
+        assert cpu_choice.choose_linear("auto", _two_linears(), torch.bfloat16) != "tiled"
         assert len(seen) == 2 and "tiled" not in seen[1]
     # Without the compiled kernels it is not a candidate (the verdict's key says so too).
     monkeypatch.setattr(cpu_linear, "tiled_ops", lambda: None)
     before = len(seen)
-    assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) != "tiled"
+    assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) != "tiled"
     assert len(seen) == before + 1 and "tiled" not in seen[-1]
 
 
@@ -937,15 +938,15 @@ def _two_linears() -> torch.nn.Module:
 
 def test_choose_linear_forced_and_invalid() -> None:
     model = _two_linears()
-    assert cpu_linear.choose_linear("torch", model, torch.float32) == "torch"
+    assert cpu_choice.choose_linear("torch", model, torch.float32) == "torch"
     with pytest.raises(ValueError,
                        match=r"\('auto', 'packed', 'tiled', 'brgemm', 'amx', 'torch'\).*'fastest'"):
-        cpu_linear.choose_linear("fastest", model, torch.float32)
+        cpu_choice.choose_linear("fastest", model, torch.float32)
     if cpu_linear.packed_available():
-        assert cpu_linear.choose_linear("packed", model, torch.float32) == "packed"
+        assert cpu_choice.choose_linear("packed", model, torch.float32) == "packed"
     else:
         with pytest.raises(ValueError, match="oneDNN"):
-            cpu_linear.choose_linear("packed", model, torch.float32)
+            cpu_choice.choose_linear("packed", model, torch.float32)
 
 
 @needs_packed
@@ -953,43 +954,43 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     verdict_file = tmp_path / "tuning" / "linear.json"
     assert kernels.cache_root() == tmp_path / "kernels"
-    assert cpu_linear._verdict_file() == verdict_file
+    assert cpu_choice._verdict_file() == verdict_file
     calls: list[tuple] = []
 
     def fake_measure(shapes, dtype, rows=64, choices=()):
         calls.append((tuple(shapes), dtype))
         return {"torch_s": 2.0, "packed_s": 1.0}  # packed "wins"
 
-    monkeypatch.setattr(cpu_linear, "_measure", fake_measure)
+    monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
     # Which kernels keep rows batch-independent differs by CPU; that check has its own test.
-    monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: True)
+    monkeypatch.setattr(cpu_choice, "_rows_independent", lambda gemm, shapes, dtype: True)
     model = _two_linears()
-    with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear"):
-        assert cpu_linear.choose_linear("auto", model, torch.float32) == "packed"
+    with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear_choice"):
+        assert cpu_choice.choose_linear("auto", model, torch.float32) == "packed"
     assert calls == [(((32, 64), (64, 32)), torch.float32)]
     assert any("measured GEMMs" in r.getMessage() for r in caplog.records)
     saved = json.loads(verdict_file.read_text())
     assert [v["choice"] for v in saved.values()] == ["packed"]
 
     # The second call (same CPU, torch, dtype, threads and shapes) reads the verdict.
-    assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "packed"
+    assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) == "packed"
     assert len(calls) == 1
     # A verdict of "torch" for other shapes is kept beside the first, not over it.
-    monkeypatch.setattr(cpu_linear, "_measure",
+    monkeypatch.setattr(cpu_choice, "_measure",
                         lambda shapes, dtype, rows=64, choices=(): {"torch_s": 1.0,
                                                                     "packed_s": 3.0})
     other = torch.nn.Sequential(Linear(16, 16))
-    assert cpu_linear.choose_linear("auto", other, torch.float32) == "torch"
+    assert cpu_choice.choose_linear("auto", other, torch.float32) == "torch"
     assert sorted(v["choice"] for v in json.loads(verdict_file.read_text()).values()) == [
         "packed", "torch"]
-    assert cpu_linear.choose_linear("auto", model, torch.float32) == "packed"
+    assert cpu_choice.choose_linear("auto", model, torch.float32) == "packed"
 
 
 @needs_packed
 def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeypatch,
                                                                caplog) -> None:
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_linear, "_measure",
+    monkeypatch.setattr(cpu_choice, "_measure",
                         lambda shapes, dtype, rows=64, choices=(): {"torch_s": 2.0, "packed_s": 1.0})
     checked: list[str] = []
 
@@ -999,11 +1000,11 @@ def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeyp
         return name != "packed"
 
     packed_gemm = object()
-    monkeypatch.setattr(cpu_linear, "_gemm_of", lambda c: packed_gemm if c == "packed" else c)
-    monkeypatch.setattr(cpu_linear, "_rows_independent", independent)
-    with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear"):
+    monkeypatch.setattr(cpu_choice, "_gemm_of", lambda c: packed_gemm if c == "packed" else c)
+    monkeypatch.setattr(cpu_choice, "_rows_independent", independent)
+    with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear_choice"):
         # packed is faster, but its rows depend on the batch: F.linear it is.
-        assert cpu_linear.choose_linear("auto", _two_linears(), torch.float32) == "torch"
+        assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) == "torch"
     assert sorted(checked) == ["packed", "torch"]
     assert any("packed oneDNN left out: its rows depend on the batch" in r.getMessage()
                for r in caplog.records)
@@ -1011,11 +1012,11 @@ def test_auto_leaves_out_a_gemm_whose_rows_depend_on_the_batch(tmp_path, monkeyp
     assert [v["rows_depend_on_batch"] for v in saved.values()] == [["packed"]]
 
     # Every kernel batch-dependent: the fastest, with a warning that says what it costs.
-    monkeypatch.setattr(cpu_linear, "_rows_independent", lambda gemm, shapes, dtype: False)
+    monkeypatch.setattr(cpu_choice, "_rows_independent", lambda gemm, shapes, dtype: False)
     caplog.clear()
     other = torch.nn.Sequential(Linear(16, 16))
-    with caplog.at_level(logging.WARNING, logger="cadence.backends.cpu.linear"):
-        assert cpu_linear.choose_linear("auto", other, torch.float32) == "packed"
+    with caplog.at_level(logging.WARNING, logger="cadence.backends.cpu.linear_choice"):
+        assert cpu_choice.choose_linear("auto", other, torch.float32) == "packed"
     assert any("async on and off may differ" in r.getMessage() for r in caplog.records)
 
 
@@ -1023,14 +1024,14 @@ def test_rows_independent_sees_a_batch_dependent_gemm() -> None:
     def dependent(w):  # a GEMM that adds the batch size to every output
         return lambda x: F.linear(x, w) + x.shape[0]
 
-    assert not cpu_linear._rows_independent(dependent, [(8, 16)], torch.float32)
-    assert cpu_linear._rows_independent(lambda w: (lambda x: (x[:, None, :] * w).sum(-1)),
+    assert not cpu_choice._rows_independent(dependent, [(8, 16)], torch.float32)
+    assert cpu_choice._rows_independent(lambda w: (lambda x: (x[:, None, :] * w).sum(-1)),
                                         [(8, 16)], torch.float32)
 
 
 @needs_packed
 def test_measure_times_both_gemms() -> None:
-    times = cpu_linear._measure([(64, 32), (32, 64)], torch.float32, rows=8)
+    times = cpu_choice._measure([(64, 32), (32, 64)], torch.float32, rows=8)
     assert set(times) == {"torch_s", "packed_s"}
     assert times["torch_s"] > 0 and times["packed_s"] > 0
 
@@ -1169,7 +1170,7 @@ def _greedy_run(model_dir: str, options: dict):
 def test_engine_kernel_path_matches_torch_path(ops, tiny_model_dir, tmp_path, monkeypatch,
                                                kind) -> None:
     # The defaults ('auto') measure GEMMs once; keep that verdict out of the user's cache.
-    monkeypatch.setattr(cpu_linear, "_verdict_file", lambda: tmp_path / "linear.json")
+    monkeypatch.setattr(cpu_choice, "_verdict_file", lambda: tmp_path / "linear.json")
     model = tiny_model_dir(kind)
     tokens_t, lps_t, info_t, _ = _greedy_run(model, TORCH_PATH)
     assert info_t["cpu_attention"] == "torch" and info_t["cpu_linear"] == "torch"

@@ -76,6 +76,7 @@ def test_packed_bf16_gemm_is_refused_by_name_on_an_avx2_cpu(capped) -> None:
     import torch
 
     from cadence.backends.cpu import linear as cpu_linear
+    from cadence.backends.cpu import linear_choice as cpu_choice
 
     lin = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     capped("avx2")
@@ -83,8 +84,8 @@ def test_packed_bf16_gemm_is_refused_by_name_on_an_avx2_cpu(capped) -> None:
     with pytest.raises(ValueError, match=r"needs AVX-512 .* or AVX-NE-CONVERT.*--cpu-linear torch"):
         cpu_linear.PackedLinear(lin)
     with pytest.raises(ValueError, match="--dtype float32"):
-        cpu_linear.choose_linear("packed", torch.nn.Sequential(lin), torch.bfloat16)
-    assert cpu_linear.choose_linear("auto", torch.nn.Sequential(lin), torch.bfloat16) == "torch"
+        cpu_choice.choose_linear("packed", torch.nn.Sequential(lin), torch.bfloat16)
+    assert cpu_choice.choose_linear("auto", torch.nn.Sequential(lin), torch.bfloat16) == "torch"
     # fp32 packs at any level oneDNN runs at.
     assert cpu_linear.PackedLinear(lin.float()).weight_dtype == torch.float32
 

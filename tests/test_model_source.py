@@ -198,12 +198,12 @@ def test_gguf_folder_reuses_the_cached_conversion(gguf_file, caplog):
 def test_one_cache_root_for_models_kernels_and_tunings(tmp_path, monkeypatch):
     from cadence import default_model, gguf_model
     from cadence.backends.cpu import kernels
-    from cadence.backends.cpu import linear as cpu_linear
+    from cadence.backends.cpu import linear_choice as cpu_choice
 
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "c"))
     assert gguf_model.cache_root() == tmp_path / "c" / "models"
     assert kernels.cache_root() == tmp_path / "c" / "kernels"
-    assert cpu_linear._verdict_file() == tmp_path / "c" / "tuning" / "linear.json"
+    assert cpu_choice._verdict_file() == tmp_path / "c" / "tuning" / "linear.json"
     assert default_model._cache_dir().parent == tmp_path / "c" / "models"
     monkeypatch.delenv("CADENCE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -69,7 +69,8 @@ def _choose_attention(requested: str, head_dim: int, dtype: torch.dtype,
 
 
 def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
-    from cadence.backends.cpu.linear import choose_linear, pack_linears
+    from cadence.backends.cpu.linear import pack_linears
+    from cadence.backends.cpu.linear_choice import choose_linear
     from cadence.backends.cpu.memory import (
         move_weights_to_huge_pages,
         prefault_kv_cache,
