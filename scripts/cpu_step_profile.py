@@ -23,6 +23,7 @@ from cadence import LLM, SamplingParams
 from cadence.backends.cpu import gated
 from cadence.backends.cpu import kernels as cpu_kernels
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu.memory import HUGE_PAGE_CHOICES
 from cadence.bench.report import machine_info, machine_line
 
 KERNELS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--huge-pages", choices=("off", "weights", "all"), default="off")
+    ap.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default="off")
     args = ap.parse_args()
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

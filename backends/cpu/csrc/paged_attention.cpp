@@ -108,11 +108,11 @@ struct RowCursor {
 };
 
 // The next `count` rows of `cur` (tokens t .. t + count), prefetching through `ahead` (kVec
-// tokens further on) the rows below t_end (t_end = t: none): the lookahead is one tile,
-// spread evenly, so the next tile's loads are in flight while this one is computed. The
-// hardware prefetcher alone does not follow a jump to the next block of the table, which can
-// sit anywhere in the cache (measured: a burst of a whole block's prefetches at once mostly
-// went unused).
+// tokens further on) the rows below t_end (t_end = t, ahead null: none): the lookahead is
+// one tile, spread evenly, so the next tile's loads are in flight while this one is
+// computed. The hardware prefetcher alone does not follow a jump to the next block of the
+// table, which can sit anywhere in the cache (measured: a burst of a whole block's
+// prefetches at once mostly went unused).
 template <typename cache_t>
 inline void tile_rows(RowCursor<cache_t>& cur, RowCursor<cache_t>* ahead, int64_t head_stride,
                       int64_t kh0, int64_t kh1, int64_t d, int64_t t, int64_t count,
@@ -195,7 +195,7 @@ void attend_partition(const Geometry& g, const float* q, const c10::BFloat16* qb
   RowCursor<cache_t> v_next(g, v_cache, g.v_block_stride, g.v_token_stride, table, t0, t1);
   for (int64_t t = t0; t < t1; t += kVec) {
     const int64_t count = std::min<int64_t>(kVec, t1 - t);
-    tile_rows(k_rows, &k_next, g.k_head_stride, kh0, kh1, d, t, count, t, rows);
+    tile_rows<cache_t>(k_rows, nullptr, g.k_head_stride, kh0, kh1, d, t, count, t, rows);
     int64_t n_k = 0, n_v = 0;
     for (int64_t tt = t + kVec; tt < std::min<int64_t>(t1, t + 2 * kVec); ++tt) {
       k_ahead[n_k++] = k_next.row();
