@@ -77,6 +77,9 @@ class ModelRunner:
         # Turns a ModelInput into the attention metadata ``self.attn`` expects; a backend
         # with its own attention sets its own.
         self.metadata_builder = paged_attention.build_metadata
+        # The last step of random sampling (``sampler.draw_softmax``'s contract); a backend
+        # with a kernel for it sets its own. None: the torch one.
+        self.draw = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
         # Async scheduling: the sampled ids of the last step that completed (device tensor),
@@ -185,7 +188,7 @@ class ModelRunner:
             out = sampler.DeviceSample(torch.empty(0, dtype=torch.int64))
         else:
             pending = sampler.pending_output_ids(meta, self._previous, logits.shape[1])
-            out = sampler.sample(logits.float(), meta, self.generator, pending)
+            out = sampler.sample(logits.float(), meta, self.generator, pending, self.draw)
         self.last_sampled = out.token_ids
         return out
 

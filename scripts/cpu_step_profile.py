@@ -27,7 +27,8 @@ from cadence.backends.cpu.memory import HUGE_PAGE_CHOICES
 from cadence.bench.report import machine_info, machine_line
 
 KERNELS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
-           "silu_and_mul", "write_kv", "rotary_inplace", "refine_top_logits")
+           "silu_and_mul", "write_kv", "rotary_inplace", "refine_top_logits",
+           "draw_from_logits")
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Swaps the decoder's elementwise modules for the compiled CPU kernels (csrc/ops.cpp,
 logits.cpp) after the model is built: RMSNorm, SiLU-and-mul, the rotary embedding and the
-LM head's top-logit refinement. The model code stays the reference; this is the same
+LM head's top-logit refinement; and the sampler's last step (``KernelDraw``, set on the
+runner). The model code stays the reference; this is the same
 module-replacement idea as ``linear.pack_linears``."""
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ class KernelRefineTopLogits(nn.Module):
         if logits.dtype == torch.bfloat16:
             return self.ops.refine_top_logits(logits, hidden, weight, bias)
         return refine_top_logits(logits, hidden, weight, bias)
+
+
+class KernelDraw:
+    """``sampler.draw_softmax`` in one pass over each row (csrc/logits.cpp): no softmax
+    tensor, the chunk sums of the two-level CDF taken as the exponentials are computed."""
+
+    def __init__(self, ops: ModuleType) -> None:
+        self.ops = ops
+
+    def __call__(self, logits: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+        return self.ops.draw_from_logits(logits, frac.reshape(-1))
 
 
 def install_fused_ops(model: nn.Module, ops: ModuleType) -> int:

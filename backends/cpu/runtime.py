@@ -110,11 +110,12 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     scale = spec.head_dim ** -0.5
     if kernels is not None:
         from cadence.backends.cpu.attention import CpuPagedAttention, build_metadata
-        from cadence.backends.cpu.fused import install_fused_ops
+        from cadence.backends.cpu.fused import KernelDraw, install_fused_ops
 
         runner.attn = CpuPagedAttention(kernels, k, v, spec.block_size, scale)
         runner.metadata_builder = build_metadata
         install_fused_ops(runner.model, kernels)
+        runner.draw = KernelDraw(kernels)
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
     check_supported(runner.attn, runner.model)

@@ -117,11 +117,26 @@ def pending_output_ids(meta: SamplingMetadata, previous: torch.Tensor | None,
     return torch.where(src >= 0, previous[src.clamp(min=0)], vocab_size)
 
 
+def draw_softmax(logits: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [B, V] (float32; temperature applied, filtered tokens -inf), the
+    token where the softmax's cumulative mass first reaches ``frac`` [B, 1] (in (0, 1]) of its
+    total: [B] int64.
+
+    The last step of random sampling, and a backend's to replace: ``ModelRunner.draw`` takes
+    any function with this contract. A replacement may round differently (a seeded draw can
+    then land on a neighbouring token where the target sits within rounding of a boundary,
+    about one draw in a million) but must keep the rule: never a -inf token, rows independent
+    of each other.
+    """
+    return inverse_cdf(torch.softmax(logits, dim=-1), frac)
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata,
            global_generator: torch.Generator | None = None,
-           pending_ids: torch.Tensor | None = None) -> DeviceSample:
+           pending_ids: torch.Tensor | None = None, draw=None) -> DeviceSample:
     """Sample one token per row of ``logits`` [B, V] (float32). ``pending_ids``: see
-    ``apply_penalties``."""
+    ``apply_penalties``. ``draw``: the last step of random sampling (``draw_softmax``'s
+    contract); None: ``draw_softmax``."""
     if meta.grammar is not None:
         # Before the logprobs, as vLLM V1 applies it to the logits its sampler receives.
         from cadence.layers.token_bitmask import apply_grammar_bitmask
@@ -142,7 +157,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.all_greedy:
         token_ids = greedy_ids
     else:
-        token_ids = _sample_random(logits, meta, greedy_ids, global_generator)
+        token_ids = _sample_random(logits, meta, greedy_ids, global_generator,
+                                   draw or draw_softmax)
     lp = None
     if raw_logprobs is not None:
         k = max(meta.max_num_logprobs, 0)
@@ -156,22 +172,22 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
-                   greedy_ids: torch.Tensor | None, generator: torch.Generator | None
-                   ) -> torch.Tensor:
+                   greedy_ids: torch.Tensor | None, generator: torch.Generator | None,
+                   draw) -> torch.Tensor:
     dev = logits.device
     temps = [t if t > 1e-5 else 1.0 for t in meta.temperature]
     if any(t != 1.0 for t in temps):
         logits = logits / host_tensor(temps, logits.dtype, dev).unsqueeze(1)
-    probs = torch.softmax(_filter(logits, meta), dim=-1)
+    logits = _filter(logits, meta)
     # Inverse-CDF sampling: one uniform per row. Measured here on [64, 49152]: ~4 ms, against
     # ~85 ms for torch.multinomial or an exponential race, which draw one number per token.
     # One draw per row is also what makes per-row seeding cheap.
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=dev, dtype=probs.dtype)
+    u = torch.rand(logits.shape[0], 1, generator=generator, device=dev, dtype=logits.dtype)
     for i, seed in enumerate(meta.seeds):
         if seed is not None:
             u[i] = torch.rand(1, generator=_row_generator(seed, meta.output_lens[i], dev),
-                              device=dev, dtype=probs.dtype)
-    sampled = inverse_cdf(probs, 1.0 - u)
+                              device=dev, dtype=logits.dtype)
+    sampled = draw(logits, 1.0 - u)
     if greedy_ids is None:
         return sampled
     is_greedy = host_tensor([t <= 1e-5 for t in meta.temperature], torch.bool, dev)

@@ -16,6 +16,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor refine_top_logits(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
                                 c10::optional<torch::Tensor> bias);
+torch::Tensor draw_from_logits(torch::Tensor logits, torch::Tensor frac);
 int64_t tiled_panel_width();
 torch::Tensor tiled_pack(torch::Tensor w);
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
@@ -53,6 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rotary embedding of q and k, in place");
   m.def("refine_top_logits", &refine_top_logits,
         "bf16 logits to fp32, the entries tied at each row's maximum recomputed in fp32");
+  m.def("draw_from_logits", &draw_from_logits,
+        "per row, the token where the softmax CDF of fp32 logits first reaches frac of its "
+        "total");
   m.def("tiled_panel_width", &tiled_panel_width, "columns per panel of tiled_pack's layout");
   m.def("tiled_pack", &tiled_pack, "an fp32 [N, K] weight packed in panels for tiled_linear");
   m.def("tiled_linear", &tiled_linear, "x @ w.T (+ bias) on a tiled_pack'ed fp32 weight",

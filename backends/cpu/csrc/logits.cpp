@@ -1,5 +1,9 @@
-// The LM head's bf16 logits to fp32 with the entries tied at each row's maximum recomputed in
-// fp32 (why: core/layers/logits.py). torch's version needs a top-k over the vocabulary, which
+// Two steps from the LM head to a sampled token: the bf16 logits to fp32 with their maxima made
+// exact (refine_top_logits), and one draw per row from the softmax of fp32 logits
+// (draw_from_logits).
+//
+// refine_top_logits: the LM head's bf16 logits to fp32 with the entries tied at each row's
+// maximum recomputed in fp32 (why: core/layers/logits.py). torch's version needs a top-k over the vocabulary, which
 // costs ~4 ms at 64 rows of a 49k vocabulary; here the conversion to fp32 that the sampler
 // needs anyway finds the maximum, and a second pass over the row (still in L2) finds the
 // ties, so the refinement costs about one more read of the row. Any number of ties is
@@ -8,14 +12,21 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "vec.h"
 
 namespace {
 
 using namespace cadence_cpu;
+
+constexpr int64_t kChunk = 256;  // tokens per chunk of the two-level CDF (sampler.inverse_cdf)
 
 inline float dot_row(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
   vfloat acc = vfloat{};
@@ -60,7 +71,119 @@ void refine_row(const c10::BFloat16* in, float* out, int64_t v, const c10::BFloa
     if (out[j] == m) out[j] = exact(j);
 }
 
+// exp(d) for d = x - max <= 0. With AVX-512 the scaling by 2^n is one vscalefps, which also
+// takes n far below the exponent's range to 0, so neither clamp of vec.h's exp is needed:
+// about half its instructions, and these exps are nearly all of draw_from_logits' work.
+// Same polynomial as vec.h's exp.
+inline vfloat exp_nonpositive(vfloat d) {
+#if defined(__AVX512F__)
+  if constexpr (kVec == 16) {
+    const __m512 x = reinterpret_cast<__m512>(d);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return reinterpret_cast<vfloat>(_mm512_scalef_ps(p, n));
+  }
+#endif
+  return exp(d);
+}
+
+// exp(x - m) of a row's entries [j, j + kVec), masked (-inf) entries exactly 0 (vec.h's exp
+// clamps its argument, so it alone would give them ~1e-38).
+inline vfloat weights(const float* x, int64_t j, vfloat vm) {
+  const vfloat xv = load(x + j);
+  const vfloat e = exp_nonpositive(xv - vm);
+  return xv == splat(-std::numeric_limits<float>::infinity()) ? vfloat{} : e;
+}
+
+// One row: the token where the cumulative softmax weight first reaches `frac` (in (0, 1]) of
+// the total. A pass for the row's maximum, one for the 256-token chunks' weight sums, then the
+// chosen chunk's weights once more (the same instructions, so the same values): nothing per
+// token is stored. (One pass with per-chunk maxima, rescaled after, measured slower.)
+int64_t draw_row(const float* x, int64_t v, float frac) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  vfloat vmax = splat(lowest);
+  int64_t j = 0;
+  for (; j + kVec <= v; j += kVec) {
+    const vfloat xv = load(x + j);
+    vmax = xv > vmax ? xv : vmax;
+  }
+  float m = lowest;
+  for (int64_t l = 0; l < kVec; ++l) m = vmax[l] > m ? vmax[l] : m;
+  for (; j < v; ++j) m = x[j] > m ? x[j] : m;
+  if (!(m > lowest) || std::isinf(m)) return 0;  // no finite logit (all masked, or NaN)
+  const vfloat vm = splat(m);
+  const auto scalar_weight = [&](int64_t i) {
+    return x[i] == lowest ? 0.f : std::exp(x[i] - m);
+  };
+  const int64_t chunks = (v + kChunk - 1) / kChunk;
+  std::vector<float> cdf(static_cast<size_t>(chunks));
+  float run = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t c1 = std::min(v, (c + 1) * kChunk);
+    vfloat acc = vfloat{};
+    int64_t i = c * kChunk;
+    for (; i + kVec <= c1; i += kVec) acc += weights(x, i, vm);
+    float sum = hsum(acc);
+    for (; i < c1; ++i) sum += scalar_weight(i);
+    cdf[c] = run += sum;
+  }
+  const float target = frac * run;
+  if (!(target > 0.f)) return 0;
+  int64_t c = 0;
+  while (c < chunks - 1 && !(cdf[c] >= target)) ++c;
+  const float rest = target - (c == 0 ? 0.f : cdf[c - 1]);
+  // In token order. The chunk's running sum may round below its total, so the search stops
+  // at its last token with weight.
+  const int64_t c0 = c * kChunk, c1 = std::min(v, c0 + kChunk);
+  float w[kChunk];
+  int64_t i = c0;
+  for (; i + kVec <= c1; i += kVec) store(w + (i - c0), weights(x, i, vm));
+  for (; i < c1; ++i) w[i - c0] = scalar_weight(i);
+  float acc = 0.f;
+  int64_t last = -1;
+  for (int64_t t = 0; t < c1 - c0; ++t) {
+    if (!(w[t] > 0.f)) continue;
+    last = t;
+    acc += w[t];
+    if (acc >= rest) return c0 + t;
+  }
+  return last >= 0 ? c0 + last : 0;
+}
+
 }  // namespace
+
+// logits [B, V] fp32 (temperature already applied; masked entries -inf), frac [B] fp32 in
+// (0, 1] -> int64 [B]: per row, the first token whose cumulative softmax weight reaches frac of
+// the row's total, the same rule as the sampler's torch path (softmax, then inverse_cdf) in one
+// pass over the logits and one over a 256-token chunk, with no probabilities written. A row
+// with no finite logit draws token 0. Rows are independent of each other.
+torch::Tensor draw_from_logits(torch::Tensor logits, torch::Tensor frac) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "draw_from_logits: logits must be [B, V] float32");
+  const int64_t b = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "draw_from_logits: an empty vocabulary");
+  TORCH_CHECK(frac.scalar_type() == at::kFloat && frac.numel() == b,
+              "draw_from_logits: frac must be float32 with one value per row");
+  const auto lc = logits.contiguous();
+  const auto fc = frac.contiguous();
+  auto out = torch::empty({b}, logits.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  const float* fp = fc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = draw_row(lp + r * v, v, fp[r]);
+  });
+  return out;
+}
 
 // logits [B, V] bf16 (the head's output), hidden [B, H] bf16, weight [V, H] bf16, bias [V]
 // bf16 or None -> fp32 logits [B, V].
