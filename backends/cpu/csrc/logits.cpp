@@ -3,11 +3,11 @@
 // (draw_from_logits).
 //
 // refine_top_logits: the LM head's bf16 logits to fp32 with the entries tied at each row's
-// maximum recomputed in fp32 (why: core/layers/logits.py). torch's version needs a top-k over the vocabulary, which
-// costs ~4 ms at 64 rows of a 49k vocabulary; here the conversion to fp32 that the sampler
-// needs anyway finds the maximum, and a second pass over the row (still in L2) finds the
-// ties, so the refinement costs about one more read of the row. Any number of ties is
-// handled. Rows are independent, so a row's output never depends on the batch.
+// maximum recomputed in fp32 (why: core/layers/logits.py). torch's version needs a top-k over
+// the vocabulary, which costs ~4 ms at 64 rows of a 49k vocabulary; here the conversion to
+// fp32 that the sampler needs anyway finds the maximum, and a second pass over the row (still
+// in L2) finds the ties, so the refinement costs about one more read of the row. Any number
+// of ties is handled. Rows are independent, so a row's output never depends on the batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
