@@ -56,6 +56,25 @@ def test_amx_linear_matches_reference_and_is_batch_invariant(k, n, bias) -> None
 
 
 @needs_amx
+def test_amx_linear_takes_any_row_count_without_the_aligned_copy(monkeypatch) -> None:
+    """The tile loop pads to whole tiles itself, so the module skips ``row_aligned``; the other
+    kernels' modules still go through it."""
+    lin = _linear(64, 48, True, seed=5)
+    gemm = cpu_linear.AmxLinear(lin)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        full = gemm(torch.cat([x, torch.zeros(1, 64, dtype=torch.bfloat16)]))[:7]
+
+        def refuse(gemm_fn, rows):
+            raise AssertionError("the AMX module padded its rows")
+
+        monkeypatch.setattr(cpu_linear, "row_aligned", refuse)
+        assert torch.equal(gemm(x), full)
+        with pytest.raises(AssertionError, match="padded"):
+            cpu_linear.PackedLinear(_linear(64, 48, True, seed=5, dtype=torch.float32))(x.float())
+
+
+@needs_amx
 def test_amx_linear_rows_do_not_depend_on_the_thread_count() -> None:
     lin = _linear(1536, 576, True, seed=8)
     gemm, fused = cpu_linear.AmxLinear(lin), gated.AmxGatedLinear(_linear(576, 3072, True, 9))

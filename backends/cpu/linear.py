@@ -22,7 +22,8 @@ while it multiplies; it gives brgemm's bits and replaces it as the candidate.
 NOTE batch invariance: oneDNN computes a single row with another kernel (measured on an
 AMD EPYC: M=1 differs in the last bits from the same row in any larger batch; every M >= 2
 agrees). Rows go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
-GEMM ever runs with one row. That padding is not enough everywhere: on an AMX Xeon,
+GEMM ever runs with one row (except the AMX tile loop's, whose rows never read each other at
+any count: it pads to whole tiles itself, ``row_align``). That padding is not enough everywhere: on an AMX Xeon,
 oneDNN's bf16 GEMM and ``F.linear`` in both dtypes give rows of a batch of 8 other bits than
 in a batch of 64. So auto checks every candidate on the model's own shapes at batch sizes
 from 4 to 128 against a batch of 256 (``linear_choice._rows_independent``) and does not
@@ -66,6 +67,10 @@ NO_PACKED_BF16 = ("cpu linear 'packed' in bfloat16 needs AVX-512 (avx512bw, avx5
 class _PrepackedLinear(nn.Module):
     """A ``Linear`` whose weight was packed once for one GEMM kernel; same maths, same rows."""
 
+    # Whether inputs go through ``row_aligned`` (module NOTE). A kernel whose rows never read
+    # each other, whatever their count, says False and saves the padded copy.
+    row_align = True
+
     def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -82,7 +87,7 @@ class _PrepackedLinear(nn.Module):
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = row_aligned(self._gemm, x)
+        out = row_aligned(self._gemm, x) if self.row_align else self._gemm(x)
         return all_reduce(out) if self.reduce_output else out
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
@@ -189,6 +194,9 @@ class AmxLinear(_KernelLinear):
 
     kind = "amx"
     runs = torch.bfloat16
+    # The tile loop pads to whole 16-row tiles itself, and a tile row's dot products read no
+    # other row (csrc/amx_linear.cpp NOTE): a multiple of four buys nothing but the copy.
+    row_align = False
     unavailable = ("cpu linear 'amx' needs the compiled CPU kernels and a CPU with AMX bf16 "
                    "tiles (amx_tile, amx_bf16); use --cpu-linear auto, packed or torch")
 
