@@ -7,7 +7,8 @@
 // there against ~72 at 2048 rows. Here a weight panel (kNR columns, the whole K) is read
 // from memory once per chunk of rows, the next panel is prefetched while the current one is
 // used by every row tile, and a tile of kMR rows x kNR columns lives in registers (12 of the
-// 16 AVX2 registers), so the FMA units are fed from cache whatever the number of rows.
+// 16 AVX2 registers; 24 of AVX-512's 32), so the FMA units are fed from cache whatever the
+// number of rows.
 //
 // A gated MLP's gate/up weight can be packed with each panel holding the gate and the up
 // columns of the same outputs (tiled_pack_gated); tiled_linear_gated then writes
@@ -34,7 +35,11 @@ namespace {
 using namespace cadence_cpu;
 
 constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
-constexpr int kMR = 6;             // rows per register tile: 2 x 6 accumulators
+// Rows per register tile (2 x kMR accumulators). With AVX-512's 32 registers, 12 rows: each
+// panel row loaded serves twice the FMAs, and the panel is read from cache half as often.
+// Measured on an AMX Xeon (AVX-512), a decode step's 121 GEMMs against 6 rows: 1.07x at 64
+// rows, 1.11x at 16, 1.06x at 256, 1.12x at 2048; 14 rows was slower than 12.
+constexpr int kMR = kVec >= 16 ? 12 : 6;
 constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
 constexpr int64_t kMC = 128;       // rows per chunk: how often a panel is read again (large M)
 
@@ -86,16 +91,21 @@ inline void tile(const float* __restrict a, int64_t lda, const float* __restrict
   }
 }
 
+// tile<rows> for 1 <= rows <= MR (only the sizes a build can reach are instantiated).
+template <int MR>
+inline void tile_rows_upto(int rows, const float* a, int64_t lda, const float* b, int64_t kc,
+                           float* c, bool first, const float* pf, int64_t pf_rows) {
+  if constexpr (MR == 1) {
+    tile<1>(a, lda, b, kc, c, first, pf, pf_rows);
+  } else {
+    if (rows == MR) return tile<MR>(a, lda, b, kc, c, first, pf, pf_rows);
+    tile_rows_upto<MR - 1>(rows, a, lda, b, kc, c, first, pf, pf_rows);
+  }
+}
+
 void tile_rows(int rows, const float* a, int64_t lda, const float* b, int64_t kc, float* c,
                bool first, const float* pf, int64_t pf_rows) {
-  switch (rows) {
-    case 6: tile<6>(a, lda, b, kc, c, first, pf, pf_rows); break;
-    case 5: tile<5>(a, lda, b, kc, c, first, pf, pf_rows); break;
-    case 4: tile<4>(a, lda, b, kc, c, first, pf, pf_rows); break;
-    case 3: tile<3>(a, lda, b, kc, c, first, pf, pf_rows); break;
-    case 2: tile<2>(a, lda, b, kc, c, first, pf, pf_rows); break;
-    default: tile<1>(a, lda, b, kc, c, first, pf, pf_rows); break;
-  }
+  tile_rows_upto<kMR>(rows, a, lda, b, kc, c, first, pf, pf_rows);
 }
 
 }  // namespace
