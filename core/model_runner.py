@@ -79,7 +79,7 @@ class ModelRunner:
         self.metadata_builder = paged_attention.build_metadata
         # The last step of random sampling (``sampler.draw_softmax``'s contract); a backend
         # with a kernel for it sets its own. None: the torch one.
-        self.draw = None
+        self.draw: sampler.Draw | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
         # Async scheduling: the sampled ids of the last step that completed (device tensor),

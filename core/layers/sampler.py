@@ -8,11 +8,16 @@ top_p -> inverse-CDF sampling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from cadence.backend import SamplerOutput, SamplingMetadata
+
+# The last step of random sampling: (logits [B, V], frac [B, 1]) -> token ids [B]
+# (``draw_softmax``'s contract).
+Draw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Mixes (seed, number of tokens generated so far) into one 63-bit generator seed.
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -133,7 +138,8 @@ def draw_softmax(logits: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata,
            global_generator: torch.Generator | None = None,
-           pending_ids: torch.Tensor | None = None, draw=None) -> DeviceSample:
+           pending_ids: torch.Tensor | None = None, draw: Draw | None = None
+           ) -> DeviceSample:
     """Sample one token per row of ``logits`` [B, V] (float32). ``pending_ids``: see
     ``apply_penalties``. ``draw``: the last step of random sampling (``draw_softmax``'s
     contract); None: ``draw_softmax``."""
@@ -173,7 +179,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
                    greedy_ids: torch.Tensor | None, generator: torch.Generator | None,
-                   draw) -> torch.Tensor:
+                   draw: Draw) -> torch.Tensor:
     dev = logits.device
     temps = [t if t > 1e-5 else 1.0 for t in meta.temperature]
     if any(t != 1.0 for t in temps):
