@@ -68,8 +68,8 @@ def main() -> None:
             flops[0] += 2 * x.shape[0] * self.in_features * width
             return timed(f"gemm {self.in_features}->{width} {phase}", _run)(self, x)
         cls._gemm = gemm
-    # The two torch ops of the step that showed in a profile: sampling's softmax and the
-    # concatenations (row padding, penalties' history).
+    # The two torch ops of the step that showed in a profile: softmax (sampling's, where the
+    # draw kernel is not used) and the concatenations (row padding, penalties' history).
     for name in ("softmax", "cat"):
         setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
     llm = LLM(dtype=args.dtype,

@@ -46,7 +46,8 @@ def test_gated_kernel_gives_the_bits_of_tiled_then_silu_and_mul(ops, k, h, bias)
     reference = ops.silu_and_mul(ops.tiled_linear(x, plain, 2 * h, b))
     full = ops.tiled_linear_gated(x, fused, h, b)
     assert full.shape == (300, h) and torch.equal(full, reference)
-    for m in (1, 2, 5, 6, 7, 13, 64, 129):  # every tail of the 6-row tile, a second chunk
+    # Every tail of the register tile (6 rows on AVX2, 12 on AVX-512), a second chunk.
+    for m in (1, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 23, 64, 129):
         assert torch.equal(ops.tiled_linear_gated(x[:m], fused, h, b), full[:m]), m
         assert torch.equal(ops.tiled_linear_gated(x[-m:], fused, h, b), full[-m:]), m
     wide = torch.cat([x, torch.randn(300, 3)], dim=1)[:, :k]  # rows k + 3 floats apart

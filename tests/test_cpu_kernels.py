@@ -784,7 +784,8 @@ def test_tiled_linear_matches_reference_and_is_batch_invariant(ops, k, n, bias) 
         for m in range(1, 71):
             assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
         # The module pads rows to a multiple of four; the kernel itself takes any count.
-        # 333 rows span three row chunks of 128; 1..70 rows every tail of the 6-row tile.
+        # 333 rows span three row chunks of 128; 1..70 rows every tail of the register tile
+        # (6 rows on AVX2, 12 on AVX-512).
 
         def kernel(rows: torch.Tensor) -> torch.Tensor:
             return gemm.ops.tiled_linear(rows, gemm.packed, n, gemm.bias)

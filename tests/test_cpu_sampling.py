@@ -85,6 +85,34 @@ def test_draw_edges(ops) -> None:
     assert ops.draw_from_logits(big, torch.tensor([0.25])).item() == 0
 
 
+@pytest.mark.parametrize("low", [-1e15, -1e30, -3e38])
+def test_draw_extreme_spreads_weigh_nothing(ops, low: float) -> None:
+    """Rows wide enough for the vector path: logits far below the maximum (a repetition
+    penalty near 0 makes them) weigh ~0, never inf or NaN, and x - max overflowing to -inf
+    is no different."""
+    for top in (0.0, 3e38):
+        row = torch.full((1, 700), low)
+        row[0, 413] = top
+        row[0, 5] = NEG_INF
+        fracs = torch.tensor([1e-30, 0.3, 0.999, 1.0])
+        idx = ops.draw_from_logits(row.expand(4, 700).contiguous(), fracs)
+        assert idx.tolist() == [413] * 4, (low, top)
+
+
+def test_draw_rows_the_softmax_is_undefined_on(ops) -> None:
+    """A NaN or +inf logit: the row's largest logit's first token, never a masked one."""
+    v = 300
+    rows = torch.randn(3, v, generator=torch.Generator().manual_seed(6))
+    rows[:, 0] = NEG_INF
+    rows[0, 40] = float("nan")
+    rows[0, 77] = 50.0
+    rows[1, 123] = float("inf")
+    rows[1, 200] = float("inf")
+    rows[2] = float("nan")
+    idx = ops.draw_from_logits(rows, torch.full((3,), 0.5))
+    assert idx.tolist() == [77, 123, 0]
+
+
 def test_draw_rows_do_not_depend_on_other_rows(ops) -> None:
     g = torch.Generator().manual_seed(2)
     logits = _masked_logits(48, 1000, g)

@@ -23,11 +23,12 @@ NOTE batch invariance: oneDNN computes a single row with another kernel (measure
 AMD EPYC: M=1 differs in the last bits from the same row in any larger batch; every M >= 2
 agrees). Rows go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
 GEMM ever runs with one row (except the AMX tile loop's, whose rows never read each other at
-any count: it pads to whole tiles itself, ``row_align``). That padding is not enough everywhere: on an AMX Xeon,
-oneDNN's bf16 GEMM and ``F.linear`` in both dtypes give rows of a batch of 8 other bits than
-in a batch of 64. So auto checks every candidate on the model's own shapes at batch sizes
-from 4 to 128 against a batch of 256 (``linear_choice._rows_independent``) and does not
-choose one that fails while another passes.
+any count: it pads to whole tiles itself, ``row_align``). That padding is not enough
+everywhere: on an AMX Xeon, oneDNN's bf16 GEMM and ``F.linear`` in both dtypes give rows of
+a batch of 8 other bits than in a batch of 64. So auto checks every candidate on the model's
+own shapes at batch sizes from 4 to 128 against a batch of 256
+(``linear_choice._rows_independent``) and does not choose one that fails while another
+passes.
 """
 
 from __future__ import annotations

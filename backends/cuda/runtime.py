@@ -228,7 +228,7 @@ def sample(be: CudaBackend, logits: torch.Tensor, meta: SamplingMetadata,
         if logits.shape[0] else None
     if pending is None:
         return be.runner.sample(logits, meta)
-    return sampler.sample(logits.float(), meta, be.runner.generator, pending)
+    return sampler.sample(logits.float(), meta, be.runner.generator, pending, be.runner.draw)
 
 
 def submit(be: CudaBackend, mi: ModelInput) -> None:

@@ -68,7 +68,8 @@ def sample_parts(parts: list[Any], meta: SamplingMetadata, runner: Any, device: 
         if pending is None:
             p.result = runner.sample(p.result, rows_meta)
         else:
-            p.result = sampler.sample(p.result.float(), rows_meta, runner.generator, pending)
+            p.result = sampler.sample(p.result.float(), rows_meta, runner.generator, pending,
+                                      runner.draw)
     if sampled is not None:
         sampled.keep(parts)  # only now: the step itself read the previous samples
 

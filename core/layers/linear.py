@@ -26,8 +26,9 @@ ROW_ALIGN = 4
 
 
 def row_aligned(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``gemm(x)`` with x's rows padded to a multiple of ``ROW_ALIGN`` (module NOTE); any CPU
-    GEMM kernel goes through this."""
+    """``gemm(x)`` with x's rows padded to a multiple of ``ROW_ALIGN`` (module NOTE); every
+    CPU GEMM kernel goes through this unless its rows never read each other at any count
+    (the CPU backend's AMX tile loop)."""
     m = x.shape[0]
     pad = -m % ROW_ALIGN
     if pad == 0:

@@ -72,13 +72,16 @@ void refine_row(const c10::BFloat16* in, float* out, int64_t v, const c10::BFloa
 }
 
 // exp(d) for d = x - max <= 0. With AVX-512 the scaling by 2^n is one vscalefps, which also
-// takes n far below the exponent's range to 0, so neither clamp of vec.h's exp is needed:
-// about half its instructions, and these exps are nearly all of draw_from_logits' work.
-// Same polynomial as vec.h's exp.
+// takes n below the exponent's range to 0, so vec.h's upper clamp and its two-step scaling
+// are not needed: about half its instructions, and these exps are nearly all of
+// draw_from_logits' work. The lower clamp stays (at -104, where exp is already 0 in fp32):
+// below ~-1e14 the rounded n leaves a remainder the polynomial overflows on (a repetition
+// penalty near 0 makes such logits), and an x - max that overflows to -inf would give NaN.
+// max(-104, d) keeps a NaN d NaN. Same polynomial as vec.h's exp.
 inline vfloat exp_nonpositive(vfloat d) {
 #if defined(__AVX512F__)
   if constexpr (kVec == 16) {
-    const __m512 x = reinterpret_cast<__m512>(d);
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.0f), reinterpret_cast<__m512>(d));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -119,7 +122,15 @@ int64_t draw_row(const float* x, int64_t v, float frac) {
   float m = lowest;
   for (int64_t l = 0; l < kVec; ++l) m = vmax[l] > m ? vmax[l] : m;
   for (; j < v; ++j) m = x[j] > m ? x[j] : m;
-  if (!(m > lowest) || std::isinf(m)) return 0;  // no finite logit (all masked, or NaN)
+  if (!(m > lowest)) return 0;  // nothing to draw: every logit -inf (or NaN)
+  // A row the softmax is undefined on (+inf, or a NaN among the logits, which the comparisons
+  // above skip) draws its largest logit's first token: never a masked one.
+  const auto first_max = [&]() {
+    int64_t i = 0;
+    while (i < v && !(x[i] == m)) ++i;
+    return i;
+  };
+  if (std::isinf(m)) return first_max();
   const vfloat vm = splat(m);
   const auto scalar_weight = [&](int64_t i) {
     return x[i] == lowest ? 0.f : std::exp(x[i] - m);
@@ -137,6 +148,7 @@ int64_t draw_row(const float* x, int64_t v, float frac) {
     cdf[c] = run += sum;
   }
   const float target = frac * run;
+  if (std::isnan(run)) return first_max();
   if (!(target > 0.f)) return 0;
   int64_t c = 0;
   while (c < chunks - 1 && !(cdf[c] >= target)) ++c;
@@ -165,7 +177,8 @@ int64_t draw_row(const float* x, int64_t v, float frac) {
 // (0, 1] -> int64 [B]: per row, the first token whose cumulative softmax weight reaches frac of
 // the row's total, the same rule as the sampler's torch path (softmax, then inverse_cdf) in one
 // pass over the logits and one over a 256-token chunk, with no probabilities written. A row
-// with no finite logit draws token 0. Rows are independent of each other.
+// whose logits are all -inf draws token 0; one with a NaN or +inf logit, its largest logit's
+// first token. Rows are independent of each other.
 torch::Tensor draw_from_logits(torch::Tensor logits, torch::Tensor frac) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
               "draw_from_logits: logits must be [B, V] float32");
