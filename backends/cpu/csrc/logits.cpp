@@ -71,29 +71,20 @@ void refine_row(const c10::BFloat16* in, float* out, int64_t v, const c10::BFloa
     if (out[j] == m) out[j] = exact(j);
 }
 
-// exp(d) for d = x - max <= 0. With AVX-512 the scaling by 2^n is one vscalefps, which also
-// takes n below the exponent's range to 0, so vec.h's upper clamp and its two-step scaling
-// are not needed: about half its instructions, and these exps are nearly all of
-// draw_from_logits' work. The lower clamp stays (at -104, where exp is already 0 in fp32):
-// below ~-1e14 the rounded n leaves a remainder the polynomial overflows on (a repetition
-// penalty near 0 makes such logits), and an x - max that overflows to -inf would give NaN.
-// max(-104, d) keeps a NaN d NaN. Same polynomial as vec.h's exp.
+// exp(d) for d = x - max <= 0: vec.h's polynomial, but with AVX-512 the scaling by 2^n is one
+// vscalefps, which also takes n below the exponent's range to 0, so vec.h's upper clamp and
+// its two-step scaling are not needed: these exps are nearly all of draw_from_logits' work.
+// The lower clamp stays (at -104, where exp is already 0 in fp32): the rounding of n needs a
+// bounded argument (a repetition penalty near 0 makes logits ~1e15 below the maximum), and
+// an x - max that overflows to -inf would give NaN. A NaN d stays NaN (the compare is false).
 inline vfloat exp_nonpositive(vfloat d) {
 #if defined(__AVX512F__)
   if constexpr (kVec == 16) {
-    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.0f), reinterpret_cast<__m512>(d));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return reinterpret_cast<vfloat>(_mm512_scalef_ps(p, n));
+    const vfloat x = d < -104.0f ? splat(-104.0f) : d;
+    vfloat n;
+    const vfloat p = cadence_cpu::detail::exp_reduced(x, n);
+    return reinterpret_cast<vfloat>(
+        _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
   }
 #endif
   return exp(d);

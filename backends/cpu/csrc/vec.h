@@ -121,22 +121,33 @@ inline float hsum(vfloat v) {
   }
 }
 
-// exp(x) = 2^n * p(r), n = round(x / ln 2), |r| <= ln2 / 2, p a degree-6 Taylor polynomial
-// (relative error < 2e-7). x is clamped to [-87, 88]: exp underflows to ~1e-38 and
-// overflows to ~1.6e38 there instead of to 0 and inf, which no caller can tell apart.
-inline vfloat exp(vfloat x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
-  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vfloat n = (x * 1.44269504088896341f + shifter) - shifter;
+namespace detail {
+// exp(x) = 2^n * p(r): returns p(r) and sets n = round(x / ln 2), |r| <= ln2 / 2, p a degree-6
+// Taylor polynomial (relative error < 2e-7). |x| must stay well under 2^22 (the rounding
+// trick). Shared by exp below and the sampling kernel's exp (logits.cpp), which scale by 2^n
+// in their own ways.
+inline vfloat exp_reduced(vfloat x, vfloat& n) {
+  // 1.5 * 2^23: adding it rounds to an integer.
+  const vfloat shifter = ::cadence_cpu::splat(12582912.0f);
+  n = (x * 1.44269504088896341f + shifter) - shifter;
   const vfloat r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  vfloat p = splat(1.0f / 720.0f);
+  vfloat p = ::cadence_cpu::splat(1.0f / 720.0f);
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+}  // namespace detail
+
+// exp(x) (detail::exp_reduced). x is clamped to [-87, 88]: exp underflows to ~1e-38 and
+// overflows to ~1.6e38 there instead of to 0 and inf, which no caller can tell apart.
+inline vfloat exp(vfloat x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  vfloat n;
+  const vfloat p = detail::exp_reduced(x, n);
   // n <= 127 after the clamp; split the scale in two so 2^n never overflows the exponent.
   const vint ni = __builtin_convertvector(n, vint);
   const vint half = ni >> 1;
