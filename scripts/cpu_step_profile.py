@@ -2,8 +2,8 @@
 timed in process (docs/performance.md).
 
     python scripts/cpu_step_profile.py [--num-prompts 64] [--input-len 128]
-                                       [--output-len 128] [--dtype float32]
-                                       [--huge-pages off|weights|all]
+                                       [--output-len 128 | --output-len-range 16:64]
+                                       [--dtype float32] [--huge-pages off|weights|all]
 
 Runs the workload once with the ``sync`` strategy (everything on one thread, so a kernel's
 wall time is its cost) after a short warm-up, with a timer around each kernel call and
@@ -25,6 +25,7 @@ from cadence.backends.cpu import kernels as cpu_kernels
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu.memory import HUGE_PAGE_CHOICES
 from cadence.bench.report import machine_info, machine_line
+from cadence.bench.throughput import parse_len_range
 
 KERNELS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
            "silu_and_mul", "write_kv", "rotary_inplace", "refine_top_logits",
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-range", default=None,
+                    help="A:B: each request's output length drawn as `engine bench` draws it")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default="off")
     args = ap.parse_args()
@@ -85,13 +88,21 @@ def main() -> None:
     seconds.clear()
     calls.clear()
     flops[0] = 0.0
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0)
+    if args.output_len_range is None:
+        lens = [args.output_len] * args.num_prompts
+        shape = f"{args.output_len}"
+    else:
+        lo, hi = parse_len_range(args.output_len_range)
+        out_rng = random.Random(1)  # engine bench's default seed (0) + 1
+        lens = [out_rng.randint(lo, hi) for _ in range(args.num_prompts)]
+        shape = f"{lo}..{hi}"
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0) for n in lens]
     t = time.perf_counter()
     llm.generate(prompts(args.num_prompts), params, use_tqdm=False)
     wall = time.perf_counter() - t
     timed_total = sum(seconds.values())
     gemm_s = sum(s for name, s in seconds.items() if name.startswith("gemm"))
-    print(f"{wall:.2f} s for {args.num_prompts} x {args.input_len} in / {args.output_len} out")
+    print(f"{wall:.2f} s for {args.num_prompts} x {args.input_len} in / {shape} out")
     for name in sorted(seconds, key=seconds.get, reverse=True):
         print(f"  {name:36s} {seconds[name]:7.2f} s  {calls[name]:6d} calls")
     print(f"  {'GEMMs together':36s} {gemm_s:7.2f} s  ({flops[0] / gemm_s / 1e9:.1f} GFLOP/s)")

@@ -25,6 +25,7 @@ from engine_helpers import generate, make_llm
 from cadence import SamplingParams
 from cadence.backend import ModelInput, SamplingMetadata
 from cadence.backends.cpu import attention as cpu_attention
+from cadence.backends.cpu import gated
 from cadence.backends.cpu import kernels
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu import linear_choice as cpu_choice
@@ -783,7 +784,6 @@ def test_tiled_linear_matches_reference_and_is_batch_invariant(ops, k, n, bias) 
         torch.testing.assert_close(full.double(), reference, atol=2e-5, rtol=1e-5)
         for m in range(1, 71):
             assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
-        # The module pads rows to a multiple of four; the kernel itself takes any count.
         # 333 rows span three row chunks of 128; 1..70 rows every tail of the register tile
         # (6 rows on AVX2, 12 on AVX-512).
 
@@ -803,6 +803,28 @@ def test_tiled_linear_matches_reference_and_is_batch_invariant(ops, k, n, bias) 
         assert torch.equal(kernel(wide), full)
         assert torch.equal(kernel(wide[:7]), full[:7])
         assert kernel(x[:0]).shape == (0, n)
+
+
+def test_tiled_linear_takes_any_row_count_without_the_aligned_copy(ops, monkeypatch) -> None:
+    """Its rows never read each other, so the module skips ``row_aligned`` (no padded copy);
+    a module whose kernel needs the padding still goes through it."""
+    lin = _linear(64, 48, True, torch.float32, seed=5)
+    gemm = cpu_linear.TiledLinear(lin)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = gemm(torch.cat([x, torch.zeros(1, 64)]))[:7]
+
+        def refuse(gemm_fn, rows):
+            raise AssertionError("the module padded its rows")
+
+        monkeypatch.setattr(cpu_linear, "row_aligned", refuse)
+        for m in (1, 2, 3, 5, 7):
+            assert torch.equal(gemm(x[:m]), full[:m]), m
+        fused = gated.TiledGatedLinear(_linear(64, 96, False, torch.float32, seed=6))
+        assert fused(x).shape == (7, 48)
+        if cpu_linear.packed_available():
+            with pytest.raises(AssertionError, match="padded"):
+                cpu_linear.PackedLinear(lin)(x)
 
 
 def test_tiled_linear_is_independent_of_the_thread_count(ops) -> None:

@@ -22,8 +22,8 @@ while it multiplies; it gives brgemm's bits and replaces it as the candidate.
 NOTE batch invariance: oneDNN computes a single row with another kernel (measured on an
 AMD EPYC: M=1 differs in the last bits from the same row in any larger batch; every M >= 2
 agrees). Rows go through ``cadence.layers.linear.row_aligned`` like ``F.linear``'s, so no
-GEMM ever runs with one row (except the AMX tile loop's, whose rows never read each other at
-any count: it pads to whole tiles itself, ``row_align``). That padding is not enough
+GEMM ever runs with one row (except the AMX tile loop's and the fp32 tiled kernel's, whose
+rows never read each other at any count: ``row_align``). That padding is not enough
 everywhere: on an AMX Xeon, oneDNN's bf16 GEMM and ``F.linear`` in both dtypes give rows of
 a batch of 8 other bits than in a batch of 64. So auto checks every candidate on the model's
 own shapes at batch sizes from 4 to 128 against a batch of 256
@@ -211,6 +211,10 @@ class TiledLinear(_KernelLinear):
 
     kind = "tiled"
     runs = torch.float32
+    # Every output element is one FMA chain whatever the row count, one row included
+    # (csrc/tiled_linear.cpp NOTE): padding to four rows would buy nothing but the copy,
+    # which at decode batches that are not a multiple of four was 0.27 s of 19.5.
+    row_align = False
     unavailable = ("cpu linear 'tiled' needs the compiled CPU kernels, which are turned off "
                    "(CADENCE_CPU_KERNELS=0) or did not build here (a C++ compiler is needed); "
                    "use --cpu-linear auto, packed or torch")
