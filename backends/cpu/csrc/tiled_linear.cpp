@@ -63,8 +63,9 @@ inline vfloat fma(vfloat a, vfloat b, vfloat c) {
 }
 
 // How a tile prefetches the block its thread reads next (into L2; it never changes a bit):
-//   kBurst: two lines (one row of kNR floats) per K step from the start of the tile, for
-//     `lines` lines; the block comes from cache, so a burst keeps enough misses in flight.
+//   kBurst: one row of kNR floats (two lines on AVX-512) per K step from the start of the
+//     tile, for `lines` lines; the block comes from cache, so a burst keeps enough misses in
+//     flight.
 //   kPaced: one line every `every` K steps, for `lines` lines; the block comes from memory,
 //     and a burst would hold the core's line-fill buffers the tile's own misses need.
 enum class Prefetch { kBurst, kPaced };
@@ -218,8 +219,9 @@ void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const float* w
   // With one or two row chunks (decode batches) each thread reads the weight once, from
   // memory, and paces its prefetch over a panel's tiles; with more (prefill) the weight is
   // read again per chunk, from cache, and a burst in the first tile is faster.
-  // Measured on an AMX Xeon, a decode step's GEMMs: paced 1.10x at 64 rows, 1.02x at 256;
-  // at 2048 rows burst is 1.05-1.1x faster (docs/backends/cpu.md, "fp32 tiled GEMM").
+  // Measured on an AMX Xeon, a decode step's GEMMs: paced 1.09-1.16x at 64 rows, level at
+  // 128-256; at 2048 rows the burst 1.05-1.13x faster (docs/backends/cpu.md, "Paced
+  // prefetch").
   const bool paced = chunks <= 2;
   // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
   // streams them in order, which is what the prefetch of "the next one" relies on.
