@@ -43,8 +43,9 @@ def test_amx_linear_matches_reference_and_is_batch_invariant(k, n, bias) -> None
                              None if lin.bias is None else lin.bias.float())
         # One bf16 rounding of an fp32 sum: within bf16's half ulp of the exact result.
         torch.testing.assert_close(full.float(), reference, atol=1e-2, rtol=8e-3)
-        # Row counts on and off the 16-row tiles and the 256-row work items.
-        for m in (*range(1, 70), 255, 256, 257):
+        # Row counts on and off the 16-row tiles and the row chunks (one chunk up to 256
+        # rows; 257-512 split in two equal ones).
+        for m in (*range(1, 70), 255, 256, 257, 300):
             assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
             assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
         # Rows at a stride (a view of a wider tensor) give the same bits as contiguous ones:

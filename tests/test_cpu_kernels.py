@@ -827,6 +827,22 @@ def test_tiled_linear_takes_any_row_count_without_the_aligned_copy(ops, monkeypa
                 cpu_linear.PackedLinear(lin)(x)
 
 
+def test_tiled_linear_row_chunks_of_any_batch_give_the_same_rows(ops) -> None:
+    """Rows are split in chunks of about equal size (whole tiles); whatever the split, a
+    row's bits are its own. 2433 rows is where rounding the chunk size up to whole tiles
+    needs fewer chunks than 128-row ones would."""
+    lin = _linear(37, 40, True, torch.float32, seed=4)
+    gemm = cpu_linear.TiledLinear(lin)
+    x = torch.randn(2433, 37, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = gemm(x)
+        torch.testing.assert_close(full, F.linear(x, lin.weight, lin.bias), atol=1e-5,
+                                   rtol=1e-5)
+        for m in (129, 136, 200, 300, 385, 1290, 2432):
+            assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
+            assert torch.equal(gemm(x[-m:]), full[-m:]), f"last {m} rows"
+
+
 def test_tiled_linear_is_independent_of_the_thread_count(ops) -> None:
     # Two K blocks and three row chunks, split over 1 and over 3 threads.
     lin = _linear(2000, 300, True, torch.float32, seed=2)

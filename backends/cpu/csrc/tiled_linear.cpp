@@ -41,7 +41,7 @@ constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
 // rows, 1.11x at 16, 1.06x at 256, 1.12x at 2048; 14 rows was slower than 12.
 constexpr int kMR = kVec >= 16 ? 12 : 6;
 constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
-constexpr int64_t kMC = 128;       // rows per chunk: how often a panel is read again (large M)
+constexpr int64_t kMC = 128;       // most rows per chunk: how often a panel is read again
 
 // a * b + c as one fused operation in every instantiation (the compiler's contraction is a
 // choice it may make differently per function; the bits must not depend on it).
@@ -215,7 +215,13 @@ template <typename Out>
 void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const float* w,
                int64_t panels, const Out& out) {
   const int64_t kc_max = std::min(k, kMaxKC);
-  const int64_t chunks = (m + kMC - 1) / kMC;
+  // Chunks of about equal size (whole tiles), not kMC rows and a remainder: a thread's items
+  // are a run of (chunk, panel), so with 136 rows as 128 + 8 one thread had 16 times the
+  // other's work. A decode step's GEMMs on an AMX Xeon: 1.77x at 136 rows, 1.22x at 200,
+  // 1.16x at 300, level at 240, 256 and 2048 (docs/backends/cpu.md, "Equal row chunks").
+  const int64_t want = (m + kMC - 1) / kMC;
+  const int64_t chunk_rows = ((m + want - 1) / want + kMR - 1) / kMR * kMR;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;  // no empty chunk
   // With one or two row chunks (decode batches) each thread reads the weight once, from
   // memory, and paces its prefetch over a panel's tiles; with more (prefill) the weight is
   // read again per chunk, from cache, and a burst in the first tile is faster.
@@ -226,10 +232,10 @@ void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const float* w
   // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
   // streams them in order, which is what the prefetch of "the next one" relies on.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(static_cast<size_t>(std::min(m, kMC) * kNR));
+    std::vector<float> c(static_cast<size_t>(std::min(m, chunk_rows) * kNR));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, p = item % panels;
-      const int64_t m0 = chunk * kMC, rows = std::min(kMC, m - m0);
+      const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
       const float* panel = w + p * k * kNR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, k - k0);
