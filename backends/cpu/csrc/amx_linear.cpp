@@ -34,7 +34,7 @@ using namespace cadence_cpu;
 constexpr int64_t kBlockN = 32;   // output columns per block: two 16-column tiles
 constexpr int64_t kHalf = 16;     // the gated layout's gate (or up) columns per block
 constexpr int64_t kStepK = 32;    // K per tile step (16 VNNI pairs)
-constexpr int64_t kBlockM = 256;  // most rows per work item (about); bounds the fp32 scratch
+constexpr int64_t kBlockM = 256;  // most rows per work item (run_amx splits them evenly)
 
 struct TileConfig {
   uint8_t palette = 1;
