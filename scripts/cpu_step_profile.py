@@ -25,7 +25,7 @@ from cadence.backends.cpu import kernels as cpu_kernels
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu.memory import HUGE_PAGE_CHOICES
 from cadence.bench.report import machine_info, machine_line
-from cadence.bench.throughput import parse_len_range
+from cadence.bench.throughput import Workload, parse_len_range
 
 KERNELS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
            "silu_and_mul", "write_kv", "rotary_inplace", "refine_top_logits",
@@ -88,14 +88,10 @@ def main() -> None:
     seconds.clear()
     calls.clear()
     flops[0] = 0.0
-    if args.output_len_range is None:
-        lens = [args.output_len] * args.num_prompts
-        shape = f"{args.output_len}"
-    else:
-        lo, hi = parse_len_range(args.output_len_range)
-        out_rng = random.Random(1)  # engine bench's default seed (0) + 1
-        lens = [out_rng.randint(lo, hi) for _ in range(args.num_prompts)]
-        shape = f"{lo}..{hi}"
+    span = parse_len_range(args.output_len_range)
+    lens = Workload(input_len=args.input_len, output_len=args.output_len,
+                    num_prompts=args.num_prompts, output_len_range=span).output_lens()
+    shape = f"{span[0]}..{span[1]}" if span else f"{args.output_len}"
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0) for n in lens]
     t = time.perf_counter()
     llm.generate(prompts(args.num_prompts), params, use_tqdm=False)

@@ -25,8 +25,7 @@ from engine_helpers import generate, make_llm
 from cadence import SamplingParams
 from cadence.backend import ModelInput, SamplingMetadata
 from cadence.backends.cpu import attention as cpu_attention
-from cadence.backends.cpu import gated
-from cadence.backends.cpu import kernels
+from cadence.backends.cpu import gated, kernels
 from cadence.backends.cpu import linear as cpu_linear
 from cadence.backends.cpu import linear_choice as cpu_choice
 from cadence.backends.cpu import runtime as cpu_runtime
@@ -784,8 +783,8 @@ def test_tiled_linear_matches_reference_and_is_batch_invariant(ops, k, n, bias) 
         torch.testing.assert_close(full.double(), reference, atol=2e-5, rtol=1e-5)
         for m in range(1, 71):
             assert torch.equal(gemm(x[:m]), full[:m]), f"first {m} rows"
-        # 333 rows span three row chunks of 128; 1..70 rows every tail of the register tile
-        # (6 rows on AVX2, 12 on AVX-512).
+        # 333 rows span three row chunks (of about 111 rows each); 1..70 rows every tail of
+        # the register tile (6 rows on AVX2, 12 on AVX-512).
 
         def kernel(rows: torch.Tensor) -> torch.Tensor:
             return gemm.ops.tiled_linear(rows, gemm.packed, n, gemm.bias)

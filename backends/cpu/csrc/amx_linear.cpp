@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_chunks.h"
 #include "vec.h"
 
 namespace {
@@ -34,7 +35,7 @@ using namespace cadence_cpu;
 constexpr int64_t kBlockN = 32;   // output columns per block: two 16-column tiles
 constexpr int64_t kHalf = 16;     // the gated layout's gate (or up) columns per block
 constexpr int64_t kStepK = 32;    // K per tile step (16 VNNI pairs)
-constexpr int64_t kBlockM = 256;  // most rows per work item (run_amx splits them evenly)
+constexpr int64_t kBlockM = 256;  // most rows per work item; bounds the fp32 scratch
 
 struct TileConfig {
   uint8_t palette = 1;
@@ -192,12 +193,9 @@ void run_amx(const torch::Tensor& x, const torch::Tensor& packed, const Epilogue
   const char* w_end = reinterpret_cast<const char*>(w + packed.numel());
   const int64_t blocks = packed.size(0);
   const int64_t block_elems = kpad * kBlockN;
-  // Row chunks of about equal size in whole tile pairs, not kBlockM rows and a remainder,
-  // so that threads splitting (chunk, block) items get equal work (the tiled fp32 kernel
-  // measured 1.2-1.8x from this between one and three chunks; run_tiled).
-  const int64_t want = (mpad + kBlockM - 1) / kBlockM;
-  const int64_t chunk_rows = ((mpad + want - 1) / want + 31) / 32 * 32;
-  const int64_t mchunks = (mpad + chunk_rows - 1) / chunk_rows;
+  // Equal chunks of whole tile pairs (gemm_chunks.h).
+  const RowChunks split = even_row_chunks(mpad, kBlockM, 32);
+  const int64_t chunk_rows = split.rows, mchunks = split.count;
   // Work items are (row chunk, column block), each over the whole K. A thread's items are
   // consecutive blocks, which lie one after the other in memory, so prefetching the block
   // after the current one runs ahead along the thread's own stream.

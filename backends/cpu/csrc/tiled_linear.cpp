@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_chunks.h"
 #include "vec.h"
 
 namespace {
@@ -41,7 +42,7 @@ constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
 // rows, 1.11x at 16, 1.06x at 256, 1.12x at 2048; 14 rows was slower than 12.
 constexpr int kMR = kVec >= 16 ? 12 : 6;
 constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
-constexpr int64_t kMC = 128;       // rows per chunk, about (run_tiled splits them evenly)
+constexpr int64_t kMC = 128;       // most rows per chunk, before the even split
 
 // a * b + c as one fused operation in every instantiation (the compiler's contraction is a
 // choice it may make differently per function; the bits must not depend on it).
@@ -215,14 +216,11 @@ template <typename Out>
 void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const float* w,
                int64_t panels, const Out& out) {
   const int64_t kc_max = std::min(k, kMaxKC);
-  // Chunks of about equal size (whole tiles), not kMC rows and a remainder: a thread's items
-  // are a run of (chunk, panel), so with 136 rows as 128 + 8 one thread had 16 times the
-  // other's work. A decode step's GEMMs on an AMX Xeon: 1.6-1.8x at 136 rows, 1.2x at 200,
-  // 1.13-1.16x at 300, level at 240, 256 and 2048 (docs/backends/cpu.md, "Equal row
-  // chunks").
-  const int64_t want = (m + kMC - 1) / kMC;
-  const int64_t chunk_rows = ((m + want - 1) / want + kMR - 1) / kMR * kMR;
-  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;  // no empty chunk
+  // Equal chunks of whole tiles (gemm_chunks.h). A decode step's GEMMs on an AMX Xeon,
+  // against 128 rows and a remainder: 1.6-1.8x at 136 rows, 1.2x at 200, 1.13-1.16x at 300,
+  // level at 240, 256 and 2048.
+  const RowChunks split = even_row_chunks(m, kMC, kMR);
+  const int64_t chunk_rows = split.rows, chunks = split.count;
   // With one or two row chunks (decode batches) each thread reads the weight once, from
   // memory, and paces its prefetch over a panel's tiles; with more (prefill) the weight is
   // read again per chunk, from cache, and a burst in the first tile is faster.
