@@ -413,6 +413,13 @@ CASES: list[Case] = [
     Case("structured_outputs-regex", SERVED, params={"structured_outputs": {"regex": "ab?"}}),
     Case("chat-response_format-text", SERVED, body={"response_format": {"type": "text"}},
          on=CHAT),
+    # vLLM takes response_format on /v1/completions too; the same rules hold there.
+    Case("http-response_format-json", SERVED,
+         body={"response_format": {"type": "json_object"}}, on=HTTP),
+    Case("http-response_format-yaml", "response_format",
+         body={"response_format": {"type": "yaml"}}, on=HTTP),
+    Case("http-response_format-beside-guided_regex", "response_format",
+         body={"response_format": {"type": "json_object"}, "guided_regex": "a"}, on=HTTP),
     Case("chat-add_generation_prompt-string", "add_generation_prompt",
          body={"add_generation_prompt": "x"}, on=CHAT),
     Case("chat-n-over-max", "n", body={"n": MAX_NUM_SAMPLES + 1}, on=CHAT),

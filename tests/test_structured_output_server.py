@@ -1,6 +1,6 @@
 """Structured output through the OpenAI-compatible server: the ``openai`` client's
 ``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and older
-``guided_*`` fields on both endpoints; a schema that does not parse is a 400 naming the
+``guided_*`` fields, all on both endpoints; a schema that does not parse is a 400 naming the
 problem, and the requests beside it finish with nothing held."""
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ def test_openai_client_response_format_and_vllm_fields(model):
             model="tiny", prompt="code", max_tokens=20, temperature=1.0,
             extra_body={"guided_grammar": 'root ::= "a" | "b" "c"'})
         assert comp.choices[0].text in ("a", "bc")
+        # response_format on completions, as vLLM takes it (the SDK passes it in extra_body).
+        comp = await client.completions.create(
+            model="tiny", prompt="weather", max_tokens=60, temperature=1.0, n=4, seed=3,
+            extra_body={"response_format": schema_fmt})
+        finished = [c for c in comp.choices if c.finish_reason == "stop"]
+        assert finished
+        for choice in finished:
+            jsonschema.validate(json.loads(choice.text), SCHEMA)
 
         # A bad schema is a 400 naming the problem, while another request runs.
         slow = asyncio.ensure_future(client.completions.create(
@@ -87,10 +95,11 @@ def test_openai_client_response_format_and_vllm_fields(model):
             ({"guided_regex": "a", "guided_choice": ["a"]}, "only one"),
             ({"structured_outputs": {"regexp": "a"}}, "unknown fields"),
         ]:
-            r = await http.post("/v1/chat/completions",
-                                json={"messages": msgs, "max_tokens": 5, **body})
-            assert r.status_code == 400, (body, r.text)
-            assert needle in r.json()["error"]["message"], r.text
+            for path, prompt in (("/v1/chat/completions", {"messages": msgs}),
+                                 ("/v1/completions", {"prompt": "p"})):
+                r = await http.post(path, json={**prompt, "max_tokens": 5, **body})
+                assert r.status_code == 400, (path, body, r.text)
+                assert needle in r.json()["error"]["message"], r.text
         done = await slow
         jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
         await wait_until(lambda: all_blocks_free(engine))

@@ -3,8 +3,9 @@
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
 OpenAI fields cadence does not implement (``echo``, ``suffix``, ``logit_bias``, tools) are
 rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
-``response_format`` (chat) or vLLM's ``structured_outputs`` object and older ``guided_*``
-fields (both endpoints); see docs/structured_output.md.
+``response_format`` or vLLM's ``structured_outputs`` object and older ``guided_*`` fields, on
+both endpoints (vLLM takes ``response_format`` on completions too); see
+docs/structured_output.md.
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
 
-    def _structured(self, response_format: dict[str, Any] | None = None
-                    ) -> StructuredOutputsParams | None:
+    def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""
         asked: dict[str, StructuredOutputsParams] = {}
         name = "structured_outputs"
@@ -84,8 +85,8 @@ class _Common(BaseModel):
                 if getattr(self, name) is not None:
                     asked[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
             name = "response_format"
-            if response_format is not None:
-                fmt = _response_format(response_format)
+            if self.response_format is not None:
+                fmt = _response_format(self.response_format)
                 if fmt is not None:
                     asked[name] = fmt
         except ValueError as e:
@@ -100,7 +101,7 @@ class _Common(BaseModel):
     def structured_field(self) -> str:
         """The body field that asks for structured output, for the errors of its grammar."""
         names = ["structured_outputs", *_GUIDED, "response_format"]
-        return next((n for n in names if getattr(self, n, None) is not None),
+        return next((n for n in names if getattr(self, n) is not None),
                     "structured_outputs")
 
     def _check_common(self) -> None:
@@ -210,7 +211,6 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
@@ -221,7 +221,7 @@ class ChatCompletionRequest(_Common):
                 raise RequestError(f"{name} must be an integer >= 1 or null, got {value}", name)
         if self.tools or self.tool_choice not in (None, "none"):
             raise RequestError("tools and tool_choice are not supported by cadence", "tools")
-        self._structured(self.response_format)  # a bad response_format is a 400 now
+        self._structured()  # a bad response_format is a 400 now
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -250,8 +250,7 @@ class ChatCompletionRequest(_Common):
                         ) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults,
-                              self._structured(self.response_format))
+        return self._sampling(max_tokens, logprobs, defaults, self._structured())
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
