@@ -42,8 +42,10 @@ from cadence.server.limits import (
 from cadence.server.metrics import make_registry
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
+from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
@@ -124,6 +126,16 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         if req.stream:
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        return tokenize(serving.tokenizer, serving.max_model_len, req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        return detokenize(serving.tokenizer, req)
 
     return app
 
