@@ -67,6 +67,8 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         meta.output_token_ids = [r.output_token_ids for r in reqs]
     if any(p.min_tokens for p in params):
         meta.banned_token_ids = [_banned(r) for r in reqs]
+    if any(p.logit_bias for p in params):
+        meta.logit_bias = [p.logit_bias or {} for p in params]
     if any(p.logprobs is not None for p in params):
         meta.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
         meta.max_num_logprobs = max(meta.num_logprobs)

@@ -42,6 +42,9 @@ class SamplingParams:
     ``logprobs=k`` returns, per generated token, the sampled token's log-probability plus the
     ``k`` most likely tokens, computed from the raw model logits (before penalties and
     temperature, as vLLM V1 does by default).
+    ``logit_bias`` maps token ids to a number in [-100, 100] added to their logits before
+    penalties and sampling (OpenAI's field; -100 in effect bans a token, +100 all but forces
+    it). The returned logprobs are the model's own, from before the bias.
     """
 
     n: int = 1
@@ -65,6 +68,7 @@ class SamplingParams:
     # Constrains the output to a JSON schema, regex, choice or grammar
     # (docs/structured_output.md).
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.
     output_text_buffer_length: int = field(default=0, repr=False)
 
@@ -136,12 +140,33 @@ class SamplingParams:
                for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self._validate_logit_bias()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             if not isinstance(so, dict):
                 raise bad("structured_outputs", "a StructuredOutputsParams, a dict of its "
                           "fields, or None")
             self.structured_outputs = StructuredOutputsParams.from_dict(so)
+
+    def _validate_logit_bias(self) -> None:
+        lb = self.logit_bias
+        if lb is None:
+            return
+        allowed = "a dict of token ids (integers >= 0) to biases in [-100, 100], or None"
+        if not isinstance(lb, dict):
+            raise FieldError(f"logit_bias must be {allowed}, got {type(lb).__name__} "
+                             f"{shown(lb):.40}", "logit_bias")
+        clean: dict[int, float] = {}
+        for token, bias in lb.items():
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+                raise FieldError(f"logit_bias must be {allowed}; {shown(token)} is not a token "
+                                 "id", "logit_bias")
+            if (not isinstance(bias, numbers.Real) or isinstance(bias, bool)
+                    or not _is_finite(bias) or not -100.0 <= bias <= 100.0):
+                raise FieldError(f"logit_bias must be {allowed}; token {int(token)} has "
+                                 f"{shown(bias)}", "logit_bias")
+            clean[int(token)] = float(bias)
+        self.logit_bias = clean or None
 
     def check_against_model(self, vocab_size: int | None) -> None:
         """The checks that need the model: token ids and counts against its vocabulary."""
@@ -157,6 +182,10 @@ class SamplingParams:
         if bad_ids:
             raise FieldError(f"stop_token_ids must be in [0, {vocab_size}), got "
                              f"{shown(bad_ids[:5])}", "stop_token_ids")
+        bad_ids = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad_ids:
+            raise FieldError(f"logit_bias token ids must be in [0, {vocab_size}), got "
+                             f"{shown(bad_ids[:5])}", "logit_bias")
 
     @property
     def is_greedy(self) -> bool:

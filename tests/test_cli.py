@@ -88,10 +88,12 @@ def test_generate_json_from_a_jsonl_file_with_per_line_sampling_fields(model, tm
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": "hello there", "n": 2, "max_tokens": 2}) + "\n\n"
                     + json.dumps({"prompt": "the quick", "logprobs": 1, "temperature": 0.7,
-                                  "seed": 3, "stop": ["zzz"]}) + "\n")
+                                  "seed": 3, "stop": ["zzz"]}) + "\n"
+                    + json.dumps({"prompt": "forced", "temperature": 0, "max_tokens": 3,
+                                  "ignore_eos": True, "logit_bias": {"9": 100}}) + "\n")
     assert main(["generate", "--model", model, "--prompts-file", str(path), *FAST,
                  "--output-format", "json"]) == 0
-    first, second = (json.loads(ln) for ln in capsys.readouterr().out.splitlines())
+    first, second, third = (json.loads(ln) for ln in capsys.readouterr().out.splitlines())
     assert (first["request_id"], first["prompt"]) == ("0", "hello there")
     assert [len(o["token_ids"]) for o in first["outputs"]] == [2, 2]
     assert all("logprobs" not in o for o in first["outputs"])
@@ -99,6 +101,7 @@ def test_generate_json_from_a_jsonl_file_with_per_line_sampling_fields(model, tm
     assert len(sample["token_ids"]) == 3 and sample["finish_reason"] == "length"
     assert [p["token_id"] for p in sample["logprobs"]] == sample["token_ids"]
     assert all(1 <= len(p["top_logprobs"]) <= 2 for p in sample["logprobs"])
+    assert third["outputs"][0]["token_ids"] == [9, 9, 9]
 
 
 def test_generate_reads_plain_prompts_from_stdin(model, monkeypatch, capsys):
@@ -113,6 +116,7 @@ def test_generate_reads_plain_prompts_from_stdin(model, monkeypatch, capsys):
     ('{"prompt": "x", "temprature": 0.5}', ["line 2", "'temprature'", "temperature"]),
     ('{"prompt": "x", "top_p": 7}', ["line 2", "top_p must be"]),
     ('{"prompt": "x", "max_tokens": "many"}', ["line 2", "max_tokens"]),
+    ('{"prompt": "x", "logit_bias": {"one": 1}}', ["line 2", "logit_bias", "'one'"]),
     ('{"temperature": 0}', ["line 2", "'prompt'"]),
     ("not json", ["line 2", "JSON"]),
 ])

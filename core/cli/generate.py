@@ -89,6 +89,12 @@ def _json_line(path: str, lineno: int, line: str) -> PromptSpec:
     if unknown:
         raise ValueError(f"{where}: unknown field {unknown[0]!r}; valid fields: prompt, "
                          f"{', '.join(valid)}")
+    bias = obj.get("logit_bias")
+    if isinstance(bias, dict):
+        # JSON object keys are strings: token ids written as digits become ids (OpenAI's
+        # form); anything else stays a string for SamplingParams to refuse by name.
+        obj["logit_bias"] = {int(k) if k.isascii() and k.isdigit() and len(k) <= 18 else k: v
+                             for k, v in bias.items()}
     return PromptSpec(prompt, obj, where)
 
 

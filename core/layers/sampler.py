@@ -2,8 +2,8 @@
 only for seeded rows (each needs its own generator).
 
 Order, as in vLLM: grammar bitmask (structured output) -> raw logprobs (if asked) ->
-penalties -> banned ids (min_tokens) -> greedy argmax, or temperature -> min_p -> top_k ->
-top_p -> inverse-CDF sampling.
+logit bias -> penalties -> banned ids (min_tokens) -> greedy argmax, or temperature -> min_p
+-> top_k -> top_p -> inverse-CDF sampling.
 """
 
 from __future__ import annotations
@@ -74,6 +74,18 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata,
     freq = host_tensor(meta.frequency_penalty, logits.dtype, dev).unsqueeze(1)
     pres = host_tensor(meta.presence_penalty, logits.dtype, dev).unsqueeze(1)
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+    """``logits`` with each row's biases added to its tokens' logits (a token masked to
+    -inf by the grammar stays there)."""
+    dev = logits.device
+    rows = [i for i, bias in enumerate(biases) for _ in bias]
+    cols = [t for bias in biases for t in bias]
+    values = [v for bias in biases for v in bias.values()]
+    return logits.index_put(
+        (host_tensor(rows, torch.int64, dev), host_tensor(cols, torch.int64, dev)),
+        host_tensor(values, logits.dtype, dev), accumulate=True)
 
 
 def _pad_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -149,6 +161,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
         logits = apply_grammar_bitmask(logits, meta.grammar)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+    if any(meta.logit_bias):
+        logits = apply_logit_bias(logits, meta.logit_bias)
     if meta.has_penalties:
         logits = apply_penalties(logits, meta, pending_ids)
     if any(meta.banned_token_ids):

@@ -1,7 +1,7 @@
 """OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
-OpenAI fields cadence does not implement (``echo``, ``suffix``, ``logit_bias``, tools) are
+OpenAI fields cadence does not implement (``echo``, ``suffix``, tools) are
 rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
 ``response_format`` or vLLM's ``structured_outputs`` object and older ``guided_*`` fields, on
 both endpoints (vLLM takes ``response_format`` on completions too); see
@@ -105,8 +105,6 @@ class _Common(BaseModel):
                     "structured_outputs")
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported by cadence", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
@@ -114,6 +112,7 @@ class _Common(BaseModel):
     def _sampling(self, max_tokens: int, logprobs: int | None,
                   defaults: dict[str, Any] | None,
                   structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        logit_bias = self._logit_bias()
         # A field left out or sent as null takes the model's default (generation_config.json)
         # and then SamplingParams' own, as in vLLM; a value the body sends always wins.
         chosen = {**(defaults or {}), **{k: getattr(self, k) for k in GENERATION_DEFAULT_FIELDS
@@ -126,11 +125,24 @@ class _Common(BaseModel):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured)
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
+                logit_bias=logit_bias)
         except FieldError as e:
             raise RequestError(str(e), self.body_field(e.param)) from None
         except ValueError as e:  # a check without a param: its message starts with the field
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias``: token ids as JSON object keys (strings) -> biases."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 18:
+                raise RequestError(f"logit_bias keys must be token ids (strings of digits, "
+                                   f"such as \"50256\"), got {key[:40]!r}", "logit_bias")
+            out[int(key)] = bias
+        return out
 
     def body_field(self, name: str) -> str:
         """The body field behind the Python API's ``name`` (a ``FieldError``'s param)."""

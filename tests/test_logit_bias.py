@@ -1,0 +1,77 @@
+"""``SamplingParams.logit_bias``: added to the logits after the grammar mask and the raw
+logprobs and before penalties, as vLLM V1 orders them; only its own row moves; the engine
+gives the same tokens with async output processing on or off and under async scheduling.
+(The bad values are in tests/bad_input_cases.py; every backend's check is in the
+conformance kit.)"""
+
+from __future__ import annotations
+
+import torch
+from engine_helpers import generate, make_llm
+
+from cadence import SamplingParams
+from cadence.backend import SamplingMetadata
+from cadence.layers import sampler
+
+
+def _meta(rows: int, **kw) -> SamplingMetadata:
+    return SamplingMetadata(temperature=[0.0] * rows, top_k=[0] * rows, top_p=[1.0] * rows,
+                            min_p=[0.0] * rows, seeds=[None] * rows, output_lens=[0] * rows,
+                            all_greedy=True, **kw)
+
+
+def test_bias_moves_only_its_row_and_not_the_logprobs() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    want = logits.argmax(dim=-1)
+    meta = _meta(3, logit_bias=[{7: 100.0}, {}, {int(want[2]): -100.0, 3: 0.5}],
+                 num_logprobs=[2, 2, 2], max_num_logprobs=2)
+    out = sampler.sample(logits, meta)
+    assert out.token_ids[0] == 7
+    assert out.token_ids[1] == want[1]
+    second = logits[2].clone()
+    second[int(want[2])] -= 100.0
+    second[3] += 0.5
+    assert out.token_ids[2] == second.argmax()
+    # Logprobs are the raw model's, before the bias (vLLM V1's default).
+    sampled_lp, _, top_ids, _ = out.logprobs
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(sampled_lp[0], raw[0, 7])
+    assert top_ids[0, 0] == want[0]
+
+
+def test_bias_adds_to_the_logit_and_keeps_masked_tokens_out() -> None:
+    logits = torch.tensor([[1.0, 2.0, float("-inf"), 0.0]])
+    biased = sampler.apply_logit_bias(logits, [{0: 1.5, 2: 100.0, 3: -0.25}])
+    assert biased.tolist() == [[2.5, 2.0, float("-inf"), -0.25]]
+    assert logits[0, 0] == 1.0  # the caller's tensor is left as it was
+
+
+def test_bias_comes_before_penalties() -> None:
+    # A repetition penalty divides a positive logit: 4 + 2 = 6 -> 3, not 4 / 2 + 2 = 4.
+    logits = torch.tensor([[4.0, 3.5]])
+    meta = _meta(1, logit_bias=[{0: 2.0}], presence_penalty=[0.0], frequency_penalty=[0.0],
+                 repetition_penalty=[2.0], prompt_token_ids=[[0]], output_token_ids=[[]])
+    assert sampler.sample(logits, meta).token_ids.tolist() == [1]
+
+
+def test_engine_modes_agree(tiny_model_dir) -> None:
+    model = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                             logit_bias={11: 100.0}),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
+                             logit_bias={t: -100.0 for t in range(20, 40)}),
+              SamplingParams(temperature=0.8, seed=6, max_tokens=8, ignore_eos=True,
+                             logit_bias={12: 4.0}, repetition_penalty=1.3)]
+    runs = []
+    for kw in ({}, {"backend_options": {"overlap": "process"}},
+               {"backend_options": {"overlap": "process"}, "async_scheduling": True}):
+        llm = make_llm(model, **kw)
+        try:
+            runs.append([o.outputs[0].token_ids for o in generate(llm, prompts, params)])
+        finally:
+            llm.shutdown()
+    assert runs[0][0] == [11] * 8
+    assert not set(runs[0][1]) & set(range(20, 40))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
