@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 
 from cadence.structured_output.params import StructuredOutputsParams
@@ -206,6 +207,17 @@ class SamplingParams:
 
         seed = None if self.seed is None else _wrap_seed(self.seed + index)
         return replace(self, n=1, seed=seed)
+
+
+def token_id_key(key: str) -> int | None:
+    """The token id a JSON object key spells (OpenAI's ``logit_bias`` form, "50256"), or
+    None: digits only, no leading zero ("05" would collide with "5"), at most 18 of them."""
+    if _TOKEN_KEY.fullmatch(key) is None:
+        return None
+    return int(key)
+
+
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 def is_valid_unicode(text: str) -> bool:

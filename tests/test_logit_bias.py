@@ -75,3 +75,50 @@ def test_engine_modes_agree(tiny_model_dir) -> None:
     assert runs[0][0] == [11] * 8
     assert not set(runs[0][1]) & set(range(20, 40))
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_server_reads_openai_keys_and_caps_the_entries() -> None:
+    import pytest
+
+    pytest.importorskip("pydantic")
+    from cadence.server.protocol import MAX_LOGIT_BIAS, CompletionRequest, RequestError
+
+    def bias(entries: dict) -> dict | None:
+        return CompletionRequest(prompt="x", logit_bias=entries)._logit_bias()
+
+    assert bias({"0": 1.0, "50256": -2}) == {0: 1.0, 50256: -2}
+    assert bias({}) is None
+    assert len(bias({str(i): 0.5 for i in range(MAX_LOGIT_BIAS)})) == MAX_LOGIT_BIAS
+    for bad in ({str(i): 0.5 for i in range(MAX_LOGIT_BIAS + 1)}, {"05": 1.0}, {"-1": 1.0},
+                {" 5": 1.0}, {"5.0": 1.0}, {"\u0665": 1.0}):
+        with pytest.raises(RequestError) as e:
+            bias(bad)
+        assert e.value.param == "logit_bias"
+
+
+def test_server_names_the_field_and_key_of_a_bad_bias(tiny_model_dir) -> None:
+    import pytest
+
+    pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
+    pytest.importorskip("fastapi", reason="the server tests need the server extra")
+    from test_server import serve
+
+    async def body(client, engine):
+        for bias, words in (({"5": True}, ["(key '5')"]), ({"str": "x"}, ["(key 'str')"]),
+                            ({"5": 101}, ["[-100, 100]", "token 5"])):
+            r = await client.post("/v1/completions", json={
+                "prompt": "a b", "max_tokens": 2, "logit_bias": bias})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "logit_bias", error
+            for word in words:
+                assert word in error["message"], error
+        r = await client.post("/v1/completions", json={
+            "prompt": "a b", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"9": 100}})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert engine.num_pending_requests == 0
+
+    serve(tiny_model_dir("llama"), body)
+

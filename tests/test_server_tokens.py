@@ -12,6 +12,9 @@ pytest.importorskip("fastapi", reason="the server tests need the server extra")
 
 from test_server import serve
 
+from cadence.server.protocol import RequestError
+from cadence.server.tokens import DetokenizeRequest, detokenize
+
 TEXT = "the quick brown fox"
 MESSAGES = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
@@ -60,6 +63,15 @@ def test_tokenize_matches_what_the_endpoints_feed_the_model(model):
         assert r.json() == {"prompt": tok.decode(ids)}
         assert TEXT in r.json()["prompt"]
         assert (await client.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+        r = await client.post("/detokenize", json={"tokens": [engine.engine.vocab_size]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        # A model whose vocabulary is wider than its tokenizer's (padded embeddings, as in
+        # many real models): ids past the tokenizer can be produced, and decode to nothing.
+        wide = len(tok) + 8
+        got = detokenize(tok, wide, DetokenizeRequest(tokens=[*ids, len(tok), wide - 1]))
+        assert got == {"prompt": tok.decode(ids)}
+        with pytest.raises(RequestError, match=f"in \\[0, {wide}\\)"):
+            detokenize(tok, wide, DetokenizeRequest(tokens=[wide]))
         assert engine.num_pending_requests == 0
 
     serve(model, body)
@@ -74,7 +86,9 @@ def test_tokenize_matches_what_the_endpoints_feed_the_model(model):
     ("/tokenize", {"prompt": 3}, 400, "prompt", "prompt"),
     ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model", "does not exist"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "got -1"),
-    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens", "tokenizer's vocabulary"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens", "the model's vocabulary"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, 400,
+     "add_generation_prompt", "applies to messages"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", "tokens"),
     ("/detokenize", {}, 400, "tokens", "tokens is required"),
 ])

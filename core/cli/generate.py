@@ -91,9 +91,12 @@ def _json_line(path: str, lineno: int, line: str) -> PromptSpec:
                          f"{', '.join(valid)}")
     bias = obj.get("logit_bias")
     if isinstance(bias, dict):
+        from cadence.sampling_params import token_id_key
+
         # JSON object keys are strings: token ids written as digits become ids (OpenAI's
-        # form); anything else stays a string for SamplingParams to refuse by name.
-        obj["logit_bias"] = {int(k) if k.isascii() and k.isdigit() and len(k) <= 18 else k: v
+        # form); anything else ("05" too, which would collide with "5") stays a string for
+        # SamplingParams to refuse by name.
+        obj["logit_bias"] = {k if token_id_key(k) is None else token_id_key(k): v
                              for k, v in bias.items()}
     return PromptSpec(prompt, obj, where)
 

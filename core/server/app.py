@@ -44,6 +44,8 @@ from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, Re
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
+# Body fields whose values are JSON objects with keys of the client's choosing.
+_MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
@@ -135,7 +137,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
     @app.post("/detokenize")
     async def detokenize_route(req: DetokenizeRequest) -> dict:
         serving.check_model(req.model)
-        return detokenize(serving.tokenizer, req)
+        return detokenize(serving.tokenizer, serving.vocab_size, req)
 
     return app
 
@@ -196,6 +198,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         branches = [str(x) for x in loc if _is_branch_tag(x)]
         if branches:
             loc = loc[:loc.index(branches[0])]
+        key = ""
+        if loc and loc[0] in _MAPPING_FIELDS:
+            # Inside a mapping the next location is a key the client chose ("logit_bias.5",
+            # or a key that reads like a union tag): the field is what to name.
+            raw_loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            key = f" (key {raw_loc[1]!r})" if len(raw_loc) > 1 else ""
+            loc, branches = loc[:1], []
         field = ".".join(loc) or None
         if branches:
             shapes = []
@@ -217,7 +226,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif err.get("type") == "missing":
             message = f"{field} is required"
         else:
-            message = f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
+            message = f"{field}{key}: {err.get('msg')}" if field else str(err.get("msg"))
         return error_response(400, message, field)
 
     @app.exception_handler(StarletteHTTPException)

@@ -15,8 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
-from cadence.sampling_params import FieldError, SamplingParams
+from cadence.sampling_params import FieldError, SamplingParams, token_id_key
 from cadence.structured_output.params import StructuredOutputsParams
+
+# Entries one request's logit_bias may hold: each is work on every step the request is in,
+# and one request's cost must not become every batch's.
+MAX_LOGIT_BIAS = 1024
 
 # vLLM's older request fields -> StructuredOutputsParams fields.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -136,12 +140,17 @@ class _Common(BaseModel):
         """OpenAI's ``logit_bias``: token ids as JSON object keys (strings) -> biases."""
         if not self.logit_bias:
             return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got "
+                               f"{len(self.logit_bias)}", "logit_bias")
         out = {}
         for key, bias in self.logit_bias.items():
-            if not key.isascii() or not key.isdigit() or len(key) > 18:
-                raise RequestError(f"logit_bias keys must be token ids (strings of digits, "
-                                   f"such as \"50256\"), got {key[:40]!r}", "logit_bias")
-            out[int(key)] = bias
+            token = token_id_key(key)
+            if token is None:
+                raise RequestError(f"logit_bias keys must be token ids (strings of digits "
+                                   f"without leading zeros, such as \"50256\"), got "
+                                   f"{key[:40]!r}", "logit_bias")
+            out[token] = bias
         return out
 
     def body_field(self, name: str) -> str:

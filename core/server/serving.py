@@ -30,6 +30,8 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # The model's vocabulary (config.json), which may be wider than the tokenizer's.
+        self.vocab_size = getattr(getattr(engine, "engine", None), "vocab_size", None)
         self.generation_defaults = dict(engine.generation_defaults)
 
     # ---- request preparation ----------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from cadence.chat import has_chat_template, render_chat
-from cadence.sampling_params import is_valid_unicode
+from cadence.sampling_params import is_valid_unicode, shown
 from cadence.server.protocol import ChatMessage, RequestError
 
 
@@ -49,6 +49,9 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
+        if "add_generation_prompt" in req.model_fields_set:
+            raise RequestError("add_generation_prompt applies to messages, not to a prompt",
+                               "add_generation_prompt")
         if not is_valid_unicode(req.prompt):
             raise RequestError("prompt must be valid Unicode text (it holds a lone surrogate)",
                                "prompt")
@@ -75,10 +78,12 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
     return body
 
 
-def detokenize(tokenizer: Any, req: DetokenizeRequest) -> dict:
-    vocab = len(tokenizer)
+def detokenize(tokenizer: Any, vocab_size: int | None, req: DetokenizeRequest) -> dict:
+    # The model's vocabulary may be wider than its tokenizer's (padded embeddings): ids
+    # there are ones the model can be given and can produce, and decode to nothing.
+    vocab = max(vocab_size or 0, len(tokenizer))
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise RequestError(f"tokens must be in [0, {vocab}) (the tokenizer's vocabulary), "
-                           f"got {bad}", "tokens")
+        raise RequestError(f"tokens must be in [0, {vocab}) (the model's vocabulary), "
+                           f"got {shown(bad)}", "tokens")
     return {"prompt": tokenizer.decode(req.tokens)}
