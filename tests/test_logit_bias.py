@@ -122,3 +122,26 @@ def test_server_names_the_field_and_key_of_a_bad_bias(tiny_model_dir) -> None:
 
     serve(tiny_model_dir("llama"), body)
 
+
+def test_a_bias_cannot_bring_back_what_the_grammar_forbids(tiny_model_dir) -> None:
+    import re
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from cadence import StructuredOutputsParams
+
+    llm = make_llm(tiny_model_dir("llama"))
+    try:
+        tok = llm.get_tokenizer()
+        # Push hard towards tokens the pattern cannot start with, and towards a digit.
+        pushed = {t: 100.0 for t in tok.encode("zebra quartz", add_special_tokens=False)}
+        regex = r"[0-9]{2,3}"
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, logit_bias=pushed,
+                                structured_outputs=StructuredOutputsParams(regex=regex))
+        for out in generate(llm, ["a", "b", "c"], params):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+    finally:
+        llm.shutdown()
+
