@@ -69,6 +69,8 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         meta.banned_token_ids = [_banned(r) for r in reqs]
     if any(p.logit_bias for p in params):
         meta.logit_bias = [p.logit_bias or {} for p in params]
+    if any(p.allowed_token_ids for p in params):
+        meta.allowed_token_ids = [p.allowed_token_ids or [] for p in params]
     if any(p.logprobs is not None for p in params):
         meta.num_logprobs = [-1 if p.logprobs is None else p.logprobs for p in params]
         meta.max_num_logprobs = max(meta.num_logprobs)
@@ -86,4 +88,6 @@ def _banned(req: Request) -> list[int]:
     ids = list(sp.stop_token_ids)
     if not sp.ignore_eos:
         ids.extend(req.eos_token_ids)
+    if sp.allowed_token_ids and set(sp.allowed_token_ids) <= set(ids):
+        return []  # as with a grammar: banning every allowed token leaves nothing to sample
     return ids

@@ -46,6 +46,8 @@ class SamplingParams:
     ``logit_bias`` maps token ids to a number in [-100, 100] added to their logits before
     penalties and sampling (OpenAI's field; -100 in effect bans a token, +100 all but forces
     it). The returned logprobs are the model's own, from before the bias.
+    ``allowed_token_ids`` restricts sampling to those tokens (vLLM's field), applied before
+    the bias.
     """
 
     n: int = 1
@@ -70,6 +72,7 @@ class SamplingParams:
     # (docs/structured_output.md).
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.
     output_text_buffer_length: int = field(default=0, repr=False)
 
@@ -142,12 +145,24 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self._validate_logit_bias()
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0
+                           for t in ids)):
+                raise bad("allowed_token_ids", "None or a non-empty list of token ids "
+                          "(integers >= 0)")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             if not isinstance(so, dict):
                 raise bad("structured_outputs", "a StructuredOutputsParams, a dict of its "
                           "fields, or None")
             self.structured_outputs = StructuredOutputsParams.from_dict(so)
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            # Two lists of what may come next that could leave nothing to sample.
+            raise FieldError("allowed_token_ids cannot be combined with structured_outputs: "
+                             "the grammar decides which tokens may come", "allowed_token_ids")
 
     def _validate_logit_bias(self) -> None:
         lb = self.logit_bias
@@ -183,6 +198,10 @@ class SamplingParams:
         if bad_ids:
             raise FieldError(f"stop_token_ids must be in [0, {vocab_size}), got "
                              f"{shown(bad_ids[:5])}", "stop_token_ids")
+        bad_ids = [t for t in self.allowed_token_ids or () if t >= vocab_size]
+        if bad_ids:
+            raise FieldError(f"allowed_token_ids must be in [0, {vocab_size}), got "
+                             f"{shown(bad_ids[:5])}", "allowed_token_ids")
         bad_ids = [t for t in self.logit_bias or () if t >= vocab_size]
         if bad_ids:
             raise FieldError(f"logit_bias token ids must be in [0, {vocab_size}), got "

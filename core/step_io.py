@@ -39,6 +39,9 @@ class SamplingMetadata:
     banned_token_ids: list[list[int]] = field(default_factory=list)
     # Per row, token id -> bias added to its logit ({} for none); empty when no row has one.
     logit_bias: list[dict[int, float]] = field(default_factory=list)
+    # Per row, the only token ids it may sample ([] for no restriction); empty when no row
+    # has one.
+    allowed_token_ids: list[list[int]] = field(default_factory=list)
     # Top-k logprobs wanted per row (-1: none); max_num_logprobs < 0 when no row wants any.
     num_logprobs: list[int] = field(default_factory=list)
     max_num_logprobs: int = -1

@@ -1,8 +1,8 @@
-"""``SamplingParams.logit_bias``: added to the logits after the grammar mask and the raw
-logprobs and before penalties, as vLLM V1 orders them; only its own row moves; the engine
-gives the same tokens with async output processing on or off and under async scheduling.
-(The bad values are in tests/bad_input_cases.py; every backend's check is in the
-conformance kit.)"""
+"""``SamplingParams.logit_bias`` and ``allowed_token_ids``: applied after the grammar mask
+and the raw logprobs and before penalties (the allowed ids first), as vLLM V1 orders them;
+only their own rows move; the engine gives the same tokens with async output processing on
+or off and under async scheduling. (The bad values are in tests/bad_input_cases.py; every
+backend's check is in the conformance kit.)"""
 
 from __future__ import annotations
 
@@ -40,6 +40,23 @@ def test_bias_moves_only_its_row_and_not_the_logprobs() -> None:
     assert top_ids[0, 0] == want[0]
 
 
+def test_allowed_ids_restrict_only_their_rows_and_not_the_logprobs() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=g)
+    meta = _meta(3, allowed_token_ids=[[4, 9], [], [7]], logit_bias=[{}, {}, {8: 100.0}],
+                 num_logprobs=[1, 1, 1], max_num_logprobs=1)
+    out = sampler.sample(logits, meta)
+    assert out.token_ids[0] == (4 if logits[0, 4] > logits[0, 9] else 9)
+    assert out.token_ids[1] == logits[1].argmax()
+    assert out.token_ids[2] == 7  # a bias cannot bring back a token the list leaves out
+    assert out.logprobs[2][1] == logits[1].argmax()  # top-1 of the raw row 1
+    random = _meta(2, allowed_token_ids=[[3, 5, 8], []])
+    random.temperature, random.all_greedy = [1.0, 1.0], False
+    for seed in range(20):
+        draw = sampler.sample(logits[:2], random, torch.Generator().manual_seed(seed))
+        assert int(draw.token_ids[0]) in (3, 5, 8)
+
+
 def test_bias_adds_to_the_logit_and_keeps_masked_tokens_out() -> None:
     logits = torch.tensor([[1.0, 2.0, float("-inf"), 0.0]])
     biased = sampler.apply_logit_bias(logits, [{0: 1.5, 2: 100.0, 3: -0.25}])
@@ -57,13 +74,15 @@ def test_bias_comes_before_penalties() -> None:
 
 def test_engine_modes_agree(tiny_model_dir) -> None:
     model = tiny_model_dir("llama")
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 6)]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 6, 5)]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                              logit_bias={11: 100.0}),
               SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
                              logit_bias={t: -100.0 for t in range(20, 40)}),
               SamplingParams(temperature=0.8, seed=6, max_tokens=8, ignore_eos=True,
-                             logit_bias={12: 4.0}, repetition_penalty=1.3)]
+                             logit_bias={12: 4.0}, repetition_penalty=1.3),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                             allowed_token_ids=[13, 14, 15], logit_bias={14: -1.0})]
     runs = []
     for kw in ({}, {"backend_options": {"overlap": "process"}},
                {"backend_options": {"overlap": "process"}, "async_scheduling": True}):
@@ -74,6 +93,7 @@ def test_engine_modes_agree(tiny_model_dir) -> None:
             llm.shutdown()
     assert runs[0][0] == [11] * 8
     assert not set(runs[0][1]) & set(range(20, 40))
+    assert set(runs[0][3]) <= {13, 14, 15}
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 

@@ -44,6 +44,7 @@ def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingM
         output_token_ids=pick(meta.output_token_ids, []),
         banned_token_ids=pick(meta.banned_token_ids, []),
         logit_bias=pick(meta.logit_bias, {}),
+        allowed_token_ids=pick(meta.allowed_token_ids, []),
         num_logprobs=pick(meta.num_logprobs, -1),
         output_placeholder_src=pick(meta.output_placeholder_src, -1),
         # A bitmask row for every batch row (all tokens for padding): shapes stay static.

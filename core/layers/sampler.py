@@ -2,8 +2,8 @@
 only for seeded rows (each needs its own generator).
 
 Order, as in vLLM: grammar bitmask (structured output) -> raw logprobs (if asked) ->
-logit bias -> penalties -> banned ids (min_tokens) -> greedy argmax, or temperature -> min_p
--> top_k -> top_p -> inverse-CDF sampling.
+allowed token ids -> logit bias -> penalties -> banned ids (min_tokens) -> greedy argmax, or
+temperature -> min_p -> top_k -> top_p -> inverse-CDF sampling.
 """
 
 from __future__ import annotations
@@ -74,6 +74,19 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata,
     freq = host_tensor(meta.frequency_penalty, logits.dtype, dev).unsqueeze(1)
     pres = host_tensor(meta.presence_penalty, logits.dtype, dev).unsqueeze(1)
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[list[int]]) -> torch.Tensor:
+    """``logits`` with every token outside a row's allowed ids at -inf (rows with an empty
+    list are left as they are)."""
+    dev = logits.device
+    restricted = host_tensor([bool(ids) for ids in allowed], torch.bool, dev)
+    mask = restricted.unsqueeze(1).expand_as(logits).clone()
+    rows = [i for i, ids in enumerate(allowed) for _ in ids]
+    cols = [t for ids in allowed for t in ids]
+    mask.index_put_((host_tensor(rows, torch.int64, dev), host_tensor(cols, torch.int64, dev)),
+                    torch.zeros((), dtype=torch.bool, device=dev))
+    return logits.masked_fill(mask, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
@@ -161,6 +174,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
         logits = apply_grammar_bitmask(logits, meta.grammar)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+    if any(meta.allowed_token_ids):
+        logits = apply_allowed_token_ids(logits, meta.allowed_token_ids)
     if any(meta.logit_bias):
         logits = apply_logit_bias(logits, meta.logit_bias)
     if meta.has_penalties:

@@ -77,6 +77,7 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""
@@ -130,7 +131,7 @@ class _Common(BaseModel):
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
-                logit_bias=logit_bias)
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids)
         except FieldError as e:
             raise RequestError(str(e), self.body_field(e.param)) from None
         except ValueError as e:  # a check without a param: its message starts with the field

@@ -36,7 +36,7 @@ __all__ = [
     "test_core_calls_post_sample_when_backend_never_does",
     "test_every_kv_block_is_free_after_requests",
     "test_greedy_matches_cpu_reference",
-    "test_logit_bias_steers_only_its_rows",
+    "test_logit_bias_and_allowed_ids_steer_only_their_rows",
     "test_overlap_on_equals_off",
     "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
@@ -200,11 +200,12 @@ def test_structured_output_follows_its_constraint(cadence_llm: Any) -> None:
     assert_all_blocks_free(cadence_llm)
 
 
-def test_logit_bias_steers_only_its_rows(cadence_llm: Any) -> None:
-    """``SamplingParams.logit_bias`` reaches the logits of its own row only (the shared
-    sampler adds ``SamplingMetadata.logit_bias``): +100 makes greedy pick the token every
-    step, -100 on the tokens greedy picked makes it pick others, and an unbiased request in
-    the same batch keeps its tokens."""
+def test_logit_bias_and_allowed_ids_steer_only_their_rows(cadence_llm: Any) -> None:
+    """``SamplingParams.logit_bias`` and ``allowed_token_ids`` reach the logits of their own
+    rows only (the shared sampler applies ``SamplingMetadata.logit_bias`` and
+    ``allowed_token_ids``): +100 makes greedy pick the token every step, -100 on the tokens
+    greedy picked makes it pick others, random sampling stays inside the allowed ids, and an
+    unconstrained request in the same batch keeps its tokens."""
     from cadence import SamplingParams
 
     def greedy(**kw: Any) -> SamplingParams:
@@ -213,10 +214,14 @@ def test_logit_bias_steers_only_its_rows(cadence_llm: Any) -> None:
     (plain,) = cadence_llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)
     picked = plain.outputs[0].token_ids
     forced = 7 if 7 not in picked else 8
+    allowed = [3, 11, 19, 27]
     outs = cadence_llm.generate(
-        PROMPTS[:3], [greedy(logit_bias={forced: 100.0}),
-                      greedy(logit_bias=dict.fromkeys(picked, -100.0)), greedy()],
+        PROMPTS[:4], [greedy(logit_bias={forced: 100.0}),
+                      greedy(logit_bias=dict.fromkeys(picked, -100.0)), greedy(),
+                      SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
+                                     allowed_token_ids=allowed)],
         use_tqdm=False)
+    assert set(outs[3].outputs[0].token_ids) <= set(allowed), outs[3].outputs[0].token_ids
     assert outs[0].outputs[0].token_ids == [forced] * 6, outs[0].outputs[0].token_ids
     assert not set(outs[1].outputs[0].token_ids) & set(picked), (picked, outs[1].outputs)
     (alone,) = cadence_llm.generate(PROMPTS[2:3], greedy(), use_tqdm=False)
