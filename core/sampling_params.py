@@ -194,18 +194,13 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise FieldError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
                              f"{shown(self.logprobs)}", "logprobs")
-        bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad_ids:
-            raise FieldError(f"stop_token_ids must be in [0, {vocab_size}), got "
-                             f"{shown(bad_ids[:5])}", "stop_token_ids")
-        bad_ids = [t for t in self.allowed_token_ids or () if t >= vocab_size]
-        if bad_ids:
-            raise FieldError(f"allowed_token_ids must be in [0, {vocab_size}), got "
-                             f"{shown(bad_ids[:5])}", "allowed_token_ids")
-        bad_ids = [t for t in self.logit_bias or () if t >= vocab_size]
-        if bad_ids:
-            raise FieldError(f"logit_bias token ids must be in [0, {vocab_size}), got "
-                             f"{shown(bad_ids[:5])}", "logit_bias")
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logit_bias token ids", self.logit_bias or ())):
+            bad_ids = [t for t in ids if t >= vocab_size]
+            if bad_ids:
+                raise FieldError(f"{name} must be in [0, {vocab_size}), got "
+                                 f"{shown(bad_ids[:5])}", name.split()[0])
 
     @property
     def is_greedy(self) -> bool:

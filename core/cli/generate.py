@@ -96,8 +96,8 @@ def _json_line(path: str, lineno: int, line: str) -> PromptSpec:
         # JSON object keys are strings: token ids written as digits become ids (OpenAI's
         # form); anything else ("05" too, which would collide with "5") stays a string for
         # SamplingParams to refuse by name.
-        obj["logit_bias"] = {k if token_id_key(k) is None else token_id_key(k): v
-                             for k, v in bias.items()}
+        ids = {k: token_id_key(k) for k in bias}
+        obj["logit_bias"] = {k if ids[k] is None else ids[k]: v for k, v in bias.items()}
     return PromptSpec(prompt, obj, where)
 
 

@@ -76,29 +76,30 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata,
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
 
 
+def _entries(per_row: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors of per-row token collections (lists, or dicts keyed by
+    token id): what banned ids, allowed ids and biases address in the logits."""
+    rows = [i for i, ids in enumerate(per_row) for _ in ids]
+    cols = [t for ids in per_row for t in ids]
+    return host_tensor(rows, torch.int64, device), host_tensor(cols, torch.int64, device)
+
+
 def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[list[int]]) -> torch.Tensor:
     """``logits`` with every token outside a row's allowed ids at -inf (rows with an empty
     list are left as they are)."""
     dev = logits.device
     restricted = host_tensor([bool(ids) for ids in allowed], torch.bool, dev)
     mask = restricted.unsqueeze(1).expand_as(logits).clone()
-    rows = [i for i, ids in enumerate(allowed) for _ in ids]
-    cols = [t for ids in allowed for t in ids]
-    mask.index_put_((host_tensor(rows, torch.int64, dev), host_tensor(cols, torch.int64, dev)),
-                    torch.zeros((), dtype=torch.bool, device=dev))
+    mask.index_put_(_entries(allowed, dev), torch.zeros((), dtype=torch.bool, device=dev))
     return logits.masked_fill(mask, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
     """``logits`` with each row's biases added to its tokens' logits (a token masked to
     -inf by the grammar stays there)."""
-    dev = logits.device
-    rows = [i for i, bias in enumerate(biases) for _ in bias]
-    cols = [t for bias in biases for t in bias]
     values = [v for bias in biases for v in bias.values()]
-    return logits.index_put(
-        (host_tensor(rows, torch.int64, dev), host_tensor(cols, torch.int64, dev)),
-        host_tensor(values, logits.dtype, dev), accumulate=True)
+    return logits.index_put(_entries(biases, logits.device),
+                            host_tensor(values, logits.dtype, logits.device), accumulate=True)
 
 
 def _pad_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -181,12 +182,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.has_penalties:
         logits = apply_penalties(logits, meta, pending_ids)
     if any(meta.banned_token_ids):
-        rows = [i for i, ids in enumerate(meta.banned_token_ids) for _ in ids]
-        cols = [t for ids in meta.banned_token_ids for t in ids]
-        dev = logits.device
         logits = logits.index_put(
-            (host_tensor(rows, torch.int64, dev), host_tensor(cols, torch.int64, dev)),
-            torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
+            _entries(meta.banned_token_ids, logits.device),
+            torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
     any_greedy = meta.all_greedy or any(t <= 1e-5 for t in meta.temperature)
     greedy_ids = logits.argmax(dim=-1) if any_greedy else None
     if meta.all_greedy:

@@ -192,19 +192,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         err = errors[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        key = ""
+        if loc and loc[0] in _MAPPING_FIELDS:
+            # Inside a mapping the next location is a key the client chose ("logit_bias.5",
+            # or one that reads like a union tag): name the field, and the key beside it.
+            key = f" (key {loc[1]!r})" if len(loc) > 1 else ""
+            loc = loc[:1]
         # A field with a union type (``prompt``) fails once per branch, each error's location
         # tagged with the branch ("prompt.str", "prompt.list[int].1"): name the field and
         # the shapes it takes instead of the first branch's complaint.
         branches = [str(x) for x in loc if _is_branch_tag(x)]
         if branches:
             loc = loc[:loc.index(branches[0])]
-        key = ""
-        if loc and loc[0] in _MAPPING_FIELDS:
-            # Inside a mapping the next location is a key the client chose ("logit_bias.5",
-            # or a key that reads like a union tag): the field is what to name.
-            raw_loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            key = f" (key {raw_loc[1]!r})" if len(raw_loc) > 1 else ""
-            loc, branches = loc[:1], []
         field = ".".join(loc) or None
         if branches:
             shapes = []

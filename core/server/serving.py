@@ -10,13 +10,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, RequestStream
-from cadence.chat import has_chat_template, render_chat
+from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats
 from cadence.server.limits import ServerLimits
-from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from cadence.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestError,
+)
 
 
 class OpenAIServing:
@@ -70,7 +75,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise RequestError("prompt must not be empty", "prompt")
-                _check_unicode(p, "prompt")
+                check_unicode(p, "prompt")
                 prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
@@ -83,14 +88,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
-        if not has_chat_template(self.tokenizer):
-            raise RequestError("this model has no chat template; use /v1/completions",
-                               "messages")
-        try:
-            chat = render_chat(self.tokenizer, [m.as_template_dict() for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
+        chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
+                               "use /v1/completions")
         return chat.as_engine_prompt(), self._params(
             len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages",
             req.max_tokens_field)
@@ -241,7 +240,20 @@ async def _merge(streams: list[RequestStream]
             s.abort()
 
 
-def _check_unicode(text: str, param: str) -> None:
+def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                    instead: str) -> ChatPrompt:
+    """The chat template's rendering of ``messages``, or a 400 naming ``messages`` (with
+    ``instead`` saying what to do when the model has no template)."""
+    if not has_chat_template(tokenizer):
+        raise RequestError(f"this model has no chat template; {instead}", "messages")
+    try:
+        return render_chat(tokenizer, [m.as_template_dict() for m in messages],
+                           add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
+
+
+def check_unicode(text: str, param: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"); the tokenizer cannot take them."""
     if not is_valid_unicode(text):
         raise RequestError(f"{param} must be valid Unicode text (it has a lone surrogate)",

@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from cadence.chat import has_chat_template, render_chat
-from cadence.sampling_params import is_valid_unicode, shown
+from cadence.sampling_params import shown
 from cadence.server.protocol import ChatMessage, RequestError
+from cadence.server.serving import check_unicode, render_messages
 
 
 class TokenizeRequest(BaseModel):
@@ -52,22 +52,14 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
         if "add_generation_prompt" in req.model_fields_set:
             raise RequestError("add_generation_prompt applies to messages, not to a prompt",
                                "add_generation_prompt")
-        if not is_valid_unicode(req.prompt):
-            raise RequestError("prompt must be valid Unicode text (it holds a lone surrogate)",
-                               "prompt")
+        check_unicode(req.prompt, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=special))
     else:
         if not req.messages:
             raise RequestError("messages must not be empty", "messages")
-        if not has_chat_template(tokenizer):
-            raise RequestError("this model has no chat template; tokenize a prompt instead",
-                               "messages")
-        try:
-            chat = render_chat(tokenizer, [m.as_template_dict() for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
+        chat = render_messages(tokenizer, req.messages, req.add_generation_prompt,
+                               "tokenize a prompt instead")
         ids = chat.token_ids
         if req.add_special_tokens:
             ids = list(tokenizer.encode(chat.text, add_special_tokens=True))
