@@ -128,6 +128,12 @@ class Backend(ABC):
     #: Whether ``submit``/``collect`` implement the placeholder protocol of async scheduling
     #: (docs/async_scheduling.md). The engine refuses ``--async-scheduling`` otherwise.
     supports_async_scheduling: ClassVar[bool] = False
+    #: Whether ``execute`` computes the prompt logprobs a ``ModelInput`` asks for
+    #: (``prompt_logprob_rows``) and returns them in ``SamplerOutput.prompt_logprobs``. A
+    #: backend that runs ``ModelRunner.prepare``, ``run_model`` and ``sample`` gets them
+    #: from those (core/layers/prompt_logprobs.py). The engine refuses requests with
+    #: ``prompt_logprobs`` otherwise.
+    supports_prompt_logprobs: ClassVar[bool] = False
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among
     #: ``data_parallel_size`` replicas; core/data_parallel/). ``engine serve

@@ -180,10 +180,11 @@ class BlockManager:
         """Share the longest cached prefix of full blocks; return the number of cached tokens.
 
         At least one token is always left to compute, so the step that finishes the prompt
-        produces logits to sample from.
+        produces logits to sample from. A request that still needs its prompt logprobs takes
+        no hits: a cached token has no logits.
         """
         assert not self._tables.get(request.request_id), "lookup on a request holding blocks"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return 0
         bs = self.block_size
         num_tokens = request.num_tokens

@@ -131,6 +131,9 @@ class LLMEngine:
                          self.vocab_size)
         if params.structured_outputs is not None:
             self.structured.check(params)
+        if params.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
+            raise FieldError(f"prompt_logprobs is not supported by the "
+                             f"{self.backend.name!r} backend", "prompt_logprobs")
         children = []
         for i in range(params.n):
             sp = params.for_sample(i) if params.n > 1 else params
@@ -139,6 +142,9 @@ class LLMEngine:
                 prompt_token_ids=ids, sampling_params=sp, eos_token_ids=self.eos_token_ids,
                 prompt=text, parent_id=request_id, index=i, priority=priority,
                 arrival_seq=next(self._arrival)))
+        if params.prompt_logprobs is not None:
+            # One sample computes them for all: they depend on the prompt alone.
+            children[0].prompt_logprobs = [None] * (len(ids) - 1)
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.
@@ -229,7 +235,8 @@ class LLMEngine:
         touched = []
         for r in ran:
             touched += self.output_processor.commit(r.plan.scheduled,
-                                                    r.model_input.sample_seq_indices, r.output)
+                                                    r.model_input.sample_seq_indices, r.output,
+                                                    r.model_input.prompt_logprob_spans)
             self.scheduler.update_after_step(r.plan)
         self._stamp_token_times(touched)
         self._pending = touched

@@ -20,10 +20,13 @@ def build_model_input(plan, get_block_table,
     sample_idx: list[int] = []
     sampled: list[Request] = []
     request_ids: list[str] = []
+    prompt_lp = _PromptLogprobRows()
     for i, sr in enumerate(plan.scheduled):
         req = sr.request
         start = req.num_computed_tokens
         end = start + sr.num_new_tokens
+        if req.needs_prompt_logprobs:
+            prompt_lp.add(i, req, start, end, len(input_ids))
         table = get_block_table(req.request_id)
         if sr.num_new_tokens == 1:
             input_ids.append(req.token_at(start))
@@ -41,9 +44,36 @@ def build_model_input(plan, get_block_table,
         if end == req.num_tokens:
             sample_idx.append(i)
             sampled.append(req)
-    return ModelInput(input_ids, positions, slot_mapping, query_lens, seq_lens, tables,
-                      plan.num_decodes, sample_idx, build_sampling_metadata(sampled),
-                      request_ids)
+    mi = ModelInput(input_ids, positions, slot_mapping, query_lens, seq_lens, tables,
+                    plan.num_decodes, sample_idx, build_sampling_metadata(sampled),
+                    request_ids)
+    if prompt_lp.spans:
+        mi.prompt_logprob_rows, mi.prompt_logprob_targets = prompt_lp.rows, prompt_lp.targets
+        mi.num_prompt_logprobs, mi.prompt_logprob_spans = prompt_lp.k, prompt_lp.spans
+    return mi
+
+
+class _PromptLogprobRows:
+    """The ModelInput's prompt-logprob fields, gathered over the step's sequences."""
+
+    __slots__ = ("k", "rows", "spans", "targets")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.spans: list[tuple[int, int, int]] = []
+        self.k = -1
+
+    def add(self, seq_idx: int, req: Request, start: int, end: int, first_row: int) -> None:
+        # Position t predicts prompt token t + 1; the last prompt position predicts the
+        # first output token, which is sampled, not a prompt logprob.
+        last = min(end, req.num_prompt_tokens - 1)
+        if last <= start:
+            return
+        self.rows.extend(range(first_row, first_row + last - start))
+        self.targets.extend(req.prompt_token_ids[start + 1:last + 1])
+        self.spans.append((seq_idx, start, last - start))
+        self.k = max(self.k, req.sampling_params.prompt_logprobs)
 
 
 def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:

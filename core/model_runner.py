@@ -18,6 +18,7 @@ from cadence.config import EngineConfig
 from cadence.forward_context import set_forward_context
 from cadence.host_memory import anonymous_buffer
 from cadence.layers import paged_attention, sampler
+from cadence.layers.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class PreparedInput:
     positions: torch.Tensor
     sample_token_idx: torch.Tensor
     metadata: object
+    # (token rows, target ids, top-k count) of the step's prompt logprobs, or None.
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
@@ -61,6 +64,16 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
     flat = anonymous_buffer(nbytes * count, huge_pages)
     return [flat[i * nbytes:(i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
+
+
+def prompt_logprob_tensors(mi: ModelInput, device: torch.device
+                           ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``PreparedInput.prompt_logprobs`` of a step: None when it asks for none."""
+    if not mi.prompt_logprob_rows:
+        return None
+    return (sampler.host_tensor(mi.prompt_logprob_rows, torch.int64, device),
+            sampler.host_tensor(mi.prompt_logprob_targets, torch.int64, device),
+            max(mi.num_prompt_logprobs, 0))
 
 
 class ModelRunner:
@@ -82,6 +95,9 @@ class ModelRunner:
         self.draw: sampler.Draw | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
+        # The prompt logprobs ``run_model`` computed, until ``sample`` hands them on with the
+        # step's samples.
+        self._prompt_logprobs: tuple | None = None
         # Async scheduling: the sampled ids of the last step that completed (device tensor),
         # None while a step runs and after one failed, so that a step planned on them never
         # runs on stale ids. ``_previous`` is what the step now running reads.
@@ -147,16 +163,22 @@ class ModelRunner:
         sample_idx = torch.tensor([ends[i] for i in mi.sample_seq_indices], dtype=torch.int64,
                                   device=self.device)
         return PreparedInput(input_ids, positions, sample_idx,
-                             build(mi, self.block_size, self.device))
+                             build(mi, self.block_size, self.device),
+                             prompt_logprob_tensors(mi, self.device))
 
     @torch.inference_mode()
     def run_model(self, prepared: PreparedInput) -> torch.Tensor | None:
         """Forward + logits of the sampled rows ([num_sampled, vocab] float32); None on a
-        pipeline stage before the last (it computes no logits)."""
+        pipeline stage before the last (it computes no logits). The step's prompt logprobs,
+        if it asks for any, are computed here too, and ``sample`` returns them."""
+        self._prompt_logprobs = None
         with set_forward_context(self.attn, prepared.metadata):
             hidden = self.model(prepared.input_ids, prepared.positions)
         if hidden is None:
             return None
+        if prepared.prompt_logprobs is not None:
+            self._prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden,
+                                                            *prepared.prompt_logprobs)
         if prepared.sample_token_idx.numel() == 0:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, prepared.sample_token_idx))
@@ -189,7 +211,14 @@ class ModelRunner:
         else:
             pending = sampler.pending_output_ids(meta, self._previous, logits.shape[1])
             out = sampler.sample(logits.float(), meta, self.generator, pending, self.draw)
+        out.prompt_logprobs = self.take_prompt_logprobs()
         self.last_sampled = out.token_ids
+        return out
+
+    def take_prompt_logprobs(self) -> tuple | None:
+        """The prompt logprobs the last ``run_model`` computed (once), for a backend that
+        samples without ``sample`` to hand on in its ``DeviceSample``."""
+        out, self._prompt_logprobs = self._prompt_logprobs, None
         return out
 
     def to_host(self, sampled: sampler.DeviceSample) -> SamplerOutput:

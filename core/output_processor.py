@@ -56,9 +56,17 @@ class OutputProcessor:
             child.detok_state = SeqOutputState()
 
     # ---- commit (critical path) -------------------------------------------------------
-    def commit(self, scheduled: list, sample_seq_indices: list[int], out: SamplerOutput
-               ) -> list[Request]:
-        """Append sampled tokens and run O(1) stop checks; return the requests touched."""
+    def commit(self, scheduled: list, sample_seq_indices: list[int], out: SamplerOutput,
+               prompt_spans: list[tuple[int, int, int]] = ()) -> list[Request]:
+        """Append sampled tokens and run O(1) stop checks; return the requests touched.
+        ``prompt_spans``: the step's ``ModelInput.prompt_logprob_spans``."""
+        if out.prompt_logprobs is not None:
+            rows, j = out.prompt_logprobs, 0
+            for seq_idx, start, count in prompt_spans:
+                req = scheduled[seq_idx].request
+                if req.prompt_logprobs is not None:
+                    req.prompt_logprobs[start:start + count] = rows[j:j + count]
+                j += count
         touched = []
         refused: list[Request] = []
         logprobs = out.logprobs
@@ -206,6 +214,16 @@ class OutputProcessor:
             return None
         if p.final_emitted:
             return None
+        owner = p.children[0]
+        if p.prompt_logprobs is None and owner.prompt_logprobs is not None \
+                and not owner.needs_prompt_logprobs:
+            # A step returns as many top entries for every row as its most demanding
+            # request asked for.
+            k = owner.sampling_params.prompt_logprobs
+            p.prompt_logprobs = [None] + [
+                self._format_logprobs(token, (lp, rank, ids[:k], lps[:k]))
+                for token, (lp, rank, ids, lps) in zip(p.prompt_token_ids[1:],
+                                                       owner.prompt_logprobs)]
         out = p.make_output(finished)
         if finished:
             p.final_emitted = True

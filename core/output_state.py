@@ -43,6 +43,10 @@ class ParentRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     final_emitted: bool = False
     error: str | None = None
+    # vLLM's RequestOutput.prompt_logprobs, once every one is computed (first entry None);
+    # a DELTA stream carries them once, in the first output after that.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def make_output(self, finished: bool) -> RequestOutput | None:
         """The request's output now; None when a DELTA output would carry nothing new.
@@ -52,10 +56,15 @@ class ParentRequest:
         finished once, and a client never sees the same finish twice.
         """
         outs = [self._completion(c) for c in self.children]
+        prompt_lp = self.prompt_logprobs
         if self.output_kind is OutputKind.DELTA:
             outs = [o for o, c in zip(outs, self.children) if self._is_news(o, c)]
-            if not outs and not finished:
+            if self.prompt_logprobs_sent:
+                prompt_lp = None
+            if not outs and not finished and prompt_lp is None:
                 return None
+            if prompt_lp is not None:
+                self.prompt_logprobs_sent = True
         first = [c.first_token_time for c in self.children if c.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
@@ -66,7 +75,7 @@ class ParentRequest:
         )
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished, metrics, self.children[0].num_cached_tokens,
-                             error=self.error)
+                             prompt_logprobs=prompt_lp, error=self.error)
 
     @staticmethod
     def _is_news(o: CompletionOutput, c: Request) -> bool:

@@ -61,6 +61,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: None = field(default=None, repr=False)
+    #: With ``SamplingParams.prompt_logprobs``: per prompt token, its logprob and the most
+    #: likely tokens at its position, as for sampled tokens; the first entry is None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
     #: Why the request failed (its samples finish with ``"error"``); None otherwise.
     error: str | None = None

@@ -89,6 +89,17 @@ class Request:
     # Structured output: this sample's grammar matcher, fed each committed token
     # (core/structured_output/manager.py); None when the output is unconstrained.
     grammar: object = field(default=None, repr=False)
+    # prompt_logprobs: entry t is the raw (logprob, rank, top ids, top logprobs) of prompt
+    # token t + 1 given the tokens before it, None until computed. Only on the sample that
+    # computes them for its user request (index 0); None everywhere else.
+    prompt_logprobs: list | None = field(default=None, repr=False)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether this sample still has prompt logprobs to compute: its prefill then takes
+        no prefix-cache hits (a cached token has no logits)."""
+        pl = self.prompt_logprobs
+        return bool(pl) and pl[-1] is None
 
     @property
     def num_prompt_tokens(self) -> int:

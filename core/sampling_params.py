@@ -48,6 +48,10 @@ class SamplingParams:
     it). The returned logprobs are the model's own, from before the bias.
     ``allowed_token_ids`` restricts sampling to those tokens (vLLM's field), applied before
     the bias.
+    ``prompt_logprobs=k`` returns, per prompt token after the first, its log-probability
+    given the tokens before it plus the ``k`` most likely tokens there (vLLM's field; the
+    first entry is None, nothing predicts it). The prompt is then computed in full: a
+    request asking for them takes no prefix-cache hits.
     """
 
     n: int = 1
@@ -65,6 +69,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -133,6 +138,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({shown(self.max_tokens)})")
         integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
+        integer("prompt_logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
         integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
                 lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -191,9 +197,11 @@ class SamplingParams:
         if self.top_k > vocab_size:
             raise FieldError(f"top_k must be <= the vocabulary size ({vocab_size}) or 0/-1 "
                              f"(disabled), got {shown(self.top_k)}", "top_k")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise FieldError(f"logprobs must be <= the vocabulary size ({vocab_size}), got "
-                             f"{shown(self.logprobs)}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise FieldError(f"{name} must be <= the vocabulary size ({vocab_size}), "
+                                 f"got {shown(value)}", name)
         for name, ids in (("stop_token_ids", self.stop_token_ids),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
                           ("logit_bias token ids", self.logit_bias or ())):

@@ -86,6 +86,15 @@ class ModelInput:
     # one, on the device, before the forward. Empty otherwise.
     placeholder_idx: list[int] = field(default_factory=list)
     placeholder_src: list[int] = field(default_factory=list)
+    # Prompt logprobs: the token rows (indices into ``input_ids``) whose next prompt token's
+    # logprob is wanted, that token (``prompt_logprob_targets``), and how many of the most
+    # likely tokens to return for every such row (the most any request asks for). Empty and
+    # -1 when no request asks. ``prompt_logprob_spans`` is the engine's own bookkeeping, not
+    # the backend's: (sequence index, first prompt position, count) per run of those rows.
+    prompt_logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = -1
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,10 +114,13 @@ class SamplerOutput:
     """Host copy of one step's samples, one entry per sampled row.
 
     ``logprobs[i]`` is ``None`` or ``(sampled_logprob, sampled_rank, top_ids, top_logprobs)``.
+    ``prompt_logprobs[j]`` is the same for ``ModelInput.prompt_logprob_rows[j]``'s target,
+    with ``num_prompt_logprobs`` top entries; None when the step asked for none.
     """
 
     sampled_token_ids: list[int]
     logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
+    prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
     #: Seconds the device spent on this step's forward + sampling, when the backend measures
     #: it where the host cannot (a worker process); 0.0 otherwise. For the bench breakdown.
     device_seconds: float = 0.0

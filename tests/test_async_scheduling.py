@@ -195,10 +195,10 @@ def test_the_token_after_a_stop_string_is_dropped_at_commit(model, case):
         eng.backend.execute
     dropped, submits, reruns = [], [0], [0]
 
-    def spy_commit(scheduled, sample_seq_indices, out):
+    def spy_commit(scheduled, sample_seq_indices, out, *rest):
         dropped.extend(scheduled[s].request.request_id for s in sample_seq_indices
                        if scheduled[s].request.is_finished)
-        return commit(scheduled, sample_seq_indices, out)
+        return commit(scheduled, sample_seq_indices, out, *rest)
 
     def flaky_submit(mi):
         submits[0] += 1

@@ -1,6 +1,6 @@
 """Churn: thousands of requests with random aborts, forced preemption, n > 1, stop strings and
-ids, min_tokens, penalties, logprobs, prompts that run into max_model_len and every output
-kind, through ``LLMEngine`` and ``AsyncLLM``, with and without async scheduling.
+ids, min_tokens, penalties, logprobs, prompt logprobs, prompts that run into max_model_len
+and every output kind, through ``LLMEngine`` and ``AsyncLLM``, with and without async scheduling.
 
 Every request must end with exactly one final output, streams must agree with the engine's own
 view of each sample, every block must come back, and a request that was not aborted must
@@ -90,6 +90,8 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["min_tokens"] = rng.randint(1, max_tokens)
     if rng.random() < 0.25:
         kw["logprobs"] = rng.choice((0, 1, 3))
+    if rng.random() < 0.15:
+        kw["prompt_logprobs"] = rng.choice((0, 2))
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
     if rng.random() < 0.2:
@@ -145,14 +147,14 @@ class InFlightSpy:
                 1 for s in mi.sampling.output_placeholder_src if s >= 0)
             return submit(mi)
 
-        def spy_commit(scheduled, sample_seq_indices, out):
+        def spy_commit(scheduled, sample_seq_indices, out, *rest):
             for s in sample_seq_indices:
                 req = scheduled[s].request
                 if req.is_finished:
                     how = "stop_string" if isinstance(req.stop_reason, str) else \
                         req.status.finish_reason
                     self.counts[f"dropped_{how}"] += 1
-            return commit(scheduled, sample_seq_indices, out)
+            return commit(scheduled, sample_seq_indices, out, *rest)
 
         def spy_settle(req):  # the scheduler settles a request only to preempt it
             self.count_in_flight("preempted", [req])
@@ -186,6 +188,8 @@ class SampleView:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The request's prompt logprobs, as its outputs carried them (on sample 0's view).
+    prompt_logprobs: list | None = None
 
 
 def fold(spec: Spec, outs: list[RequestOutput]) -> list[SampleView]:
@@ -199,6 +203,17 @@ def fold(spec: Spec, outs: list[RequestOutput]) -> list[SampleView]:
     for out in outs:
         assert out.request_id == spec.request_id
         assert out.error is None, f"{spec.request_id} failed: {out.error}"
+        if out.prompt_logprobs is not None:
+            assert spec.params.prompt_logprobs is not None, spec.request_id
+            assert out.prompt_logprobs[0] is None and all(
+                len(d) in (spec.params.prompt_logprobs, spec.params.prompt_logprobs + 1)
+                for d in out.prompt_logprobs[1:]), spec.request_id
+            if spec.kind is OutputKind.DELTA:
+                assert views[0].prompt_logprobs is None, f"{spec.request_id}: sent twice"
+            views[0].prompt_logprobs = out.prompt_logprobs
+        elif spec.kind is not OutputKind.DELTA:
+            # Once complete, every cumulative output carries them.
+            assert views[0].prompt_logprobs is None, f"{spec.request_id}: dropped"
         indices = [c.index for c in out.outputs]
         if spec.kind is OutputKind.DELTA:
             # Only the samples with news, in order, each once; a finish is news only once.
@@ -270,6 +285,11 @@ def same_logprobs(a: list | None, b: list | None) -> bool:
 def check_against_alone(spec: Spec, views: list[SampleView], alone: list[SampleView],
                         aborted: bool) -> None:
     """Not aborted: equal to the alone run. Aborted: every sample a prefix of it."""
+    if spec.params.prompt_logprobs is not None:
+        got, want = views[0].prompt_logprobs, alone[0].prompt_logprobs
+        assert want is not None, f"{spec.request_id}: none alone"
+        if got is not None or not aborted:
+            assert got is not None and same_logprobs(got[1:], want[1:]), spec.request_id
     for v, ref in zip(views, alone, strict=True):
         where = f"{spec.request_id}: {v} vs alone {ref}"
         if v.finish_reason == "abort":

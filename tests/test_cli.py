@@ -104,6 +104,28 @@ def test_generate_json_from_a_jsonl_file_with_per_line_sampling_fields(model, tm
     assert third["outputs"][0]["token_ids"] == [9, 9, 9]
 
 
+def test_generate_prints_prompt_logprobs(model, tmp_path, capsys):
+    from cadence.tokenizer_loader import load_tokenizer
+
+    ids = load_tokenizer(model).encode("the quick brown fox")
+    assert main(["generate", "--model", model, "--prompt", "the quick brown fox", *FAST,
+                 "--prompt-logprobs", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[prompt 0] prompt logprobs"
+    assert all(line.startswith("  logprob ") for line in out[1:len(ids)])
+    assert out[len(ids)] == "[prompt 0, sample 0] finish_reason=length"
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "the quick brown fox", "prompt_logprobs": 0}) + "\n"
+                    + json.dumps({"prompt": "hello"}) + "\n")
+    assert main(["generate", "--model", model, "--prompts-file", str(path), *FAST,
+                 "--output-format", "json"]) == 0
+    first, second = (json.loads(ln) for ln in capsys.readouterr().out.splitlines())
+    lp = first["prompt_logprobs"]
+    assert lp[0] is None and [p["token_id"] for p in lp[1:]] == ids[1:]
+    assert all(len(p["top_logprobs"]) == 1 for p in lp[1:])  # N=0: the prompt token alone
+    assert "prompt_logprobs" not in second
+
+
 def test_generate_reads_plain_prompts_from_stdin(model, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("first prompt\n\nsecond prompt\n"))
     assert main(["generate", "--model", model, "--prompts-file", "-", *FAST,

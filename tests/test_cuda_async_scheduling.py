@@ -138,3 +138,32 @@ def test_placeholders_after_a_failed_step_are_refused() -> None:
     mi.placeholder_idx, mi.placeholder_src = [0], [1]
     runtime.fill_placeholders(be, ids, mi, torch.tensor([3, 9]))
     assert ids.tolist() == [9, 7]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_gpu.py covers it on a GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_come_back_with_the_samples(model, async_scheduling) -> None:
+    """Chunked prefills run eagerly through ModelRunner.run_model, which computes the prompt
+    logprobs; the output copier brings them to the host beside the samples, and they equal
+    the CPU backend's."""
+    from engine_helpers import make_llm
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 11, 40, 2, 7, 7, 30, 8, 1], [3, 4])]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, prompt_logprobs=2)
+    cpu = make_llm(model, max_model_len=64)
+    try:
+        want = cpu.generate(prompts, params, use_tqdm=False)
+    finally:
+        cpu.shutdown()
+    llm = _llm(model, async_scheduling=async_scheduling)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pa, pb = a.prompt_logprobs, b.prompt_logprobs
+        assert len(pa) == len(pb) == len(a.prompt_token_ids) and pa[0] is None
+        for da, db in zip(pa[1:], pb[1:]):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)

@@ -67,6 +67,7 @@ class _ScriptedRanks:
         class Named:
             name = "cpu"
             supports_async_scheduling = True
+            supports_prompt_logprobs = True
 
         config = EngineConfig(ModelConfig("unused"), CacheConfig(), SchedulerConfig(),
                               fault_config=FaultConfig(step_timeout_s=step_timeout),

@@ -128,6 +128,26 @@ def test_pp2_async_output_on_equals_off(pp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_pp2_prompt_logprobs_match_one_process(pp_pair):
+    """The last stage computes them from its hidden states and they come back with its
+    samples."""
+    model, _, llm = pp_pair
+    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4], list(range(10, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    single = make_llm(model, num_kv_blocks=64)
+    try:
+        want = generate(single, [{"prompt_token_ids": p} for p in ids], params)
+    finally:
+        single.shutdown()
+    got = generate(llm, [{"prompt_token_ids": p} for p in ids], params)
+    for a, b in zip(got, want, strict=True):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for da, db in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_pp2_structured_output(pp_pair):
     """Constrained requests under the pipeline: each micro-batch's bitmask is built from
     matchers its requests' last commit advanced, and the last stage applies it."""

@@ -47,6 +47,26 @@ def test_tp2_matches_one_process(tp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_tp2_prompt_logprobs_match_one_process(tp_pair):
+    """Every rank computes the vocabulary-parallel logits of the prompt rows (their
+    all-gather is a collective), and rank 0's come back."""
+    _, llm = tp_pair
+    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    single = make_llm(llm.engine.config.model_config.model, num_kv_blocks=64)
+    try:
+        want = generate(single, [{"prompt_token_ids": p} for p in ids], params)
+    finally:
+        single.shutdown()
+    got = generate(llm, [{"prompt_token_ids": p} for p in ids], params)
+    for a, b in zip(got, want, strict=True):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for da, db in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_tp2_async_output_on_equals_off(tp_pair):
     _, llm = tp_pair
     params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),

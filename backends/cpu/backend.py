@@ -56,6 +56,8 @@ class CpuBackend(Backend):
     # Each stage runs its layers in its own worker process; activations go over gloo.
     supports_pipeline_parallel = True
     distributed_backend = "gloo"
+    # ModelRunner computes them after the forward, in every strategy.
+    supports_prompt_logprobs = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

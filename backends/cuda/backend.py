@@ -200,6 +200,9 @@ class CudaBackend(Backend):
     # One stage per GPU, the activations between stages over NCCL send/recv; a stage before
     # the last samples nothing (``sample``). Stages run eagerly too (``warmup``).
     supports_pipeline_parallel = True
+    # Prefill steps run eagerly through ModelRunner.run_model, which computes them; the
+    # output copier brings them to the host with the samples.
+    supports_prompt_logprobs = True
     distributed_backend = "nccl"
     # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
     # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).

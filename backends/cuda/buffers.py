@@ -145,6 +145,7 @@ class CopyHandle:
     num_rows: int
     logprobs: tuple[torch.Tensor, ...] | None
     num_logprobs: list[int] | None
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 class OutputCopier:
@@ -180,23 +181,30 @@ class OutputCopier:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             ctx = torch.cuda.stream(self.stream)
-        logprobs = None
         with ctx:
             self._copy(sampled.token_ids, self._ids[i][:n])
-            if sampled.logprobs is not None:
-                # Rare path: fresh pinned tensors per step (torch's host allocator keeps
-                # them alive until their copies finish), so no reuse question arises.
-                logprobs = tuple(_host_buffer(t.numel(), self.device, t.dtype).view(t.shape)
-                                 for t in sampled.logprobs)
-                for src, dst in zip(sampled.logprobs, logprobs):
-                    self._copy(src, dst)
+            logprobs = self._copy_all(sampled.logprobs)
+            prompt_logprobs = self._copy_all(sampled.prompt_logprobs)
             if event is not None:
                 event.record(self.stream)
-        return CopyHandle(i, n, logprobs, sampled.num_logprobs)
+        return CopyHandle(i, n, logprobs, sampled.num_logprobs, prompt_logprobs)
+
+    def _copy_all(self, tensors: tuple[torch.Tensor, ...] | None
+                  ) -> tuple[torch.Tensor, ...] | None:
+        if tensors is None:
+            return None
+        # Rare path: fresh pinned tensors per step (torch's host allocator keeps them alive
+        # until their copies finish), so no reuse question arises.
+        out = tuple(_host_buffer(t.numel(), self.device, t.dtype).view(t.shape)
+                    for t in tensors)
+        for src, dst in zip(tensors, out):
+            self._copy(src, dst)
+        return out
 
     def finish(self, handle: CopyHandle) -> SamplerOutput:
         event = self._events[handle.buffer]
         if event is not None:
             event.synchronize()
         ids = self._ids[handle.buffer][:handle.num_rows]
-        return sampler.to_host(sampler.DeviceSample(ids, handle.logprobs, handle.num_logprobs))
+        return sampler.to_host(sampler.DeviceSample(ids, handle.logprobs, handle.num_logprobs,
+                                                    handle.prompt_logprobs))

@@ -31,7 +31,7 @@ from cadence.backends.cuda.moe import install_fused_moe
 from cadence.layers import sampler
 from cadence.layers.attention import check_supported
 from cadence.layers.sampler import host_tensor
-from cadence.model_runner import ModelRunner, PreparedInput
+from cadence.model_runner import ModelRunner, PreparedInput, prompt_logprob_tensors
 
 if TYPE_CHECKING:
     from cadence.backend import ModelInput, SamplerOutput, SamplingMetadata
@@ -168,6 +168,7 @@ def launch(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
     ``previous``: the last step's sampled ids, for ``mi``'s placeholders (async scheduling)."""
     ensure_current_device(be)
     be.last_sampled = None  # valid again only once a submitted step has sampled
+    be.runner.take_prompt_logprobs()  # a failed step's, never a graph replay's
     bucket = None
     if be.graphs is not None and mi.is_decode_only and mi.num_seqs:
         bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
@@ -201,7 +202,8 @@ def launch_eager(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None 
     fill_placeholders(be, views.input_ids, mi, previous)
     md = build_metadata(mi, views, be.block_size)
     return be.runner.run_model(PreparedInput(views.input_ids, views.positions,
-                                             views.sample_idx, md))
+                                             views.sample_idx, md,
+                                             prompt_logprob_tensors(mi, be.device)))
 
 
 def fill_placeholders(be: CudaBackend, input_ids: torch.Tensor, mi: ModelInput,
@@ -228,7 +230,9 @@ def sample(be: CudaBackend, logits: torch.Tensor, meta: SamplingMetadata,
         if logits.shape[0] else None
     if pending is None:
         return be.runner.sample(logits, meta)
-    return sampler.sample(logits.float(), meta, be.runner.generator, pending, be.runner.draw)
+    out = sampler.sample(logits.float(), meta, be.runner.generator, pending, be.runner.draw)
+    out.prompt_logprobs = be.runner.take_prompt_logprobs()
+    return out
 
 
 def submit(be: CudaBackend, mi: ModelInput) -> None:

@@ -36,6 +36,9 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--output-format", choices=("text", "json"), default="text",
                      help="text: a header line per sample, then its text (and logprobs); "
                           "json: one JSON object per prompt per line")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                     help="print each prompt token's log-probability given the tokens "
+                          "before it, and the N most likely tokens there (default: none)")
 
 
 def sampling_field_names() -> list[str]:
@@ -140,11 +143,14 @@ def format_text(request_id: str, record: dict) -> str:
     header = (f"[prompt {request_id}, sample {record['index']}] "
               f"finish_reason={record['finish_reason']}")
     lines = [header, record["text"]]
-    for pos in record.get("logprobs", []):
-        top = ", ".join(f"{e['token']!r} {e['logprob']:.4f}" for e in pos["top_logprobs"])
-        lines.append(f"  logprob {pos.get('logprob', float('nan')):.4f} "
-                     f"{pos.get('token', '')!r} (id {pos['token_id']}); top: {top}")
+    lines.extend(_logprob_line(pos) for pos in record.get("logprobs", []))
     return "\n".join(lines)
+
+
+def _logprob_line(pos: dict) -> str:
+    top = ", ".join(f"{e['token']!r} {e['logprob']:.4f}" for e in pos["top_logprobs"])
+    return (f"  logprob {pos.get('logprob', float('nan')):.4f} "
+            f"{pos.get('token', '')!r} (id {pos['token_id']}); top: {top}")
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -163,6 +169,8 @@ def run_generate(ns: argparse.Namespace) -> int:
     args, extra = EngineArgs.from_cli_args(ns)
     config = args.create_engine_config(extra)
     base = sampling_params_from_args(ns, dict(config.model_config.generation_defaults))
+    if ns.prompt_logprobs is not None:
+        base = dataclasses.replace(base, prompt_logprobs=ns.prompt_logprobs)
     # Every line is checked before the model loads: a typo on line 900 costs no start-up.
     params = [params_for(base, s) for s in specs]
     print_generation_defaults(config.model_config.generation_defaults)
@@ -191,11 +199,26 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def prompt_record(out: Any, tokenizer: Any) -> list | None:
+    """A request's prompt logprobs as plain data (None where none were asked for): per
+    prompt token, None for the first, else the entry a sampled token's logprobs have."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if pos is None else _position(tid, pos, tokenizer)
+            for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+
 def _print_request(fmt: str, out: Any, prompt: str, tokenizer: Any) -> None:
     records = [sample_record(c, tokenizer) for c in sorted(out.outputs, key=lambda c: c.index)]
+    prompt_lp = prompt_record(out, tokenizer)
     if fmt == "json":
         print(json.dumps({"request_id": out.request_id, "prompt": prompt, "outputs": records,
+                          **({"prompt_logprobs": prompt_lp} if prompt_lp is not None else {}),
                           **({"error": out.error} if out.error else {})}), flush=True)
         return
+    if prompt_lp is not None:
+        print(f"[prompt {out.request_id}] prompt logprobs", flush=True)
+        for pos in prompt_lp[1:]:
+            print(_logprob_line(pos), flush=True)
     for record in records:
         print(format_text(out.request_id, record), flush=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.backend import SamplerOutput, SamplingMetadata
+from cadence.layers.prompt_logprobs import prompt_logprobs_to_host
 
 # The last step of random sampling: (logits [B, V], frac [B, 1]) -> token ids [B]
 # (``draw_softmax``'s contract).
@@ -31,6 +32,8 @@ class DeviceSample:
     # With logprobs: sampled logprob [B], sampled rank [B], top ids [B, K], top logprobs [B, K]
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_logprobs: list[int] | None = None
+    # The step's prompt logprobs (core/layers/prompt_logprobs.py), when it asked for any.
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def host_tensor(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -258,10 +261,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def to_host(s: DeviceSample) -> SamplerOutput:
     token_ids = s.token_ids.tolist()
+    prompt = None if s.prompt_logprobs is None else prompt_logprobs_to_host(s.prompt_logprobs)
     if s.logprobs is None:
-        return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, prompt_logprobs=prompt)
     sampled_lp, rank, top_ids, top_lp = (t.tolist() for t in s.logprobs)
     rows: list = []
     for i, k in enumerate(s.num_logprobs or []):
         rows.append(None if k < 0 else (sampled_lp[i], rank[i], top_ids[i][:k], top_lp[i][:k]))
-    return SamplerOutput(token_ids, rows)
+    return SamplerOutput(token_ids, rows, prompt_logprobs=prompt)

@@ -165,7 +165,8 @@ class AsyncSchedulingLoop:
         for req in step.placeholders:
             req.num_output_placeholders -= 1
         touched = e.output_processor.commit(step.plan.scheduled,
-                                            step.model_input.sample_seq_indices, out)
+                                            step.model_input.sample_seq_indices, out,
+                                            step.model_input.prompt_logprob_spans)
         self._cache_and_free(step.plan)
         e._stamp_token_times(touched)
         e._pending += touched
@@ -243,7 +244,8 @@ def rerun_alone(e: LLMEngine, plan: StepPlan) -> None:
                    num_batched_tokens=sum(s.num_new_tokens for s in entries))
     for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
         touched = e.output_processor.commit(r.plan.scheduled,
-                                            r.model_input.sample_seq_indices, r.output)
+                                            r.model_input.sample_seq_indices, r.output,
+                                            r.model_input.prompt_logprob_spans)
         e.scheduler.update_after_step(r.plan)
         e._stamp_token_times(touched)
         e._pending += touched

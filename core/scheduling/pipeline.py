@@ -260,7 +260,8 @@ class PipelineLoop:
         indices = mb.model_input.sample_seq_indices
         if self._void:
             indices, out = _without(self._void, mb.plan, indices, out)
-        touched = e.output_processor.commit(mb.plan.scheduled, indices, out)
+        touched = e.output_processor.commit(mb.plan.scheduled, indices, out,
+                                            mb.model_input.prompt_logprob_spans)
         e.scheduler.update_after_step(mb.plan)
         e._stamp_token_times(touched)
         e._pending += touched

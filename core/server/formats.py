@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cadence.outputs import CompletionOutput, RequestOutput
@@ -64,16 +65,79 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
+def completion_choice_of(index: int, c: CompletionOutput, logprobs: int | None,
+                         echo: tuple[str, dict | None] | None, offset: int
+                         ) -> tuple[dict, int]:
+    """One completions choice of sample ``c`` (``echo``'s prompt text and logprobs before
+    its own), and the text offset its next tokens start at."""
+    text, lp = c.text, None
+    if echo is not None:
+        text = echo[0] + text
+    if logprobs is not None:
+        head = echo[1] if echo is not None else None
+        lp = completion_logprobs(c, logprobs_text_length(head) if head else offset)
+        if head:
+            lp = join_logprobs(head, lp)
+        offset = logprobs_text_length(lp) or offset
+    return completion_choice(index, text, lp, c.finish_reason, c.stop_reason), offset
+
+
 def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict:
     """The legacy completions shape: parallel lists over the tokens of ``c``."""
+    return _legacy_logprobs(c.token_ids, c.logprobs or [], text_offset)
+
+
+def echo_logprobs(out: RequestOutput, decode: Callable[[int], str]) -> dict:
+    """The prompt's tokens in the legacy completions shape (echo=true with logprobs): the
+    first token has no logprob (nothing predicts it), as in OpenAI's and vLLM's replies;
+    without prompt logprobs (a request that failed first) no token has one. ``decode``
+    spells a token the logprobs do not."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    if entries is None or len(entries) != len(ids):
+        entries = [None] * len(ids)
+    return _legacy_logprobs(ids, entries, 0, decode)
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
+
+
+def logprobs_text_length(lp: dict) -> int:
+    """Characters the tokens of a legacy logprobs dict spell: where the next one starts."""
+    return (lp["text_offset"][-1] + len(lp["tokens"][-1])) if lp["tokens"] else 0
+
+
+def prompt_logprobs_json(pl: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` in a reply: per prompt token None or {token id: {logprob,
+    rank, decoded_token}}."""
+    if pl is None:
+        return None
+    return [None if d is None else {
+        str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token} for tid, lp in d.items()} for d in pl]
+
+
+def without_samples(out: RequestOutput) -> RequestOutput:
+    """``out`` with its samples' tokens and text taken out (echo=true with max_tokens=0
+    returns the prompt alone; its one generated token is not shown or counted)."""
+    outputs = [replace(c, text="", token_ids=[], cumulative_logprob=None,
+                       logprobs=None if c.logprobs is None else []) for c in out.outputs]
+    return replace(out, outputs=outputs)
+
+
+def _legacy_logprobs(token_ids: list[int], entries: list, text_offset: int,
+                     decode: Callable[[int], str] | None = None) -> dict:
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(c.token_ids, c.logprobs or []):
-        chosen = entry[tid]
-        token = chosen.decoded_token or ""
+    for tid, entry in zip(token_ids, entries):
+        chosen = None if entry is None else entry[tid]
+        if chosen is None:
+            token = decode(tid) if decode is not None else ""
+        else:
+            token = chosen.decoded_token or ""
         tokens.append(token)
-        token_lps.append(_finite(chosen.logprob))
-        tops.append({(lp.decoded_token or ""): _finite(lp.logprob)
-                     for _, lp in _by_rank(entry)})
+        token_lps.append(None if chosen is None else _finite(chosen.logprob))
+        tops.append(None if entry is None else {(lp.decoded_token or ""): _finite(lp.logprob)
+                                                 for _, lp in _by_rank(entry)})
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

@@ -1,7 +1,7 @@
 """OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
-OpenAI fields cadence does not implement (``echo``, ``suffix``, tools) are
+OpenAI fields cadence does not implement (``suffix``, tools) are
 rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
 ``response_format`` or vLLM's ``structured_outputs`` object and older ``guided_*`` fields, on
 both endpoints (vLLM takes ``response_format`` on completions too); see
@@ -78,6 +78,7 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""
@@ -109,14 +110,23 @@ class _Common(BaseModel):
         return next((n for n in names if getattr(self, n) is not None),
                     "structured_outputs")
 
-    def _check_common(self) -> None:
+    def _check_common(self, max_logprobs: int) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= max_logprobs:
+                raise RequestError(f"prompt_logprobs must be in [0, {max_logprobs}], got "
+                                   f"{self.prompt_logprobs}", "prompt_logprobs")
+            if self.stream:
+                # vLLM's rule: a stream's chunks have no place for them.
+                raise RequestError("prompt_logprobs is not available with stream=true",
+                                   "prompt_logprobs")
 
     def _sampling(self, max_tokens: int, logprobs: int | None,
                   defaults: dict[str, Any] | None,
-                  structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                  structured: StructuredOutputsParams | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = self._logit_bias()
         # A field left out or sent as null takes the model's default (generation_config.json)
         # and then SamplingParams' own, as in vLLM; a value the body sends always wins.
@@ -131,7 +141,8 @@ class _Common(BaseModel):
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids)
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+                prompt_logprobs=prompt_logprobs)
         except FieldError as e:
             raise RequestError(str(e), self.body_field(e.param)) from None
         except ValueError as e:  # a check without a param: its message starts with the field
@@ -185,9 +196,10 @@ class CompletionRequest(_Common):
         return list(p)
 
     def check(self, max_logprobs: int) -> None:
-        self._check_common()
-        if self.echo:
-            raise RequestError("echo=true is not supported by cadence", "echo")
+        self._check_common(max_logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be >= 1 or null (0 only with echo=true, "
+                               "which then returns the prompt alone)", "max_tokens")
         if self.suffix:
             raise RequestError("suffix is not supported by cadence", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -197,10 +209,21 @@ class CompletionRequest(_Common):
             raise RequestError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}",
                                "logprobs")
 
+    @property
+    def echo_only(self) -> bool:
+        """echo=true with max_tokens=0: the response is the prompt alone (vLLM's form of
+        OpenAI's scoring request); one token is generated and not returned."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:
-        """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
-        return self._sampling(max_tokens, self.logprobs, defaults, self._structured())
+        """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out.
+        echo=true with logprobs asks for the prompt's logprobs too."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling(1 if self.echo_only else max_tokens, self.logprobs, defaults,
+                              self._structured(), prompt_logprobs)
 
 
 class ContentPart(BaseModel):
@@ -235,7 +258,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
 
     def check(self, max_logprobs: int) -> None:
-        self._check_common()
+        self._check_common(max_logprobs)
         # Both, though max_completion_tokens wins: a bad max_tokens beside it is no less bad.
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
@@ -272,7 +295,8 @@ class ChatCompletionRequest(_Common):
                         ) -> SamplingParams:
         """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults, self._structured())
+        return self._sampling(max_tokens, logprobs, defaults, self._structured(),
+                              self.prompt_logprobs)
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:

@@ -124,11 +124,17 @@ class OpenAIServing:
         finals = await _finals(streams)
         choices, usage = [], formats.Usage()
         for i, out in enumerate(finals):
+            if req.echo_only:
+                out = formats.without_samples(out)
             usage.add(out)
+            echo = self._echo(out, req)
             for c in out.outputs:
-                lp = formats.completion_logprobs(c, 0) if req.logprobs is not None else None
-                choices.append(formats.completion_choice(i * req.n + c.index, c.text, lp,
-                                                         c.finish_reason, c.stop_reason))
+                choice, _ = formats.completion_choice_of(i * req.n + c.index, c,
+                                                         req.logprobs, echo, 0)
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = formats.prompt_logprobs_json(
+                        out.prompt_logprobs)
+                choices.append(choice)
         return formats.envelope("cmpl", "text_completion", self.model_name, choices,
                                 usage.as_dict())
 
@@ -139,8 +145,25 @@ class OpenAIServing:
         usage.add(out)
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
                    for c in out.outputs]
-        return formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
+        body = formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
                                 usage.as_dict())
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = formats.prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    def _echo(self, out: RequestOutput, req: CompletionRequest
+              ) -> tuple[str, dict | None] | None:
+        """echo=true: the prompt's text and, with logprobs, its tokens' logprobs; None
+        without echo."""
+        if not req.echo:
+            return None
+        text = out.prompt if out.prompt is not None else \
+            self.tokenizer.decode(out.prompt_token_ids)
+        lp = None
+        if req.logprobs is not None:
+            lp = formats.echo_logprobs(out, lambda t: self.tokenizer.decode([t]))
+        return text, lp
+
 
     # ---- streams -----------------------------------------------------------------------
     async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
@@ -150,16 +173,24 @@ class OpenAIServing:
         usage = formats.Usage()
         # A delta output lists only the samples with news (core/output_state.py), and a
         # finish once, so every sample it lists becomes a chunk.
+        # echo=true: each stream's prompt, from its first output; each choice's first chunk
+        # begins with it.
+        echoes: dict[int, tuple[str, dict | None] | None] = {}
         async for i, out in _merge(streams):
+            if req.echo_only:
+                out = formats.without_samples(out)
             usage.add(out, delta=True)
+            if i not in echoes:
+                echoes[i] = self._echo(out, req)
             for c in out.outputs:
                 index = i * req.n + c.index
-                lp = None
-                if req.logprobs is not None:
-                    lp = formats.completion_logprobs(c, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(map(len, lp["tokens"]))
-                yield _sse(head.chunk([formats.completion_choice(
-                    index, c.text, lp, c.finish_reason, c.stop_reason)]))
+                first = index not in offsets
+                choice, offsets[index] = formats.completion_choice_of(
+                    index, c, req.logprobs, echoes[i] if first else None,
+                    offsets.get(index, 0))
+                # echo with max_tokens=0 has nothing to send between the prompt and the end.
+                if not req.echo_only or first or choice["finish_reason"]:
+                    yield _sse(head.chunk([choice]))
         if req.include_usage:
             yield _sse(head.chunk([], usage.as_dict()))
         yield "data: [DONE]\n\n"

@@ -40,6 +40,7 @@ __all__ = [
     "test_overlap_on_equals_off",
     "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
+    "test_prompt_logprobs_equal_the_decode_or_are_refused",
     "test_registration_is_idempotent",
     "test_structured_output_follows_its_constraint",
 ]
@@ -226,6 +227,36 @@ def test_logit_bias_and_allowed_ids_steer_only_their_rows(cadence_llm: Any) -> N
     assert not set(outs[1].outputs[0].token_ids) & set(picked), (picked, outs[1].outputs)
     (alone,) = cadence_llm.generate(PROMPTS[2:3], greedy(), use_tqdm=False)
     assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_all_blocks_free(cadence_llm)
+
+
+def test_prompt_logprobs_equal_the_decode_or_are_refused(cadence_llm: Any,
+                                                         cadence_logprob_atol: float) -> None:
+    """A backend that declares ``supports_prompt_logprobs`` returns, for a prompt made of
+    another request's prompt and greedy output, prompt logprobs equal to the logprobs the
+    decode steps gave those tokens (the output copy of ``SamplerOutput.prompt_logprobs``);
+    one that does not refuses such a request with a ValueError naming the field."""
+    from cadence import SamplingParams
+
+    engine = cadence_llm.engine
+    asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    if not engine.backend.supports_prompt_logprobs:
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            engine.add_request("kit-prompt-logprobs", PROMPTS[0], asked)
+        assert not engine.has_unfinished_requests()
+        return
+    (first,) = cadence_llm.generate(PROMPTS[:1], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0), use_tqdm=False)
+    sample = first.outputs[0]
+    ids = first.prompt_token_ids + sample.token_ids
+    (again, _) = cadence_llm.generate([{"prompt_token_ids": ids}, PROMPTS[1]],
+                                      [asked, SamplingParams(max_tokens=2)], use_tqdm=False)
+    got = again.prompt_logprobs
+    assert got is not None and len(got) == len(ids) and got[0] is None, got
+    n = len(first.prompt_token_ids)
+    for j, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+        assert abs(got[n + j][token].logprob - entry[token].logprob) <= cadence_logprob_atol, \
+            f"token {j}: prompt logprob {got[n + j][token]} vs decode {entry[token]}"
     assert_all_blocks_free(cadence_llm)
 
 

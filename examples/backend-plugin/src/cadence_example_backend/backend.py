@@ -25,6 +25,8 @@ class ExampleBackend(Backend):
     """Pure-torch CPU backend with per-sequence SDPA attention (``--backend example``)."""
 
     name = "example"
+    # prepare/run_model/sample below are ModelRunner's, which compute them.
+    supports_prompt_logprobs = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
