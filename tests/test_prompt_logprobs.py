@@ -210,3 +210,20 @@ def test_each_request_gets_its_own_number_of_top_entries(model) -> None:
         assert all(len(d) in (4, 5) for d in outs[1].prompt_logprobs[1:])
     finally:
         llm.shutdown()
+
+
+def test_token_ranks_count_the_strictly_more_likely() -> None:
+    from cadence.layers.ranks import token_ranks
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 50257, 129, 7):
+        x = torch.randn(5, vocab, generator=g)
+        x[0, :4] = x[0, 2]  # a tie shares the better rank
+        chosen = torch.randint(0, vocab, (5, 1), generator=g)
+        chosen[0] = 2
+        lp = x.gather(1, chosen)
+        assert torch.equal(token_ranks(x, lp), (x > lp).sum(dim=-1) + 1), vocab
+    # 300 entries above the chosen one: more than a uint8 chunk could hold.
+    x = torch.zeros(1, 1000)
+    x[0, :300] = 1.0
+    assert token_ranks(x, torch.zeros(1, 1)).tolist() == [301]

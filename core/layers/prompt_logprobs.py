@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from cadence.layers.ranks import token_ranks
+
 # Rows of logits per slice: [256, 49152] fp32 is 50 MB, where a whole 2048-token prefill
 # chunk would be 400 MB at once.
 SLICE_ROWS = 256
@@ -32,7 +34,7 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
         logits = compute_logits(hidden.index_select(0, rows[s:s + SLICE_ROWS])).float()
         raw = torch.log_softmax(logits, dim=-1)
         lp = raw.gather(1, target)
-        rank = (raw > lp).sum(dim=-1) + 1
+        rank = token_ranks(raw, lp)
         if k:
             top_lp, top_ids = raw.topk(k, dim=-1)
         else:

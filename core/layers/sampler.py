@@ -15,6 +15,7 @@ import torch
 
 from cadence.backend import SamplerOutput, SamplingMetadata
 from cadence.layers.prompt_logprobs import prompt_logprobs_to_host
+from cadence.layers.ranks import token_ranks
 
 # The last step of random sampling: (logits [B, V], frac [B, 1]) -> token ids [B]
 # (``draw_softmax``'s contract).
@@ -199,7 +200,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if raw_logprobs is not None:
         k = max(meta.max_num_logprobs, 0)
         sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        rank = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+        rank = token_ranks(raw_logprobs, sampled_lp.unsqueeze(1))
         top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (
             raw_logprobs[:, :0],
             torch.empty(len(token_ids), 0, dtype=torch.int64, device=logits.device))
