@@ -210,6 +210,48 @@ def test_emulated_async_on_equals_off(emulated) -> None:
     assert on == off  # the seeded sampled request included
 
 
+@pytest.mark.parametrize(("name", "async_scheduling"),
+                         [("exponential", False), ("linear-eager", True)])
+def test_emulated_prompt_logprobs_match_cpu(tiny: str, name: str,
+                                            async_scheduling: bool) -> None:
+    """Prompt logprobs from the prefill graphs that return their hidden states: chunked
+    prompts (a 64-token budget), a prefill with context, mixed with requests that ask for
+    none or for another number of top entries, equal to the CPU backend's."""
+    from engine_helpers import generate, make_llm
+
+    from cadence import SamplingParams
+
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)]
+    kw = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 64}
+    cpu = make_llm(tiny, **kw)
+    try:
+        want = generate(cpu, PROMPTS, params)
+    finally:
+        cpu.shutdown()
+    options, lazy = BUCKET_CONFIGS[name]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CADENCE_HPU_EMULATE", "1")
+        mp.setenv("PT_HPU_LAZY_MODE", lazy)
+        llm = make_llm(tiny, backend="hpu", backend_options=options,
+                       async_scheduling=async_scheduling, **kw)
+        try:
+            got = generate(llm, PROMPTS, params)
+        finally:
+            llm.shutdown()
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if b.prompt_logprobs is None:
+            assert a.prompt_logprobs is None
+            continue
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
+        for da, db in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+
+
 def _has_gaudi() -> bool:
     from cadence.backends.hpu.backend import emulation_requested
 

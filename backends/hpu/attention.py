@@ -189,13 +189,17 @@ class GraphedForward(nn.Module):
     from a global would be baked into the graph. One instance per kind (decode, prefill,
     prefill with context) keeps shapes of different kinds from sharing a graph cache.
     On a pipeline stage before the last it returns None (the model sent its activations).
+    ``with_hidden``: it returns (logits, every token row's hidden state), for the prompt
+    logprobs of a prefill; a graph of its own, compiled on first use.
     """
 
-    def __init__(self, model: nn.Module, attn: HpuPagedAttention, kind: str) -> None:
+    def __init__(self, model: nn.Module, attn: HpuPagedAttention, kind: str,
+                 with_hidden: bool = False) -> None:
         super().__init__()
         self.model = model
         self.attn = attn
         self.kind = kind
+        self.with_hidden = with_hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -218,7 +222,8 @@ class GraphedForward(nn.Module):
             hidden = self.model(input_ids, positions)  # [B * Q, hidden]
         if hidden is None:  # a pipeline stage before the last: its activations went on
             return None
-        return self.model.compute_logits(hidden.index_select(0, logits_indices))  # [B, V]
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [B, V]
+        return (logits, hidden) if self.with_hidden else logits
 
 
 def graph_kind(pb: PaddedBatch) -> str:

@@ -89,20 +89,33 @@ class BucketedSteps:
             rows = [slot_of.get(seqs[r]) if r < len(seqs) else None
                     for r in range(shape.batch_size)]
             fill = None if self._sampled is None else self._sampled.fill_for(mi, seqs, batch)
-            parts.append(Part(batch, rows, fill=fill))
+            parts.append(Part(batch, rows, fill=fill,
+                              prompt_rows=_padded_prompt_rows(mi, seqs, shape.query_len)))
         return parts
 
     def _run_parts(self, parts: list[Part]) -> None:
         import torch
 
         from cadence.backends.hpu.attention import graph_kind, to_tensors
+        from cadence.layers.prompt_logprobs import compute_prompt_logprobs
 
         with torch.inference_mode():
             for p in parts:
                 args = to_tensors(p.batch, self.device.torch_device)
                 if p.fill is not None:
                     args = (self._sampled.apply(args[0], p.fill), *args[1:])
-                p.result = self._graphs[graph_kind(p.batch)](*args)
+                if p.prompt_rows is None:
+                    p.result = self._graphs[graph_kind(p.batch)](*args)
+                    continue
+                out = self._graphs[graph_kind(p.batch) + "+hidden"](*args)
+                p.result = out if out is None else out[0]
+                if out is not None:
+                    rows, targets, k = p.prompt_rows
+                    dev = self.device.torch_device
+                    p.prompt_logprobs = compute_prompt_logprobs(
+                        self.runner.model.compute_logits, out[1],
+                        torch.tensor(rows, dtype=torch.int64).to(dev),
+                        torch.tensor(targets, dtype=torch.int64).to(dev), k)
 
     @property
     def _is_last_stage(self) -> bool:
@@ -125,3 +138,26 @@ class BucketedSteps:
             self.device.synchronize()
             return SamplerOutput([])
         return parts_to_host(parts, num_sampled)
+
+
+def _padded_prompt_rows(mi: ModelInput, seqs: range, query_len: int
+                        ) -> tuple[list[int], list[int], int] | None:
+    """The step's prompt-logprob rows that fall in ``seqs``, as rows of their padded batch
+    (sequence r's tokens start at row r * query_len), with their targets and top-k count;
+    None when there are none."""
+    if not mi.prompt_logprob_rows or not seqs:
+        return None
+    starts, t = [], 0
+    for q in mi.query_lens:
+        starts.append(t)
+        t += q
+    first, end = starts[seqs[0]], starts[seqs[-1]] + mi.query_lens[seqs[-1]]
+    rows, targets, r = [], [], 0
+    for token, target in zip(mi.prompt_logprob_rows, mi.prompt_logprob_targets):
+        if not first <= token < end:
+            continue
+        while starts[seqs[r]] + mi.query_lens[seqs[r]] <= token:
+            r += 1
+        rows.append(r * query_len + token - starts[seqs[r]])
+        targets.append(target)
+    return (rows, targets, max(mi.num_prompt_logprobs, 0)) if rows else None

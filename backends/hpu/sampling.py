@@ -21,6 +21,10 @@ class Part:
     rows: list[int | None]
     result: Any = None  # logits after forward, DeviceSample after sample
     fill: Any = None  # async scheduling: the placeholder fill (feedback.Fill)
+    # Prompt logprobs: (padded token rows, target ids, top-k count) the step asks of this
+    # part, then the computed tensors (core/layers/prompt_logprobs.py).
+    prompt_rows: Any = None
+    prompt_logprobs: Any = None
 
 
 def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
@@ -79,10 +83,14 @@ def sample_parts(parts: list[Any], meta: SamplingMetadata, runner: Any, device: 
 def parts_to_host(parts: list[Part], num_sampled: int) -> SamplerOutput:
     """The parts' samples on the host, each at its sampled row (waits for the device)."""
     from cadence.layers import sampler
+    from cadence.layers.prompt_logprobs import prompt_logprobs_to_host
 
     token_ids = [0] * num_sampled
     logprobs: list | None = None
+    prompt: list | None = None
     for p in parts:
+        if p.prompt_logprobs is not None:
+            prompt = prompt_logprobs_to_host(p.prompt_logprobs)
         out = sampler.to_host(p.result)
         if out.logprobs is not None and logprobs is None:
             logprobs = [None] * num_sampled
@@ -91,4 +99,4 @@ def parts_to_host(parts: list[Part], num_sampled: int) -> SamplerOutput:
                 token_ids[j] = out.sampled_token_ids[r]
                 if out.logprobs is not None:
                     logprobs[j] = out.logprobs[r]
-    return SamplerOutput(token_ids, logprobs)
+    return SamplerOutput(token_ids, logprobs, prompt_logprobs=prompt)
