@@ -38,10 +38,12 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> ChatPrompt:
     """Render one conversation with the tokenizer's template (or ``chat_template``) and
-    tokenize it without adding special tokens again. Raises ValueError naming ``messages``
-    or ``chat_template`` when either is unusable."""
+    tokenize it without adding special tokens again; ``tools`` (OpenAI's function
+    definitions) reach the template as transformers passes them. Raises ValueError naming
+    ``messages`` or ``chat_template`` when either is unusable."""
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("chat_template: this model's tokenizer has no chat template; pass "
                          "one as chat_template, or send plain prompts instead")
@@ -53,7 +55,8 @@ def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | Non
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **dict(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message,
+            **({"tools": list(tools)} if tools else {}), **dict(chat_template_kwargs or {}))
     # The template is the model author's (or the caller's) code: jinja's TemplateError for
     # roles out of order, but a template may raise anything, and it is the input's fault.
     except Exception as e:  # noqa: BLE001

@@ -24,6 +24,12 @@ from cadence import SamplingParams
 
 SERVED = "served"
 
+# A tool of the chat cases, and tool_choice naming it.
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
+    "required": ["a"], "additionalProperties": False}}}
+_NAMED = {"type": "function", "function": {"name": "f"}}
+
 BOTH = "both"            # LLMEngine.add_request and POST /v1/completions
 PYTHON = "python"        # LLMEngine.add_request only
 GENERATE = "generate"    # LLM.generate only
@@ -442,8 +448,29 @@ CASES: list[Case] = [
          body={"max_tokens": 0, "max_completion_tokens": 3}, on=CHAT),
     Case("chat-max_tokens-negative", "max_tokens", body={"max_tokens": -1}, on=CHAT),
     Case("chat-max_completion_tokens", SERVED, body={"max_completion_tokens": 3}, on=CHAT),
+    # ---- tools (core/server/tools.py); "auto" needs a server started with a parser ------
     Case("chat-tools", "tools", body={"tools": [{"type": "function"}]}, on=CHAT),
     Case("chat-tool_choice", "tool", body={"tool_choice": "auto"}, on=CHAT),
+    Case("chat-tools-auto-without-parser", "tool_choice", body={"tools": [_TOOL]}, on=CHAT),
+    Case("chat-tools-none", SERVED, body={"tools": [_TOOL], "tool_choice": "none"}, on=CHAT),
+    Case("chat-tools-named", SERVED, body={"tools": [_TOOL], "tool_choice": _NAMED},
+         on=CHAT),
+    Case("chat-tools-named-unknown", "tool_choice",
+         body={"tools": [_TOOL], "tool_choice": {"type": "function",
+                                                 "function": {"name": "g"}}}, on=CHAT),
+    Case("chat-tools-required-without-tools", "tool_choice", body={"tool_choice": "required"},
+         on=CHAT),
+    Case("chat-tools-duplicate-names", "tools", body={"tools": [_TOOL, _TOOL],
+                                                      "tool_choice": "none"}, on=CHAT),
+    Case("chat-tools-named-beside-response_format", "tool_choice",
+         body={"tools": [_TOOL], "tool_choice": _NAMED,
+               "response_format": {"type": "json_object"}}, on=CHAT),
+    Case("chat-tools-parameters-not-object", "tools",
+         body={"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+               "tool_choice": "none"}, on=CHAT),
+    Case("chat-tool-message-without-id", SERVED,
+         body={"messages": [{"role": "user", "content": "x"},
+                            {"role": "tool", "content": "y"}]}, on=CHAT),
     Case("chat-response_format-json", SERVED,
          body={"response_format": {"type": "json_object"}}, on=CHAT),
     Case("chat-response_format-yaml", "response_format",

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-prefix", choices=("vllm", "cadence"), default="vllm",
                    help="name /metrics as vllm:* (vLLM's names, so its dashboards work) or "
                         "cadence:*")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (the default with tools), reading the "
+                        "model's calls with --tool-call-parser (default: off; named and "
+                        "\"required\" tool choices work without it)")
+    g.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), "
+                        "llama3_json (Llama 3.1/3.2) (default: none)")
     add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),

@@ -69,6 +69,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         check_api_key(api_key)
     if ns.timeout_keep_alive < 0:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {ns.timeout_keep_alive}")
+    if ns.enable_auto_tool_choice != (ns.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: the "
+                         "parser reads the calls that auto tool choice lets the model write")
     if ns.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
     if not ns.header_timeout >= 0:
@@ -92,7 +95,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         name = ns.served_model_name or os.path.basename(
             os.path.normpath(engine.engine.config.model_config.model))
         app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits,
-                        ns.metrics_prefix)
+                        ns.metrics_prefix, ns.tool_call_parser)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
         if ns.data_parallel_size > 1:

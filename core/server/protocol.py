@@ -1,7 +1,7 @@
 """OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
-OpenAI fields cadence does not implement (``suffix``, tools) are
+OpenAI fields cadence does not implement (``suffix``) are
 rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
 ``response_format`` or vLLM's ``structured_outputs`` object and older ``guided_*`` fields, on
 both endpoints (vLLM takes ``response_format`` on completions too); see
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
 from cadence.sampling_params import FieldError, SamplingParams, token_id_key
+from cadence.server.tools import NamedToolChoice, ToolCallIn, ToolDef, constraint
 from cadence.structured_output.params import StructuredOutputsParams
 
 # Entries one request's logit_bias may hold: each is work on every step the request is in,
@@ -234,9 +235,12 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant message's calls, and a tool message's answer to one (tool calling).
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -244,7 +248,12 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Common):
@@ -254,8 +263,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self, max_logprobs: int) -> None:
         self._check_common(max_logprobs)
@@ -264,8 +274,7 @@ class ChatCompletionRequest(_Common):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RequestError(f"{name} must be an integer >= 1 or null, got {value}", name)
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise RequestError("tools and tool_choice are not supported by cadence", "tools")
+        self._check_tools()
         self._structured()  # a bad response_format is a 400 now
         if self.top_logprobs is not None:
             if not self.logprobs:
@@ -273,6 +282,43 @@ class ChatCompletionRequest(_Common):
             if not 0 <= self.top_logprobs <= max_logprobs:
                 raise RequestError(f"top_logprobs must be in [0, {max_logprobs}], got "
                                    f"{self.top_logprobs}", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise RequestError("tools must have non-empty, distinct function names",
+                               "tools")
+        choice = self.effective_tool_choice
+        if choice != "none" and not names:
+            raise RequestError(f"tool_choice {self.tool_choice_name!r} needs tools",
+                               "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
+                               f"which is not among the tools {names}", "tool_choice")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" where tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tool_choice_name(self) -> str:
+        choice = self.effective_tool_choice
+        return choice if isinstance(choice, str) else f"function {choice.function.name}"
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        asked = super()._structured()
+        choice = self.effective_tool_choice
+        tool = constraint(self.tools or [], choice, self.parallel_tool_calls) \
+            if self.tools else None
+        if tool is None:
+            return asked
+        if asked is not None:
+            raise RequestError(f"tool_choice {self.tool_choice_name!r} constrains the output "
+                               f"already; drop {self.structured_field}", "tool_choice")
+        return tool
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,6 +4,7 @@ the response bodies or the server-sent-event chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +15,7 @@ from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
-from cadence.server import formats
+from cadence.server import formats, tools
 from cadence.server.limits import ServerLimits
 from cadence.server.protocol import (
     ChatCompletionRequest,
@@ -28,8 +29,10 @@ class OpenAIServing:
     """Serves /v1/completions and /v1/chat/completions from one ``AsyncLLM``."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, tool_parser: str | None = None) -> None:
         self.engine = engine
+        # tool_choice "auto" reads calls out of the text with it; None: "auto" is refused.
+        self.tool_parser = None if tool_parser is None else tools.TOOL_PARSERS[tool_parser]()
         self.model_name = model_name
         self.max_logprobs = max_logprobs
         self.limits = limits or ServerLimits()
@@ -88,11 +91,25 @@ class OpenAIServing:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
+        choice = req.effective_tool_choice
+        if choice == "auto" and self.tool_parser is None:
+            raise RequestError(
+                'tool_choice "auto" (the default with tools) needs the server started with '
+                "--enable-auto-tool-choice and --tool-call-parser "
+                f"({', '.join(sorted(tools.TOOL_PARSERS))}); or name a function, or use "
+                '"required" or "none"', "tool_choice")
         chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
-                               "use /v1/completions")
-        return chat.as_engine_prompt(), self._params(
-            len(chat.token_ids), req.requested_max_tokens, self._make_params(req), "messages",
-            req.max_tokens_field)
+                               "use /v1/completions",
+                               [t.model_dump(exclude_none=True) for t in req.tools or ()])
+        params = self._params(len(chat.token_ids), req.requested_max_tokens,
+                              self._make_params(req), "messages", req.max_tokens_field)
+        if choice == "auto" and self.tool_parser.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return chat.as_engine_prompt(), params
+
+    def _tool_stream(self, req: ChatCompletionRequest) -> tools.ToolStream | None:
+        choice = req.effective_tool_choice
+        return None if choice == "none" else tools.ToolStream(choice, self.tool_parser)
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]],
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
@@ -145,6 +162,15 @@ class OpenAIServing:
         usage.add(out)
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
                    for c in out.outputs]
+        if req.effective_tool_choice != "none":
+            for choice, c in zip(choices, out.outputs):
+                content, calls = tools.reply_of(req.effective_tool_choice, self.tool_parser,
+                                                c.text)
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [call.as_json() for call in calls]
+                choice["finish_reason"] = tools.finish_reason_of(
+                    req.effective_tool_choice, calls, c.finish_reason)
         body = formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
                                 usage.as_dict())
         if req.prompt_logprobs is not None:
@@ -203,18 +229,26 @@ class OpenAIServing:
             yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
                                                                "content": ""}, None, None)]))
         usage = formats.Usage()
+        calls = self._tool_stream(req)
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
-                # Tokens whose text is held back (a partial character or a possible stop
-                # string) still send their logprobs; without logprobs they wait for text.
-                if c.text or (c.token_ids and k is not None):
+                text = c.text if calls is None else calls.content(c.index, c.text)
+                # Tokens whose text is held back (a partial character, a possible stop
+                # string or tool call) still send their logprobs; without logprobs they
+                # wait for text.
+                if text or (c.token_ids and k is not None):
                     lp = formats.chat_logprobs(c, k) if k is not None else None
-                    yield _sse(head.chunk([formats.chat_delta(c.index, {"content": c.text},
+                    yield _sse(head.chunk([formats.chat_delta(c.index, {"content": text},
                                                               lp, None)]))
                 if c.finished:
-                    yield _sse(head.chunk([formats.chat_delta(c.index, {}, None,
-                                                              c.finish_reason,
+                    finish = c.finish_reason
+                    if calls is not None:
+                        last, finish = calls.finish(c.index, finish)
+                        if last is not None:
+                            yield _sse(head.chunk([formats.chat_delta(c.index, last, None,
+                                                                      None)]))
+                    yield _sse(head.chunk([formats.chat_delta(c.index, {}, None, finish,
                                                               c.stop_reason)]))
         if req.include_usage:
             yield _sse(head.chunk([], usage.as_dict()))
@@ -272,14 +306,14 @@ async def _merge(streams: list[RequestStream]
 
 
 def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                    instead: str) -> ChatPrompt:
+                    instead: str, tool_defs: list[dict] | None = None) -> ChatPrompt:
     """The chat template's rendering of ``messages``, or a 400 naming ``messages`` (with
     ``instead`` saying what to do when the model has no template)."""
     if not has_chat_template(tokenizer):
         raise RequestError(f"this model has no chat template; {instead}", "messages")
     try:
         return render_chat(tokenizer, [m.as_template_dict() for m in messages],
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, tools=tool_defs)
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from cadence.sampling_params import shown
 from cadence.server.protocol import ChatMessage, RequestError
 from cadence.server.serving import check_unicode, render_messages
+from cadence.server.tools import ToolDef
 
 
 class TokenizeRequest(BaseModel):
@@ -34,6 +35,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # The chat endpoint's tools, rendered into the prompt the same way (messages only).
+    tools: list[ToolDef] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -49,9 +52,9 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
-        if "add_generation_prompt" in req.model_fields_set:
-            raise RequestError("add_generation_prompt applies to messages, not to a prompt",
-                               "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            if name in req.model_fields_set:
+                raise RequestError(f"{name} applies to messages, not to a prompt", name)
         check_unicode(req.prompt, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=special))
@@ -59,7 +62,8 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
         if not req.messages:
             raise RequestError("messages must not be empty", "messages")
         chat = render_messages(tokenizer, req.messages, req.add_generation_prompt,
-                               "tokenize a prompt instead")
+                               "tokenize a prompt instead",
+                               [t.model_dump(exclude_none=True) for t in req.tools or ()])
         ids = chat.token_ids
         if req.add_special_tokens:
             ids = list(tokenizer.encode(chat.text, add_special_tokens=True))

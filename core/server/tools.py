@@ -1,0 +1,171 @@
+"""Tool calling on /v1/chat/completions: OpenAI's ``tools`` and ``tool_choice``, served the
+way vLLM serves them (docs/server.md, "Tool calling").
+
+- ``tool_choice`` naming a function: the output is constrained to that function's
+  ``parameters`` schema (structured output), and becomes its arguments.
+- ``"required"``: constrained to a JSON array of ``{"name", "parameters"}`` objects, one of
+  the tools each (at most one with ``parallel_tool_calls: false``).
+- ``"auto"``: the model writes tool calls in its own format, which a tool parser
+  (``--tool-call-parser``) reads back out of the text; needs ``--enable-auto-tool-choice``.
+- ``"none"``: plain text.
+
+The tools are rendered into the prompt by the model's chat template (``tools=``), as
+transformers' ``apply_chat_template`` passes them. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from cadence.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser, call_from
+from cadence.structured_output.params import StructuredOutputsParams
+
+__all__ = ["TOOL_PARSERS", "NamedToolChoice", "ToolCall", "ToolCallIn", "ToolDef",
+           "ToolParser", "ToolStream", "constraint", "finish_reason_of", "reply_of"]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        # Templates write the arguments with ``tojson``: a dict, where the JSON parses
+        # (vLLM hands them over the same way), else the string as it came.
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
+def _parameters(fn: FunctionDef) -> dict[str, Any]:
+    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+
+
+def constraint(tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bool
+               ) -> StructuredOutputsParams | None:
+    """The structured-output constraint ``choice`` puts on the output, or None.
+
+    The JSON is compact (no whitespace between its tokens): arguments are read by programs,
+    and a grammar that allows any whitespace lets a weak model spend every token it has on
+    it and end cut short, with no call."""
+    if isinstance(choice, NamedToolChoice):
+        fn = next(t.function for t in tools if t.function.name == choice.function.name)
+        return StructuredOutputsParams(json=_parameters(fn), disable_any_whitespace=True)
+    if choice != "required":
+        return None
+    one_of = [{"type": "object",
+               "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                              "parameters": _parameters(t.function)},
+               "required": ["name", "parameters"]} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"anyOf": one_of} if len(one_of) > 1 else one_of[0]}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def calls_from_constrained(choice: str | NamedToolChoice, text: str) -> list[ToolCall]:
+    """The calls of a reply constrained by ``constraint`` (it parses by construction; a
+    reply cut short by max_tokens may not, and then has none)."""
+    if isinstance(choice, NamedToolChoice):
+        return [ToolCall(choice.function.name, text)]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    calls = [call_from(item) for item in items] if isinstance(items, list) else []
+    return [c for c in calls if c is not None]
+
+
+def reply_of(choice: str | NamedToolChoice, parser: ToolParser | None, text: str
+             ) -> tuple[str | None, list[ToolCall]]:
+    """A finished reply's content and calls. A reply whose calls do not parse (cut short by
+    max_tokens, or a model that wrote something else) is all content."""
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        calls = calls_from_constrained(choice, text)
+        return (None, calls) if calls else (text, [])
+    if choice == "auto" and parser is not None:
+        return parser.extract(text)
+    return text, []
+
+
+def finish_reason_of(choice: str | NamedToolChoice, calls: list[ToolCall],
+                     finish_reason: str | None) -> str | None:
+    # OpenAI's: "tool_calls" where the model chose to call; a forced named call ends "stop".
+    if calls and not isinstance(choice, NamedToolChoice) and finish_reason == "stop":
+        return "tool_calls"
+    return finish_reason
+
+
+class ToolStream:
+    """A streamed reply's tool calls: content is sent only once it cannot be part of a call
+    (``ToolParser.streamable``; never, under a constraint), the calls at the end."""
+
+    def __init__(self, choice: str | NamedToolChoice, parser: ToolParser | None) -> None:
+        self.choice, self.parser = choice, parser
+        self._text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}
+
+    def content(self, index: int, new: str) -> str:
+        """The content to send now for sample ``index``, given its newest text."""
+        text = self._text[index] = self._text.get(index, "") + new
+        safe = self.parser.streamable(text) if self.choice == "auto" and self.parser else 0
+        sent = self._sent.get(index, 0)
+        if safe <= sent:
+            return ""
+        self._sent[index] = safe
+        return text[sent:safe]
+
+    def finish(self, index: int, finish_reason: str | None
+               ) -> tuple[dict[str, Any] | None, str | None]:
+        """The last delta of sample ``index`` (the content held back, the calls) and its
+        finish reason."""
+        text, sent = self._text.get(index, ""), self._sent.get(index, 0)
+        content, calls = reply_of(self.choice, self.parser, text)
+        delta: dict[str, Any] = {}
+        rest = (content or "")[sent:]
+        if rest:
+            delta["content"] = rest
+        if calls:
+            delta["tool_calls"] = [c.as_json(i) for i, c in enumerate(calls)]
+        return delta or None, finish_reason_of(self.choice, calls, finish_reason)

@@ -1,0 +1,282 @@
+"""Tool calling on /v1/chat/completions (core/server/tools.py): the parsers read calls out
+of text and never let a stream send the start of one as content; a named or "required"
+tool choice constrains the reply to the tools' schemas and returns it as calls; "auto"
+reads the calls the model wrote with the server's parser; the tools reach the chat
+template; a conversation carrying earlier calls and tool answers renders; every misuse is
+a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
+pytest.importorskip("fastapi", reason="the server tests need the server extra")
+
+import httpx
+from test_async_engine import with_engine
+from test_server import events
+
+from cadence.server.app import build_app
+from cadence.server.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from cadence.server.tools import (
+    NamedToolChoice,
+    ToolDef,
+    ToolStream,
+    constraint,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                              "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+    "required": ["zone"], "additionalProperties": False}}}
+USER = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+# ---- parsers and constraints, no engine --------------------------------------------------
+def test_hermes_parser() -> None:
+    p = HermesToolParser()
+    one = 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = p.extract(one)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("f", {"a": 1})]
+    two = ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+           '<tool_call>{"name": "g", "arguments": {"b": "x"}}</tool_call>')
+    content, calls = p.extract(two)
+    assert content is None and [c.name for c in calls] == ["f", "g"]
+    assert len({c.id for c in calls}) == 2
+    for plain in ("no call here", "<tool_call>not json</tool_call>",
+                  '<tool_call>{"arguments": {}}</tool_call>'):
+        assert p.extract(plain) == (plain, [])
+    # A stream never sends what may be the start of a call.
+    assert p.streamable("Hello <tool") == len("Hello ")
+    assert p.streamable("Hello <") == len("Hello ")
+    assert p.streamable("Hello") == 5
+    assert p.streamable("x<tool_call>{") == 1
+
+
+def test_llama3_json_parser() -> None:
+    p = Llama3JsonToolParser()
+    content, calls = p.extract('{"name": "f", "parameters": {"a": 1}}')
+    assert content is None and json.loads(calls[0].arguments) == {"a": 1}
+    content, calls = p.extract('<|python_tag|>{"name": "f", "parameters": {}}; '
+                               '{"name": "g", "parameters": {"b": 2}}')
+    assert [c.name for c in calls] == ["f", "g"]
+    for plain in ("Hello", '{"name": 3}', '{"name": "f", "parameters": {}} trailing'):
+        assert p.extract(plain) == (plain, [])
+    for held in ("", "  ", " {", "<|py", "<|python_tag|>{"):
+        assert p.streamable(held) == 0
+    assert p.streamable("Hi there") == len("Hi there")
+
+
+def test_constraints() -> None:
+    tools = [ToolDef(**WEATHER), ToolDef(**TIME)]
+    named = constraint(tools, NamedToolChoice(type="function",
+                                              function={"name": "get_time"}), True)
+    assert named.json == TIME["function"]["parameters"]
+    required = constraint(tools, "required", True).json
+    assert required["minItems"] == 1 and "maxItems" not in required
+    names = [alt["properties"]["name"]["enum"] for alt in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert constraint(tools, "required", False).json["maxItems"] == 1
+    assert constraint(tools, "auto", True) is None
+    assert constraint(tools, "none", True) is None
+
+
+def test_tool_stream_holds_back_a_call_and_sends_it_last() -> None:
+    s = ToolStream("auto", HermesToolParser())
+    pieces = ["Let me ", "check.<tool", '_call>{"name": "get_weather", ',
+              '"arguments": {"city": "Paris"}}</tool_call>']
+    sent = "".join(s.content(0, piece) for piece in pieces)
+    assert sent == "Let me check."
+    last, finish = s.finish(0, "stop")
+    assert finish == "tool_calls" and "content" not in last
+    (call,) = last["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    plain = ToolStream("auto", HermesToolParser())
+    assert plain.content(0, "a <") == "a "
+    assert plain.finish(0, "length") == ({"content": "<"}, "length")
+
+
+# ---- the server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+# A chat template that writes the tools' names, and earlier calls with their arguments read
+# as a dict (as templates that ``tojson`` them expect).
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t.function.name }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name + '(' + c.function.arguments.city + ')' }}"
+    "{% endfor %}{{ '</s>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+HISTORY = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+@pytest.fixture(scope="module")
+def model_rendering_tools(model, tmp_path_factory) -> str:
+    """The tiny model with ``TOOLS_TEMPLATE`` as its chat template."""
+    out = Path(tmp_path_factory.mktemp("tools-model")) / "m"
+    shutil.copytree(model, out)
+    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return str(out)
+
+
+def test_tools_and_earlier_calls_reach_the_template(model_rendering_tools) -> None:
+    from cadence.server.protocol import ChatMessage
+    from cadence.server.serving import render_messages
+    from cadence.tokenizer_loader import load_tokenizer
+
+    tok = load_tokenizer(model_rendering_tools)
+    chat = render_messages(tok, [ChatMessage(**m) for m in HISTORY], True, "",
+                           [ToolDef(**WEATHER).model_dump(exclude_none=True)])
+    assert chat.text.startswith("tools: get_weather\n")
+    assert "<|assistant|>\nget_weather(Paris)</s>" in chat.text
+    assert "<|tool|>\nsunny</s>" in chat.text
+
+
+def _post(model: str, *bodies, parser: str | None = None) -> list:
+    async def run(engine):
+        app = build_app(engine, "tiny", tool_call_parser=parser)
+        replies = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as client:
+            for b in bodies:
+                r = await client.post("/v1/chat/completions", json=b)
+                replies.append((r.status_code, r.text if b.get("stream") else r.json()))
+        return replies
+
+    return with_engine(model, run)
+
+
+def _constrained() -> None:
+    pytest.importorskip("xgrammar", reason="named and required tool choices need the "
+                                           "structured extra (xgrammar)")
+
+
+def test_named_tool_choice_returns_a_call_with_valid_arguments(model) -> None:
+    _constrained()
+    body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 40, "temperature": 0.9,
+            "seed": 1, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    [(status, r), (sstatus, streamed)] = _post(model, body, {**body, "stream": True})
+    assert status == 200, r
+    (choice,) = r["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"])["zone"] in ("utc", "cet")
+    assert sstatus == 200
+    chunks = [c["choices"][0] for c in events(streamed) if c["choices"]]
+    got = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in got] == \
+        [("get_time", call["function"]["arguments"])]  # same seed, same call
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert not "".join(c["delta"].get("content") or "" for c in chunks)
+
+
+def test_required_tool_choice_returns_calls_of_the_tools(model) -> None:
+    _constrained()
+    body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 80, "temperature": 0.8,
+            "seed": 3, "tool_choice": "required", "parallel_tool_calls": False}
+    [(status, r)] = _post(model, body)
+    assert status == 200, r
+    (choice,) = r["choices"]
+    calls = choice["message"].get("tool_calls")
+    if choice["finish_reason"] == "length":
+        pytest.skip("the random model ran past max_tokens inside the JSON")
+    assert choice["finish_reason"] == "tool_calls"
+    assert len(calls) == 1 and calls[0]["function"]["name"] in ("get_weather", "get_time")
+    json.loads(calls[0]["function"]["arguments"])
+
+
+def test_auto_reads_the_calls_with_the_servers_parser(model) -> None:
+    _constrained()
+    # The random model is made to write a Hermes call (a regex beside tool_choice "auto").
+    call = r'Hi<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    body = {"messages": USER, "tools": [WEATHER], "max_tokens": 200,
+            "structured_outputs": {"regex": call}}
+    [(status, r), (_, streamed), (_, plain)] = _post(
+        model, body, {**body, "stream": True},
+        {"messages": USER, "tools": [WEATHER], "max_tokens": 5}, parser="hermes")
+    assert status == 200, r
+    (choice,) = r["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Hi"
+    (got,) = choice["message"]["tool_calls"]
+    assert got["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chunks = [c["choices"][0] for c in events(streamed) if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Hi"
+    (delta,) = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert delta["function"]["name"] == "get_weather"
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # No call written: plain content, the usual finish.
+    (choice,) = plain["choices"]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "length"
+
+
+def test_a_conversation_with_calls_is_served(model_rendering_tools) -> None:
+    base = {"max_tokens": 1, "tool_choice": "none", "tools": [WEATHER]}
+    [(s1, asked), (s2, answered)] = _post(model_rendering_tools, {**base, "messages": USER},
+                                          {**base, "messages": HISTORY})
+    assert (s1, s2) == (200, 200), answered
+    assert answered["usage"]["prompt_tokens"] > asked["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not among the tools"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools", "distinct"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "response_format"),
+    ({"tools": [{"type": "function", "function": {"nam": "x"}}]}, "tools", ""),
+    ({"tool_choice": "sometimes"}, "tool_choice", ""),
+])
+def test_misuse_is_a_400_naming_the_field(model, body, param, words) -> None:
+    [(status, r)] = _post(model, {"messages": USER, "max_tokens": 2, **body})
+    assert status == 400, r
+    assert r["error"]["param"].startswith(param), r
+    assert words in r["error"]["message"], r
+
+
+def test_serve_flags_name_every_parser_and_go_together(model) -> None:
+    from cadence.cli.main import build_parser, main
+    from cadence.server.tool_parsers import TOOL_PARSERS
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (flag,) = [a for a in serve._actions if "--tool-call-parser" in a.option_strings]
+    assert set(flag.choices) == set(TOOL_PARSERS)
+    # Checked before the model loads: exit status 2 with the reason.
+    assert main(["serve", "--model", model, "--enable-auto-tool-choice"]) == 2
+    assert main(["serve", "--model", model, "--tool-call-parser", "hermes"]) == 2
+
+
+def test_tokenize_counts_the_tools_as_the_chat_endpoint_does(model_rendering_tools) -> None:
+    async def run(engine):
+        app = build_app(engine, "tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as client:
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": HISTORY, "tools": [WEATHER], "tool_choice": "none",
+                "max_tokens": 1})
+            counted = await client.post("/tokenize", json={"messages": HISTORY,
+                                                           "tools": [WEATHER]})
+            bare = await client.post("/tokenize", json={"messages": HISTORY})
+            wrong = await client.post("/tokenize", json={"prompt": "x", "tools": [WEATHER]})
+        return chat.json(), counted.json(), bare.json(), wrong
+
+    chat, counted, bare, wrong = with_engine(model_rendering_tools, run)
+    assert counted["count"] == chat["usage"]["prompt_tokens"] > bare["count"]
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "tools"
