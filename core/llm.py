@@ -113,7 +113,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: Sequence[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         to a list of conversations; results come back in conversation order (vLLM's
         ``LLM.chat``).
@@ -121,11 +122,14 @@ class LLM:
         Each conversation is rendered with the tokenizer's chat template (or
         ``chat_template``) and tokenized without adding special tokens again, so the prompt
         ids equal transformers' ``apply_chat_template(..., tokenize=True)`` (core/chat.py).
-        ``sampling_params`` works as in ``generate``.
+        ``sampling_params`` works as in ``generate``. ``tools`` (OpenAI's function
+        definitions) reach the template as transformers passes them; reading calls out of
+        the reply is the caller's (the server's parsers: docs/server.md, "Tool calling").
         """
         tokenizer = self.get_tokenizer()
         prompts = [render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
-                               continue_final_message, chat_template_kwargs).as_engine_prompt()
+                               continue_final_message, chat_template_kwargs,
+                               tools).as_engine_prompt()
                    for conversation in split_conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
 

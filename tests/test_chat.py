@@ -58,6 +58,15 @@ def test_llm_chat_equals_transformers(bos_model):
         (out,) = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=CHAT_TEMPLATE)
         assert out.prompt_token_ids == hf_ids(tok, HELLO, chat_template=CHAT_TEMPLATE)
         assert out.prompt_token_ids[0] != tok.bos_token_id
+        # Tools reach the template as transformers passes them.
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        tool_template = "{{ tools[0].function.name if tools else '-' }}" + CHAT_TEMPLATE
+        (out,) = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template=tool_template,
+                          tools=tools)
+        assert out.prompt_token_ids == hf_ids(tok, HELLO, chat_template=tool_template,
+                                              tools=tools)
+        assert out.prompt != llm.chat(HELLO, GREEDY, use_tqdm=False,
+                                      chat_template=tool_template)[0].prompt
         # Text parts are joined, as the server joins them.
         parts = [{"role": "user", "content": [{"type": "text", "text": "hello "},
                                               {"type": "text", "text": "there"}]}]
