@@ -21,7 +21,12 @@ from test_async_engine import with_engine
 from test_server import events
 
 from cadence.server.app import build_app
-from cadence.server.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from cadence.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+)
 from cadence.server.tools import (
     NamedToolChoice,
     ToolDef,
@@ -74,6 +79,32 @@ def test_llama3_json_parser() -> None:
     for held in ("", "  ", " {", "<|py", "<|python_tag|>{"):
         assert p.streamable(held) == 0
     assert p.streamable("Hi there") == len("Hi there")
+
+
+def test_mistral_parser() -> None:
+    p = MistralToolParser()
+    content, calls = p.extract('Checking. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}},'
+                               ' {"name": "g", "arguments": {}}]')
+    assert content == "Checking. " and [c.name for c in calls] == ["f", "g"]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # Mistral's templates
+    for plain in ("no call", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"arguments": {}}]'):
+        assert p.extract(plain) == (plain, [])
+    assert p.streamable("ok [TOOL_") == len("ok ")
+
+
+def test_pythonic_parser() -> None:
+    p = PythonicToolParser()
+    content, calls = p.extract("[get_weather(city='Paris', days=2), now()]")
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
+    _, calls = p.extract("<|python_start|>[f(x=[1, 2], y=None)]<|python_end|>")
+    assert json.loads(calls[0].arguments) == {"x": [1, 2], "y": None}
+    for plain in ("Hello", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]", "[]", "[f(x=1"):
+        assert p.extract(plain) == (plain, [])
+    for held in ("", " [", "<|python"):
+        assert p.streamable(held) == 0
+    assert p.streamable("Hi") == 2
 
 
 def test_constraints() -> None:

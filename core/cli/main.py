@@ -111,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve tool_choice \"auto\" (the default with tools), reading the "
                         "model's calls with --tool-call-parser (default: off; named and "
                         "\"required\" tool choices work without it)")
-    g.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=("hermes", "llama3_json", "mistral", "pythonic"),
                    help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), "
-                        "llama3_json (Llama 3.1/3.2) (default: none)")
+                        "llama3_json (Llama 3.1/3.2 JSON), mistral, pythonic (Llama 3.2/4 "
+                        "pythonic, ToolACE) (default: none)")
     add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),

@@ -4,8 +4,10 @@ knows one family's format; ``TOOL_PARSERS`` names them. No torch here."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,6 +47,18 @@ class ToolParser:
         raise NotImplementedError
 
 
+def _before_marker(text: str, marker: str) -> int:
+    """How much of ``text`` is surely content when a call begins with ``marker``: up to
+    the marker, else all but a tail that could still grow into it."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
 def call_from(obj: Any) -> ToolCall | None:
     """``{"name": ..., "arguments" (or "parameters"): {...}}`` as a call; None otherwise."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -79,14 +93,7 @@ class HermesToolParser(ToolParser):
         return text[:at] or None, calls
 
     def streamable(self, text: str) -> int:
-        at = text.find(self.START)
-        if at >= 0:
-            return at
-        # Hold back a tail that could still grow into the marker.
-        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return _before_marker(text, self.START)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -126,5 +133,74 @@ class Llama3JsonToolParser(ToolParser):
         return len(text)
 
 
+class MistralToolParser(ToolParser):
+    """Mistral's ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``: content is the
+    text before the marker. Call ids are 9 letters and digits, the only ids Mistral's chat
+    templates take back."""
+
+    name = "mistral"
+    keeps_special_tokens = True
+    START = "[TOOL_CALLS]"
+    _ID = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.START)
+        if at < 0:
+            return text, []
+        try:
+            items = json.loads(text[at + len(self.START):])
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [call_from(item) for item in items]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        for c in calls:
+            c.id = "".join(secrets.choice(self._ID) for _ in range(9))
+        return text[:at] or None, calls
+
+    def streamable(self, text: str) -> int:
+        return _before_marker(text, self.START)
+
+
+class PythonicToolParser(ToolParser):
+    """A reply that is a Python list of calls, ``[get_weather(city='Paris'), f()]``
+    (Llama 3.2's and Llama 4's pythonic format, ToolACE), read with ``ast``: keyword
+    arguments with literal values only."""
+
+    name = "pythonic"
+    keeps_special_tokens = True
+    TAGS = ("<|python_start|>", "<|python_end|>")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1]).strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError):
+            return text, []
+        return None, calls
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            raise ValueError("not a call by keywords")
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        if None in args:
+            raise ValueError("**kwargs")
+        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+    def streamable(self, text: str) -> int:
+        body = text.lstrip()
+        if not body or body.startswith(("[", self.TAGS[0])) or self.TAGS[0].startswith(body):
+            return 0
+        return len(text)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                        PythonicToolParser)}
