@@ -125,15 +125,21 @@ def test_tool_stream_holds_back_a_call_and_sends_it_last() -> None:
     s = ToolStream("auto", HermesToolParser())
     pieces = ["Let me ", "check.<tool", '_call>{"name": "get_weather", ',
               '"arguments": {"city": "Paris"}}</tool_call>']
-    sent = "".join(s.content(0, piece) for piece in pieces)
-    assert sent == "Let me check."
+    deltas = [s.delta(0, piece) for piece in pieces]
+    assert "".join(d["content"] for d in deltas if d) == "Let me check."
     last, finish = s.finish(0, "stop")
     assert finish == "tool_calls" and "content" not in last
     (call,) = last["tool_calls"]
     assert call["index"] == 0 and call["function"]["name"] == "get_weather"
     plain = ToolStream("auto", HermesToolParser())
-    assert plain.content(0, "a <") == "a "
+    assert plain.delta(0, "a <") == {"content": "a "}
     assert plain.finish(0, "length") == ({"content": "<"}, "length")
+    # A named call streams its arguments as they come; the first delta names it.
+    named = ToolStream(NamedToolChoice(type="function", function={"name": "f"}), None)
+    first, second = named.delta(0, '{"a":'), named.delta(0, "1}")
+    assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a":'}
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}
+    assert named.finish(0, "stop") == (None, "stop")
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -211,8 +217,11 @@ def test_named_tool_choice_returns_a_call_with_valid_arguments(model) -> None:
     assert sstatus == 200
     chunks = [c["choices"][0] for c in events(streamed) if c["choices"]]
     got = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
-    assert [(d["function"]["name"], d["function"]["arguments"]) for d in got] == \
-        [("get_time", call["function"]["arguments"])]  # same seed, same call
+    # The arguments stream as they come; the first delta names the call.
+    assert got[0]["function"]["name"] == "get_time" and got[0]["id"]
+    assert "".join(d["function"]["arguments"] for d in got) == \
+        call["function"]["arguments"]  # same seed, same call
+    assert {d["index"] for d in got} == {0}
     assert chunks[-1]["finish_reason"] == "stop"
     assert not "".join(c["delta"].get("content") or "" for c in chunks)
 

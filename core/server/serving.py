@@ -233,14 +233,15 @@ class OpenAIServing:
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
-                text = c.text if calls is None else calls.content(c.index, c.text)
+                delta = (({"content": c.text} if c.text else None) if calls is None
+                         else calls.delta(c.index, c.text))
                 # Tokens whose text is held back (a partial character, a possible stop
                 # string or tool call) still send their logprobs; without logprobs they
                 # wait for text.
-                if text or (c.token_ids and k is not None):
+                if delta or (c.token_ids and k is not None):
                     lp = formats.chat_logprobs(c, k) if k is not None else None
-                    yield _sse(head.chunk([formats.chat_delta(c.index, {"content": text},
-                                                              lp, None)]))
+                    yield _sse(head.chunk([formats.chat_delta(
+                        c.index, delta or {"content": ""}, lp, None)]))
                 if c.finished:
                     finish = c.finish_reason
                     if calls is not None:

@@ -138,34 +138,44 @@ def finish_reason_of(choice: str | NamedToolChoice, calls: list[ToolCall],
 
 
 class ToolStream:
-    """A streamed reply's tool calls: content is sent only once it cannot be part of a call
-    (``ToolParser.streamable``; never, under a constraint), the calls at the end."""
+    """A streamed reply's tool calls. Under a named choice the reply is the call's
+    arguments, streamed as they come (the first delta names the function, as OpenAI's
+    streams do); under "required" the calls come at the end; under "auto" content is sent
+    once it cannot be part of a call (``ToolParser.streamable``) and the calls at the end."""
 
     def __init__(self, choice: str | NamedToolChoice, parser: ToolParser | None) -> None:
         self.choice, self.parser = choice, parser
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}
+        self._named: dict[int, ToolCall] = {}
 
-    def content(self, index: int, new: str) -> str:
-        """The content to send now for sample ``index``, given its newest text."""
+    def delta(self, index: int, new: str) -> dict[str, Any] | None:
+        """What to send now for sample ``index``, given its newest text; None: nothing."""
         text = self._text[index] = self._text.get(index, "") + new
+        if isinstance(self.choice, NamedToolChoice):
+            if not new:
+                return None
+            if index not in self._named:
+                self._named[index] = call = ToolCall(self.choice.function.name, new)
+                return {"tool_calls": [call.as_json(0)]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
         safe = self.parser.streamable(text) if self.choice == "auto" and self.parser else 0
         sent = self._sent.get(index, 0)
         if safe <= sent:
-            return ""
+            return None
         self._sent[index] = safe
-        return text[sent:safe]
+        return {"content": text[sent:safe]}
 
     def finish(self, index: int, finish_reason: str | None
                ) -> tuple[dict[str, Any] | None, str | None]:
-        """The last delta of sample ``index`` (the content held back, the calls) and its
-        finish reason."""
+        """The last delta of sample ``index`` (the content held back, the calls not sent
+        yet) and its finish reason."""
         text, sent = self._text.get(index, ""), self._sent.get(index, 0)
         content, calls = reply_of(self.choice, self.parser, text)
         delta: dict[str, Any] = {}
         rest = (content or "")[sent:]
         if rest:
             delta["content"] = rest
-        if calls:
+        if calls and index not in self._named:
             delta["tool_calls"] = [c.as_json(i) for i, c in enumerate(calls)]
         return delta or None, finish_reason_of(self.choice, calls, finish_reason)
