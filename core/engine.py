@@ -320,6 +320,14 @@ class LLMEngine:
         return self.output_processor.take_ready()
 
     def shutdown(self) -> None:
+        if self._loop is not None:
+            # Nothing stays submitted past the backend: the steps async scheduling or the
+            # pipeline planned ahead are collected (their tokens are committed, or dropped
+            # for requests that ended meanwhile).
+            try:
+                self._loop.flush()
+            except Exception:
+                logger.exception("collecting the steps in flight at shutdown failed")
         self._drain()
         self.structured.shutdown()
         self.backend.shutdown()

@@ -344,3 +344,19 @@ def test_every_built_in_backend_declares_it():
         cls = registry.backends[name].cls
         assert cls.supports_async_scheduling, name
         check_backend_supports(cls, registry)
+
+
+def test_shutdown_collects_the_step_in_flight(model) -> None:
+    """Nothing stays submitted past the backend: a step planned ahead is collected (with the
+    process strategy, its worker answers it) before the backend shuts down."""
+    llm = make_llm(model, async_scheduling=True, backend_options={"overlap": "process"})
+    eng = llm.engine
+    eng.add_request("r", "the cat", SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng._loop.has_in_flight
+    collect = eng.backend.collect
+    collected = []
+    eng.backend.collect = lambda: collected.append(1) or collect()
+    llm.shutdown()
+    assert collected and not eng._loop.has_in_flight

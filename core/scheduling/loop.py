@@ -125,6 +125,11 @@ class AsyncSchedulingLoop:
         """Forget the steps in flight: the backend lost them (a lost worker is restarted)."""
         self.in_flight.clear()
 
+    def flush(self) -> None:
+        """Collect and commit every step in flight (before the backend shuts down)."""
+        while self.in_flight:
+            self._complete(self.in_flight[0])
+
     # ---- the parts of a step ----------------------------------------------------------
     def _finalize_previous(self) -> None:
         finalize_pending(self.engine)

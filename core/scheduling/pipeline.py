@@ -224,6 +224,11 @@ class PipelineLoop:
         self.in_flight.clear()
         self.engine.scheduler.forget_in_flight()
 
+    def flush(self) -> None:
+        """Collect and commit every micro-batch in flight (before the backend shuts down)."""
+        while self.in_flight:
+            self._complete()
+
     # ---- the parts of a step ----------------------------------------------------------
     def _finalize_previous(self) -> None:
         finalize_pending(self.engine)
