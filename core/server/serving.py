@@ -190,7 +190,6 @@ class OpenAIServing:
             lp = formats.echo_logprobs(out, lambda t: self.tokenizer.decode([t]))
         return text, lp
 
-
     # ---- streams -----------------------------------------------------------------------
     async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
                                 ) -> AsyncIterator[str]:
