@@ -263,6 +263,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's template options: the last (assistant) message continued instead of a new one
+    # begun, and extra variables for the template (e.g. Qwen3's enable_thinking).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -274,6 +278,7 @@ class ChatCompletionRequest(_Common):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RequestError(f"{name} must be an integer >= 1 or null, got {value}", name)
+        check_template_options(self)
         self._check_tools()
         self._structured()  # a bad response_format is a 400 now
         if self.top_logprobs is not None:
@@ -343,6 +348,27 @@ class ChatCompletionRequest(_Common):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs, defaults, self._structured(),
                               self.prompt_logprobs)
+
+
+# Arguments apply_chat_template takes itself: a template variable of these names would
+# collide with them (transformers raises on the duplicate) or quietly change the rendering.
+_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents",
+                                "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "return_dict",
+                                "return_tensors", "padding", "truncation", "max_length"})
+
+
+def check_template_options(req: Any) -> None:
+    """vLLM's rules for ``continue_final_message`` and ``chat_template_kwargs`` (on the
+    chat endpoint and /tokenize)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError("continue_final_message needs add_generation_prompt=false (the "
+                           "last message is continued, no new one begun)",
+                           "continue_final_message")
+    reserved = sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_RESERVED)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {reserved}: they have fields "
+                           "or meanings of their own", "chat_template_kwargs")
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:

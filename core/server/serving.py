@@ -100,7 +100,8 @@ class OpenAIServing:
                 '"required" or "none"', "tool_choice")
         chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
                                "use /v1/completions",
-                               [t.model_dump(exclude_none=True) for t in req.tools or ()])
+                               [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                               req.continue_final_message, req.chat_template_kwargs)
         params = self._params(len(chat.token_ids), req.requested_max_tokens,
                               self._make_params(req), "messages", req.max_tokens_field)
         if choice == "auto" and self.tool_parser.keeps_special_tokens:
@@ -306,14 +307,18 @@ async def _merge(streams: list[RequestStream]
 
 
 def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                    instead: str, tool_defs: list[dict] | None = None) -> ChatPrompt:
+                    instead: str, tool_defs: list[dict] | None = None,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """The chat template's rendering of ``messages``, or a 400 naming ``messages`` (with
     ``instead`` saying what to do when the model has no template)."""
     if not has_chat_template(tokenizer):
         raise RequestError(f"this model has no chat template; {instead}", "messages")
     try:
         return render_chat(tokenizer, [m.as_template_dict() for m in messages],
-                           add_generation_prompt=add_generation_prompt, tools=tool_defs)
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           chat_template_kwargs=template_kwargs, tools=tool_defs)
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
 

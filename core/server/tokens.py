@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from cadence.sampling_params import shown
-from cadence.server.protocol import ChatMessage, RequestError
+from cadence.server.protocol import ChatMessage, RequestError, check_template_options
 from cadence.server.serving import check_unicode, render_messages
 from cadence.server.tools import ToolDef
 
@@ -35,8 +35,10 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    # The chat endpoint's tools, rendered into the prompt the same way (messages only).
+    # The chat endpoint's tools and template options, rendered the same way (messages only).
     tools: list[ToolDef] | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -52,7 +54,8 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
-        for name in ("add_generation_prompt", "tools"):
+        for name in ("add_generation_prompt", "tools", "continue_final_message",
+                     "chat_template_kwargs"):
             if name in req.model_fields_set:
                 raise RequestError(f"{name} applies to messages, not to a prompt", name)
         check_unicode(req.prompt, "prompt")
@@ -61,9 +64,11 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
     else:
         if not req.messages:
             raise RequestError("messages must not be empty", "messages")
+        check_template_options(req)
         chat = render_messages(tokenizer, req.messages, req.add_generation_prompt,
                                "tokenize a prompt instead",
-                               [t.model_dump(exclude_none=True) for t in req.tools or ()])
+                               [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                               req.continue_final_message, req.chat_template_kwargs)
         ids = chat.token_ids
         if req.add_special_tokens:
             ids = list(tokenizer.encode(chat.text, add_special_tokens=True))
