@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), "
                         "llama3_json (Llama 3.1/3.2 JSON), mistral, pythonic (Llama 3.2/4 "
                         "pythonic, ToolACE) (default: none)")
+    g.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="return a reasoning model's <think> ... </think> as "
+                        "reasoning_content beside content (default: none)")
     add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),

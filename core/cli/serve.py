@@ -95,7 +95,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         name = ns.served_model_name or os.path.basename(
             os.path.normpath(engine.engine.config.model_config.model))
         app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits,
-                        ns.metrics_prefix, ns.tool_call_parser)
+                        ns.metrics_prefix, ns.tool_call_parser, ns.reasoning_parser)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
         if ns.data_parallel_size > 1:

@@ -53,7 +53,8 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
               max_logprobs: int = 20, api_key: str | None = None,
               limits: ServerLimits | None = None, metrics_prefix: str = "vllm",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server.
 
     ``/metrics`` names its metrics ``vllm:*`` (vLLM's names, for existing dashboards) or,
@@ -61,12 +62,15 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     With ``api_key``, every route but /health needs ``Authorization: Bearer <api_key>``;
     ``limits`` defaults to ``ServerLimits()`` (docs/server.md, "Limits").
-    ``tool_call_parser`` (``server.tools.TOOL_PARSERS``) serves tool_choice "auto".
+    ``tool_call_parser`` (``server.tool_parsers.TOOL_PARSERS``) serves tool_choice "auto";
+    ``reasoning_parser`` (``server.reasoning.REASONING_PARSERS``) splits a reasoning model's
+    thinking into ``reasoning_content``.
     """
     limits = limits or ServerLimits()
     if api_key is not None:
         check_api_key(api_key)  # here, not at the first request, where it would be too late
-    serving = OpenAIServing(engine, model_name, max_logprobs, limits, tool_call_parser)
+    serving = OpenAIServing(engine, model_name, max_logprobs, limits, tool_call_parser,
+                            reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

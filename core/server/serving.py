@@ -15,7 +15,7 @@ from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
-from cadence.server import formats, tools
+from cadence.server import formats, reasoning, tools
 from cadence.server.limits import ServerLimits
 from cadence.server.protocol import (
     ChatCompletionRequest,
@@ -29,8 +29,12 @@ class OpenAIServing:
     """Serves /v1/completions and /v1/chat/completions from one ``AsyncLLM``."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20,
-                 limits: ServerLimits | None = None, tool_parser: str | None = None) -> None:
+                 limits: ServerLimits | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        # Splits a reasoning model's thinking from its answer (reasoning_content).
+        self.reasoning_parser = None if reasoning_parser is None else \
+            reasoning.REASONING_PARSERS[reasoning_parser]()
         # tool_choice "auto" reads calls out of the text with it; None: "auto" is refused.
         self.tool_parser = None if tool_parser is None else tools.TOOL_PARSERS[tool_parser]()
         self.model_name = model_name
@@ -163,13 +167,17 @@ class OpenAIServing:
         usage.add(out)
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
                    for c in out.outputs]
-        if req.effective_tool_choice != "none":
-            for choice, c in zip(choices, out.outputs):
+        for choice, c in zip(choices, out.outputs):
+            message, answer = choice["message"], c.text
+            if self.reasoning_parser is not None:
+                message["reasoning_content"], answer = self.reasoning_parser.split(c.text)
+                message["content"] = answer
+            if req.effective_tool_choice != "none":
                 content, calls = tools.reply_of(req.effective_tool_choice, self.tool_parser,
-                                                c.text)
-                choice["message"]["content"] = content
+                                                answer or "")
+                message["content"] = content
                 if calls:
-                    choice["message"]["tool_calls"] = [call.as_json() for call in calls]
+                    message["tool_calls"] = [call.as_json() for call in calls]
                 choice["finish_reason"] = tools.finish_reason_of(
                     req.effective_tool_choice, calls, c.finish_reason)
         body = formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
@@ -230,11 +238,17 @@ class OpenAIServing:
                                                                "content": ""}, None, None)]))
         usage = formats.Usage()
         calls = self._tool_stream(req)
+        thinks = None if self.reasoning_parser is None else \
+            reasoning.ReasoningStream(self.reasoning_parser)
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
-                delta = (({"content": c.text} if c.text else None) if calls is None
-                         else calls.delta(c.index, c.text))
+                thinking, answer = ("", c.text) if thinks is None else \
+                    thinks.delta(c.index, c.text, c.finished)
+                delta = (({"content": answer} if answer else None) if calls is None
+                         else calls.delta(c.index, answer))
+                if thinking:
+                    delta = {"reasoning_content": thinking, **(delta or {})}
                 # Tokens whose text is held back (a partial character, a possible stop
                 # string or tool call) still send their logprobs; without logprobs they
                 # wait for text.
