@@ -87,6 +87,19 @@ def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict:
     return _legacy_logprobs(c.token_ids, c.logprobs or [], text_offset)
 
 
+def echo_prefix(out: RequestOutput, echo: bool, logprobs: int | None, tokenizer: Any
+                ) -> tuple[str, dict | None] | None:
+    """echo=true: the prompt's text and, with logprobs, its tokens' logprobs; None
+    without echo."""
+    if not echo:
+        return None
+    text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    lp = None
+    if logprobs is not None:
+        lp = echo_logprobs(out, lambda t: tokenizer.decode([t]))
+    return text, lp
+
+
 def echo_logprobs(out: RequestOutput, decode: Callable[[int], str]) -> dict:
     """The prompt's tokens in the legacy completions shape (echo=true with logprobs): the
     first token has no logprob (nothing predicts it), as in OpenAI's and vLLM's replies;

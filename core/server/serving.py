@@ -16,6 +16,7 @@ from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
+from cadence.server.chat_reply import ChatReply
 from cadence.server.limits import ServerLimits
 from cadence.server.protocol import (
     ChatCompletionRequest,
@@ -112,9 +113,8 @@ class OpenAIServing:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return chat.as_engine_prompt(), params
 
-    def _tool_stream(self, req: ChatCompletionRequest) -> tools.ToolStream | None:
-        choice = req.effective_tool_choice
-        return None if choice == "none" else tools.ToolStream(choice, self.tool_parser)
+    def _reply(self, req: ChatCompletionRequest) -> ChatReply:
+        return ChatReply(req.effective_tool_choice, self.tool_parser, self.reasoning_parser)
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]],
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
@@ -149,7 +149,7 @@ class OpenAIServing:
             if req.echo_only:
                 out = formats.without_samples(out)
             usage.add(out)
-            echo = self._echo(out, req)
+            echo = formats.echo_prefix(out, req.echo, req.logprobs, self.tokenizer)
             for c in out.outputs:
                 choice, _ = formats.completion_choice_of(i * req.n + c.index, c,
                                                          req.logprobs, echo, 0)
@@ -167,37 +167,15 @@ class OpenAIServing:
         usage.add(out)
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
                    for c in out.outputs]
+        reply = self._reply(req)
         for choice, c in zip(choices, out.outputs):
-            message, answer = choice["message"], c.text
-            if self.reasoning_parser is not None:
-                message["reasoning_content"], answer = self.reasoning_parser.split(c.text)
-                message["content"] = answer
-            if req.effective_tool_choice != "none":
-                content, calls = tools.reply_of(req.effective_tool_choice, self.tool_parser,
-                                                answer or "")
-                message["content"] = content
-                if calls:
-                    message["tool_calls"] = [call.as_json() for call in calls]
-                choice["finish_reason"] = tools.finish_reason_of(
-                    req.effective_tool_choice, calls, c.finish_reason)
+            fields, choice["finish_reason"] = reply.whole(c.text, c.finish_reason)
+            choice["message"].update(fields)
         body = formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
                                 usage.as_dict())
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = formats.prompt_logprobs_json(out.prompt_logprobs)
         return body
-
-    def _echo(self, out: RequestOutput, req: CompletionRequest
-              ) -> tuple[str, dict | None] | None:
-        """echo=true: the prompt's text and, with logprobs, its tokens' logprobs; None
-        without echo."""
-        if not req.echo:
-            return None
-        text = out.prompt if out.prompt is not None else \
-            self.tokenizer.decode(out.prompt_token_ids)
-        lp = None
-        if req.logprobs is not None:
-            lp = formats.echo_logprobs(out, lambda t: self.tokenizer.decode([t]))
-        return text, lp
 
     # ---- streams -----------------------------------------------------------------------
     async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
@@ -215,7 +193,7 @@ class OpenAIServing:
                 out = formats.without_samples(out)
             usage.add(out, delta=True)
             if i not in echoes:
-                echoes[i] = self._echo(out, req)
+                echoes[i] = formats.echo_prefix(out, req.echo, req.logprobs, self.tokenizer)
             for c in out.outputs:
                 index = i * req.n + c.index
                 first = index not in offsets
@@ -237,18 +215,11 @@ class OpenAIServing:
             yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
                                                                "content": ""}, None, None)]))
         usage = formats.Usage()
-        calls = self._tool_stream(req)
-        thinks = None if self.reasoning_parser is None else \
-            reasoning.ReasoningStream(self.reasoning_parser)
+        reply = self._reply(req)
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
-                thinking, answer = ("", c.text) if thinks is None else \
-                    thinks.delta(c.index, c.text, c.finished)
-                delta = (({"content": answer} if answer else None) if calls is None
-                         else calls.delta(c.index, answer))
-                if thinking:
-                    delta = {"reasoning_content": thinking, **(delta or {})}
+                delta = reply.delta(c.index, c.text, c.finished)
                 # Tokens whose text is held back (a partial character, a possible stop
                 # string or tool call) still send their logprobs; without logprobs they
                 # wait for text.
@@ -257,12 +228,9 @@ class OpenAIServing:
                     yield _sse(head.chunk([formats.chat_delta(
                         c.index, delta or {"content": ""}, lp, None)]))
                 if c.finished:
-                    finish = c.finish_reason
-                    if calls is not None:
-                        last, finish = calls.finish(c.index, finish)
-                        if last is not None:
-                            yield _sse(head.chunk([formats.chat_delta(c.index, last, None,
-                                                                      None)]))
+                    last, finish = reply.finish(c.index, c.finish_reason)
+                    if last is not None:
+                        yield _sse(head.chunk([formats.chat_delta(c.index, last, None, None)]))
                     yield _sse(head.chunk([formats.chat_delta(c.index, {}, None, finish,
                                                               c.stop_reason)]))
         if req.include_usage:
