@@ -32,6 +32,7 @@ from cadence.request import Request
 from cadence.request_intake import (
     eos_token_ids,
     tokenize_prompt,
+    truncate_prompt,
     validate_request,
     vocab_size_from_config,
 )
@@ -127,6 +128,9 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids = tokenize_prompt(self.tokenizer, prompt)
+        kept = truncate_prompt(ids, params)
+        if len(kept) < len(ids):
+            text, ids = None, kept  # the text would no longer be the prompt's
         validate_request(ids, params, self.config.scheduler_config,
                          self.vocab_size)
         if params.structured_outputs is not None:

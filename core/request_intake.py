@@ -47,6 +47,10 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     """Refuse a request the engine could not run as asked: a ``FieldError`` (a ValueError)
     naming the field, the token ids as ``prompt``."""
     max_len = sc.max_model_len
+    k = params.truncate_prompt_tokens
+    if k is not None and k >= max_len:
+        raise FieldError(f"truncate_prompt_tokens must be < max_model_len={max_len} (to leave "
+                         f"room for output), got {shown(k)}", "truncate_prompt_tokens")
     if params.n > sc.max_num_samples:
         raise FieldError(f"n must be <= max_num_samples ({sc.max_num_samples}), got "
                          f"{shown(params.n)}", "n")
@@ -73,6 +77,12 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     params.check_against_model(vocab)
     if params.stop and not params.detokenize:
         raise FieldError("stop strings need detokenize=True", "detokenize")
+
+
+def truncate_prompt(ids: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
+    k = params.truncate_prompt_tokens
+    return ids if k is None or len(ids) <= k else ids[-k:]
 
 
 def vocab_size_from_config(model_dir: str) -> int | None:

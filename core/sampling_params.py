@@ -48,6 +48,8 @@ class SamplingParams:
     it). The returned logprobs are the model's own, from before the bias.
     ``allowed_token_ids`` restricts sampling to those tokens (vLLM's field), applied before
     the bias.
+    ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (vLLM's field: left
+    truncation, for inputs longer than the context).
     ``prompt_logprobs=k`` returns, per prompt token after the first, its log-probability
     given the tokens before it plus the ``k`` most likely tokens there (vLLM's field; the
     first entry is None, nothing predicts it). The prompt is then computed in full: a
@@ -70,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -139,6 +142,8 @@ class SamplingParams:
             raise bad("min_tokens", f"<= max_tokens ({shown(self.max_tokens)})")
         integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
         integer("prompt_logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
+        integer("truncate_prompt_tokens", "None or an integer >= 1", lambda v: v >= 1,
+                optional=True)
         integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
                 lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

@@ -191,6 +191,15 @@ CASES: list[Case] = [
     Case("logprobs-vocab-plus-one", "logprobs", {"logprobs": Vocab(1)}, on=PYTHON),
     Case("logprobs-vocab", SERVED, {"logprobs": Vocab(0)}, on=PYTHON),
     Case("logprobs-zero", SERVED, {"logprobs": 0}),
+    # ---- truncate_prompt_tokens (vLLM's): the prompt's last k tokens, k < max_model_len ---
+    Case("truncate_prompt_tokens-zero", "truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    Case("truncate_prompt_tokens-float", "truncate_prompt_tokens",
+         {"truncate_prompt_tokens": 2.0}),
+    Case("truncate_prompt_tokens-context", "truncate_prompt_tokens",
+         {"truncate_prompt_tokens": MAX_MODEL_LEN}, on=PYTHON),
+    Case("truncate_prompt_tokens-long-prompt", SERVED, {"truncate_prompt_tokens": 8},
+         _ids([5] * (MAX_MODEL_LEN + 10))),
+    Case("truncate_prompt_tokens-longer-than-prompt", SERVED, {"truncate_prompt_tokens": 40}),
     # ---- prompt_logprobs (vLLM's): the same rule as logprobs; not in a stream ------------
     Case("prompt_logprobs-negative", "prompt_logprobs", {"prompt_logprobs": -1}),
     Case("prompt_logprobs-float", "prompt_logprobs", {"prompt_logprobs": 1.0}),

@@ -4,6 +4,7 @@ that collide, and the post-sample hook seeing every output."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 
 import pytest
@@ -200,3 +201,42 @@ def test_priority_is_served_under_the_priority_policy_and_refused_under_fcfs(mod
         fcfs.generate(["a b"], SamplingParams(max_tokens=2), priority=[1], use_tqdm=False)
     assert not fcfs.engine.has_unfinished_requests()
     fcfs.engine.shutdown()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir) -> None:
+    """vLLM's left truncation: the request runs on the prompt's last k tokens, exactly as
+    if it had been sent alone; over HTTP too, where the prompt would not fit otherwise."""
+    from engine_helpers import generate, make_llm
+
+    model = tiny_model_dir("llama")
+    ids = [(7 * i) % 300 + 3 for i in range(300)]  # longer than max_model_len (256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(model)
+    try:
+        (want,) = generate(llm, [{"prompt_token_ids": ids[-40:]}], greedy)
+        (got,) = generate(llm, [{"prompt_token_ids": ids}],
+                          dataclasses.replace(greedy, truncate_prompt_tokens=40))
+        assert got.prompt_token_ids == ids[-40:] and got.prompt is None
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        (short,) = generate(llm, ["the cat"], dataclasses.replace(
+            greedy, truncate_prompt_tokens=100))
+        assert short.prompt == "the cat"  # nothing cut: the text is still the prompt's
+    finally:
+        llm.shutdown()
+    pytest.importorskip("httpx", reason="the server part needs httpx (the test extra)")
+    from test_server import serve
+
+    async def body(client, engine):
+        r = await client.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "truncate_prompt_tokens": 40})
+        c = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "the cat " * 200}], "max_tokens": 2,
+            "truncate_prompt_tokens": 30})
+        return r, c
+
+    r, c = serve(model, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 40
+    assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    assert c.status_code == 200 and c.json()["usage"]["prompt_tokens"] == 30, c.text

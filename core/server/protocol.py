@@ -80,6 +80,7 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""
@@ -115,6 +116,10 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1:
+            raise RequestError(f"truncate_prompt_tokens must be an integer >= 1 or null, got "
+                               f"{k}", "truncate_prompt_tokens")
         if self.prompt_logprobs is not None:
             if not 0 <= self.prompt_logprobs <= max_logprobs:
                 raise RequestError(f"prompt_logprobs must be in [0, {max_logprobs}], got "
@@ -143,7 +148,8 @@ class _Common(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
                 logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens)
         except FieldError as e:
             raise RequestError(str(e), self.body_field(e.param)) from None
         except ValueError as e:  # a check without a param: its message starts with the field
@@ -169,6 +175,11 @@ class _Common(BaseModel):
     def body_field(self, name: str) -> str:
         """The body field behind the Python API's ``name`` (a ``FieldError``'s param)."""
         return name
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """The prompt ids the engine runs: the last ``truncate_prompt_tokens`` of them."""
+        k = self.truncate_prompt_tokens
+        return ids if k is None or len(ids) <= k else ids[-k:]
 
     @property
     def include_usage(self) -> bool:

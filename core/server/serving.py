@@ -87,6 +87,9 @@ class OpenAIServing:
                 prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
+            kept = req.truncated(prompt["prompt_token_ids"])
+            if len(kept) < len(prompt["prompt_token_ids"]):
+                prompt = {"prompt": None, "prompt_token_ids": kept}
             n = len(prompt["prompt_token_ids"])
             inputs.append((prompt, self._params(n, req.max_tokens, self._make_params(req),
                                                 "prompt")))
@@ -107,11 +110,15 @@ class OpenAIServing:
                                "use /v1/completions",
                                [t.model_dump(exclude_none=True) for t in req.tools or ()],
                                req.continue_final_message, req.chat_template_kwargs)
-        params = self._params(len(chat.token_ids), req.requested_max_tokens,
+        prompt = chat.as_engine_prompt()
+        kept = req.truncated(chat.token_ids)
+        if len(kept) < len(chat.token_ids):
+            prompt = {"prompt": None, "prompt_token_ids": kept}
+        params = self._params(len(kept), req.requested_max_tokens,
                               self._make_params(req), "messages", req.max_tokens_field)
         if choice == "auto" and self.tool_parser.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return chat.as_engine_prompt(), params
+        return prompt, params
 
     def _reply(self, req: ChatCompletionRequest) -> ChatReply:
         return ChatReply(req.effective_tool_choice, self.tool_parser, self.reasoning_parser)
