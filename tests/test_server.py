@@ -106,6 +106,20 @@ def test_streamed_completion_equals_whole_response(model):
         # A stop string never shows up in the text, streamed or not.
         assert all(" the" not in c["text"] and "ab" not in c["text"]
                    for c in whole["choices"])
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far, counting up
+        # to the whole response's, for both endpoints.
+        for path, extra in (("/v1/completions", {}),
+                            ("/v1/chat/completions", {"messages": [
+                                {"role": "user", "content": PROMPTS[0]}]})):
+            streamed = {**request, **extra, "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True}}
+            if "messages" in streamed:
+                streamed.pop("prompt"), streamed.pop("logprobs")
+            chunks = events((await client.post(path, json=streamed)).text)
+            running = [c["usage"] for c in chunks if c["choices"] and "usage" in c]
+            counts = [u["completion_tokens"] for u in running]
+            assert running and counts == sorted(counts)
+            assert running[-1] == chunks[-1]["usage"]
 
     serve(model, body)
 

@@ -40,6 +40,8 @@ class RequestError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -184,6 +186,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):

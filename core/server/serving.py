@@ -190,6 +190,7 @@ class OpenAIServing:
         head = formats.Head("cmpl", "text_completion", self.model_name)
         offsets: dict[int, int] = {}
         usage = formats.Usage()
+        head.running_usage = usage if req.continuous_usage else None
         # A delta output lists only the samples with news (core/output_state.py), and a
         # finish once, so every sample it lists becomes a chunk.
         # echo=true: each stream's prompt, from its first output; each choice's first chunk
@@ -222,6 +223,7 @@ class OpenAIServing:
             yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
                                                                "content": ""}, None, None)]))
         usage = formats.Usage()
+        head.running_usage = usage if req.continuous_usage else None
         reply = self._reply(req)
         async for _, out in _merge(streams):
             usage.add(out, delta=True)
