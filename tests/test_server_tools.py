@@ -117,6 +117,14 @@ def test_constraints() -> None:
     names = [alt["properties"]["name"]["enum"] for alt in required["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert constraint(tools, "required", False).json["maxItems"] == 1
+    # References into a tool's own definitions still resolve from the array's root.
+    with_defs = ToolDef(type="function", function={"name": "g", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+        "$defs": {"P": {"type": "integer"}}}})
+    schema = constraint([with_defs], "required", True).json
+    assert schema["$defs"] == {"P": {"type": "integer"}}
+    assert "$defs" not in schema["items"]["properties"]["parameters"]
+    assert "$defs" in with_defs.function.parameters  # the request's own is left alone
     assert constraint(tools, "auto", True) is None
     assert constraint(tools, "none", True) is None
 

@@ -93,12 +93,21 @@ def constraint(tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bo
         return StructuredOutputsParams(json=_parameters(fn), disable_any_whitespace=True)
     if choice != "required":
         return None
-    one_of = [{"type": "object",
-               "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                              "parameters": _parameters(t.function)},
-               "required": ["name", "parameters"]} for t in tools]
+    # A tool's definitions ("#/$defs/X" references) move to the root, where its references
+    # still find them once its schema sits inside the array's.
+    shared: dict[str, dict[str, Any]] = {}
+    one_of = []
+    for t in tools:
+        params = dict(_parameters(t.function))
+        for key in ("$defs", "definitions"):
+            shared.setdefault(key, {}).update(params.pop(key, None) or {})
+        one_of.append({"type": "object",
+                       "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                      "parameters": params},
+                       "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"anyOf": one_of} if len(one_of) > 1 else one_of[0]}
+                              "items": {"anyOf": one_of} if len(one_of) > 1 else one_of[0],
+                              **{key: defs for key, defs in shared.items() if defs}}
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
