@@ -246,7 +246,8 @@ def test_bad_requests_get_clear_errors_and_queue_nothing(model):
 
 def test_engine_field_names_become_the_body_fields():
     # The engine names fields as the Python API does; chat's body calls some differently.
-    from cadence.server.protocol import ChatCompletionRequest, CompletionRequest
+    from cadence.server.chat_protocol import ChatCompletionRequest
+    from cadence.server.protocol import CompletionRequest
 
     names = ("prompt", "max_tokens", "logprobs", "top_k")
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])

@@ -180,7 +180,7 @@ def model_rendering_tools(model, tmp_path_factory) -> str:
 
 
 def test_tools_and_earlier_calls_reach_the_template(model_rendering_tools) -> None:
-    from cadence.server.protocol import ChatMessage
+    from cadence.server.chat_protocol import ChatMessage
     from cadence.server.serving import render_messages
     from cadence.tokenizer_loader import load_tokenizer
 

@@ -30,6 +30,7 @@ from cadence.async_engine import (
     RequestFailedError,
 )
 from cadence.output_state import OutputKind
+from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.errors import error_body, error_response
 from cadence.server.limits import (
     ApiKeyAuth,
@@ -40,7 +41,7 @@ from cadence.server.limits import (
     check_api_key,
 )
 from cadence.server.metrics import make_registry
-from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from cadence.server.protocol import CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 

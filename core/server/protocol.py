@@ -1,4 +1,6 @@
-"""OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``.
+"""OpenAI request bodies, validated with pydantic, and their mapping to ``SamplingParams``:
+the fields both endpoints share and /v1/completions' body here, the chat body in
+chat_protocol.py.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
 OpenAI fields cadence does not implement (``suffix``) are
@@ -10,13 +12,12 @@ docs/structured_output.md.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
 from cadence.sampling_params import FieldError, SamplingParams, token_id_key
-from cadence.server.tools import NamedToolChoice, ToolCallIn, ToolDef, constraint
 from cadence.structured_output.params import StructuredOutputsParams
 
 # Entries one request's logit_bias may hold: each is work on every step the request is in,
@@ -242,150 +243,6 @@ class CompletionRequest(_Common):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return self._sampling(1 if self.echo_only else max_tokens, self.logprobs, defaults,
                               self._structured(), prompt_logprobs)
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    # An assistant message's calls, and a tool message's answer to one (tool calling).
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-
-    def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # Templates written before the "developer" role know it as "system".
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.tool_calls:
-            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    # vLLM's template options: the last (assistant) message continued instead of a new one
-    # begun, and extra variables for the template (e.g. Qwen3's enable_thinking).
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-
-    def check(self, max_logprobs: int) -> None:
-        self._check_common(max_logprobs)
-        # Both, though max_completion_tokens wins: a bad max_tokens beside it is no less bad.
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise RequestError(f"{name} must be an integer >= 1 or null, got {value}", name)
-        check_template_options(self)
-        self._check_tools()
-        self._structured()  # a bad response_format is a 400 now
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= max_logprobs:
-                raise RequestError(f"top_logprobs must be in [0, {max_logprobs}], got "
-                                   f"{self.top_logprobs}", "top_logprobs")
-
-    def _check_tools(self) -> None:
-        names = [t.function.name for t in self.tools or ()]
-        if any(not n for n in names) or len(set(names)) != len(names):
-            raise RequestError("tools must have non-empty, distinct function names",
-                               "tools")
-        choice = self.effective_tool_choice
-        if choice != "none" and not names:
-            raise RequestError(f"tool_choice {self.tool_choice_name!r} needs tools",
-                               "tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
-                               f"which is not among the tools {names}", "tool_choice")
-
-    @property
-    def effective_tool_choice(self) -> str | NamedToolChoice:
-        """OpenAI's default: "auto" where tools are given, "none" otherwise."""
-        if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
-
-    @property
-    def tool_choice_name(self) -> str:
-        choice = self.effective_tool_choice
-        return choice if isinstance(choice, str) else f"function {choice.function.name}"
-
-    def _structured(self) -> StructuredOutputsParams | None:
-        asked = super()._structured()
-        choice = self.effective_tool_choice
-        tool = constraint(self.tools or [], choice, self.parallel_tool_calls) \
-            if self.tools else None
-        if tool is None:
-            return asked
-        if asked is not None:
-            raise RequestError(f"tool_choice {self.tool_choice_name!r} constrains the output "
-                               f"already; drop {self.structured_field}", "tool_choice")
-        return tool
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
-
-    @property
-    def max_tokens_field(self) -> str:
-        """The field ``requested_max_tokens`` comes from, for error messages."""
-        return "max_completion_tokens" if self.max_completion_tokens is not None \
-            else "max_tokens"
-
-    def body_field(self, name: str) -> str:
-        # Chat's prompt is rendered from its messages, and its logprobs count is
-        # top_logprobs (logprobs is a flag here).
-        return {"prompt": "messages", "max_tokens": self.max_tokens_field,
-                "logprobs": "top_logprobs"}.get(name, name)
-
-    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
-                        ) -> SamplingParams:
-        """The request's SamplingParams; ``defaults`` fill the sampling fields it leaves out."""
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults, self._structured(),
-                              self.prompt_logprobs)
-
-
-# Arguments apply_chat_template takes itself: a template variable of these names would
-# collide with them (transformers raises on the duplicate) or quietly change the rendering.
-_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents",
-                                "chat_template", "add_generation_prompt",
-                                "continue_final_message", "tokenize", "return_dict",
-                                "return_tensors", "padding", "truncation", "max_length"})
-
-
-def check_template_options(req: Any) -> None:
-    """vLLM's rules for ``continue_final_message`` and ``chat_template_kwargs`` (on the
-    chat endpoint and /tokenize)."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise RequestError("continue_final_message needs add_generation_prompt=false (the "
-                           "last message is continued, no new one begun)",
-                           "continue_final_message")
-    reserved = sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_RESERVED)
-    if reserved:
-        raise RequestError(f"chat_template_kwargs may not set {reserved}: they have fields "
-                           "or meanings of their own", "chat_template_kwargs")
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:

@@ -16,14 +16,10 @@ from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
+from cadence.server.chat_protocol import ChatCompletionRequest, ChatMessage
 from cadence.server.chat_reply import ChatReply
 from cadence.server.limits import ServerLimits
-from cadence.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    RequestError,
-)
+from cadence.server.protocol import CompletionRequest, RequestError
 
 
 class OpenAIServing:

@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from cadence.sampling_params import shown
-from cadence.server.protocol import ChatMessage, RequestError, check_template_options
+from cadence.server.chat_protocol import ChatMessage, check_template_options
+from cadence.server.protocol import RequestError
 from cadence.server.serving import check_unicode, render_messages
 from cadence.server.tools import ToolDef
 
