@@ -20,6 +20,7 @@ read only that block, padded query rows are never sampled, and real rows mask pa
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from itertools import product
 from typing import TYPE_CHECKING
@@ -214,15 +215,34 @@ def bucket_for(cfg: BucketConfig, mi: ModelInput, seqs: range, kind: str) -> Buc
     return BucketShape("prefill", b, q, n)
 
 
+def token_starts(mi: ModelInput) -> list[int]:
+    """Where each sequence's tokens begin in ``mi``'s flattened token lists."""
+    starts, t = [], 0
+    for q in mi.query_lens:
+        starts.append(t)
+        t += q
+    return starts
+
+
+def padded_rows(mi: ModelInput, seqs: range, query_len: int, tokens: list[int]
+                ) -> list[int | None]:
+    """Where ``tokens`` (indices into ``mi``'s flattened token lists) sit in the padded
+    batch of ``seqs`` (``pad_batch``: sequence ``seqs[r]`` from row ``r * query_len``); None
+    for a token of a sequence outside ``seqs``."""
+    starts = token_starts(mi)
+    rows: list[int | None] = []
+    for idx in tokens:
+        i = bisect.bisect_right(starts, idx) - 1
+        rows.append((i - seqs.start) * query_len + idx - starts[i] if i in seqs else None)
+    return rows
+
+
 def pad_batch(mi: ModelInput, seqs: range, shape: BucketShape, dummy_block: int,
               block_size: int) -> PaddedBatch:
     """Pad sequences ``seqs`` of ``mi`` (all decodes or all prefills) to ``shape``."""
     q, nb = shape.query_len, shape.num_blocks
     dummy_slot = dummy_block * block_size
-    starts, t = [], 0
-    for i in range(mi.num_seqs):
-        starts.append(t)
-        t += mi.query_lens[i]
+    starts = token_starts(mi)
     ids, pos, slots, tables, lens, logit_idx = [], [], [], [], [], []
     for row in range(shape.batch_size):
         if row < len(seqs):

@@ -15,13 +15,13 @@ ops in program order, and the device runs steps in submission order.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cadence.backend import ModelInput, SamplingMetadata
+from cadence.backends.hpu.buckets import padded_rows
 
 if TYPE_CHECKING:
     from cadence.backends.hpu.buckets import BucketConfig, PaddedBatch
@@ -72,15 +72,9 @@ class SampledIds:
             return fill
         if self.reading is None:
             raise RuntimeError(_STALE)
-        starts, t = [], 0
-        for q in mi.query_lens:
-            starts.append(t)
-            t += q
-        q = batch.shape.query_len
-        for idx, src in zip(mi.placeholder_idx, mi.placeholder_src):
-            i = bisect.bisect_right(starts, idx) - 1
-            if i in seqs:
-                k = (i - seqs.start) * q + idx - starts[i]
+        at = padded_rows(mi, seqs, batch.shape.query_len, mi.placeholder_idx)
+        for k, src in zip(at, mi.placeholder_src):
+            if k is not None:
                 fill.src[k], fill.mask[k] = self.reading[src], True
         return fill
 

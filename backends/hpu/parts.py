@@ -142,22 +142,12 @@ class BucketedSteps:
 
 def _padded_prompt_rows(mi: ModelInput, seqs: range, query_len: int
                         ) -> tuple[list[int], list[int], int] | None:
-    """The step's prompt-logprob rows that fall in ``seqs``, as rows of their padded batch
-    (sequence r's tokens start at row r * query_len), with their targets and top-k count;
-    None when there are none."""
+    """The step's prompt-logprob rows that fall in ``seqs``, as rows of their padded batch,
+    with their targets and top-k count; None when there are none."""
     if not mi.prompt_logprob_rows or not seqs:
         return None
-    starts, t = [], 0
-    for q in mi.query_lens:
-        starts.append(t)
-        t += q
-    first, end = starts[seqs[0]], starts[seqs[-1]] + mi.query_lens[seqs[-1]]
-    rows, targets, r = [], [], 0
-    for token, target in zip(mi.prompt_logprob_rows, mi.prompt_logprob_targets):
-        if not first <= token < end:
-            continue
-        while starts[seqs[r]] + mi.query_lens[seqs[r]] <= token:
-            r += 1
-        rows.append(r * query_len + token - starts[seqs[r]])
-        targets.append(target)
-    return (rows, targets, max(mi.num_prompt_logprobs, 0)) if rows else None
+    at = bk.padded_rows(mi, seqs, query_len, mi.prompt_logprob_rows)
+    kept = [(k, t) for k, t in zip(at, mi.prompt_logprob_targets) if k is not None]
+    if not kept:
+        return None
+    return [k for k, _ in kept], [t for _, t in kept], max(mi.num_prompt_logprobs, 0)
