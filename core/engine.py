@@ -128,7 +128,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids = tokenize_prompt(self.tokenizer, prompt)
-        kept = truncate_prompt(ids, params)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept  # the text would no longer be the prompt's
         validate_request(ids, params, self.config.scheduler_config,

@@ -79,9 +79,8 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
         raise FieldError("stop strings need detokenize=True", "detokenize")
 
 
-def truncate_prompt(ids: list[int], params: SamplingParams) -> list[int]:
-    """The prompt's last ``truncate_prompt_tokens`` ids (all of them when unset)."""
-    k = params.truncate_prompt_tokens
+def truncate_prompt(ids: list[int], k: int | None) -> list[int]:
+    """The prompt's last ``k`` ids (``truncate_prompt_tokens``; all of them when None)."""
     return ids if k is None or len(ids) <= k else ids[-k:]
 
 

@@ -88,8 +88,7 @@ class AsyncSchedulingLoop:
             # Returning empty-handed would look like a stall to AsyncLLM, which then waits
             # for a command. The second plan has nothing in flight: no third one.
             # Not timed as drain: _complete times its collect, finalize and commit itself.
-            while self.in_flight:
-                self._complete(self.in_flight[0])
+            self.flush()
             return self.step()
         if plan.is_empty:
             e._drain()
@@ -126,7 +125,7 @@ class AsyncSchedulingLoop:
         self.in_flight.clear()
 
     def flush(self) -> None:
-        """Collect and commit every step in flight (before the backend shuts down)."""
+        """Collect and commit every step in flight (at shutdown too)."""
         while self.in_flight:
             self._complete(self.in_flight[0])
 

@@ -202,8 +202,7 @@ class PipelineLoop:
             # answer in order), then it runs on its own through the step guard.
             logger.warning("submitting a micro-batch failed; it is run again on its "
                            "own", exc_info=True)
-            while self.in_flight:
-                self._complete()
+            self.flush()
             rerun_alone(self.engine, plan)
         else:
             self.in_flight.append(MicroBatch(plan, mi))
@@ -225,7 +224,7 @@ class PipelineLoop:
         self.engine.scheduler.forget_in_flight()
 
     def flush(self) -> None:
-        """Collect and commit every micro-batch in flight (before the backend shuts down)."""
+        """Collect and commit every micro-batch in flight (at shutdown too)."""
         while self.in_flight:
             self._complete()
 
@@ -252,8 +251,7 @@ class PipelineLoop:
             outer = self._void
             self._void = outer | {sr.request.request_id for sr in failed.plan.scheduled}
             try:
-                while self.in_flight:
-                    self._complete()
+                self.flush()
             finally:
                 self._void = outer
             rerun_alone(self.engine, failed.plan)

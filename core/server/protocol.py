@@ -179,10 +179,6 @@ class _Common(BaseModel):
         """The body field behind the Python API's ``name`` (a ``FieldError``'s param)."""
         return name
 
-    def truncated(self, ids: list[int]) -> list[int]:
-        """The prompt ids the engine runs: the last ``truncate_prompt_tokens`` of them."""
-        k = self.truncate_prompt_tokens
-        return ids if k is None or len(ids) <= k else ids[-k:]
 
     @property
     def include_usage(self) -> bool:

@@ -17,13 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could still grow into ``marker``."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return keep
-    return 0
+from cadence.server.tool_parsers import marker_tail
 
 
 class ReasoningParser:
@@ -62,7 +56,7 @@ class ReasoningParser:
         start = body_at + (len(self.START) if opened else 0)
         end = text.find(self.END, start)
         if end < 0:
-            keep = 0 if final else _held(text, self.END)
+            keep = 0 if final else marker_tail(text, self.END)
             return start, n - keep, n, n
         return start, end, end + len(self.END), n
 

@@ -14,6 +14,7 @@ from cadence.async_engine import AsyncLLM, RequestStream
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
+from cadence.request_intake import truncate_prompt
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
 from cadence.server.chat_protocol import ChatCompletionRequest, ChatMessage
@@ -83,7 +84,7 @@ class OpenAIServing:
                 prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": list(p)}
-            kept = req.truncated(prompt["prompt_token_ids"])
+            kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
             if len(kept) < len(prompt["prompt_token_ids"]):
                 prompt = {"prompt": None, "prompt_token_ids": kept}
             n = len(prompt["prompt_token_ids"])
@@ -107,7 +108,7 @@ class OpenAIServing:
                                [t.model_dump(exclude_none=True) for t in req.tools or ()],
                                req.continue_final_message, req.chat_template_kwargs)
         prompt = chat.as_engine_prompt()
-        kept = req.truncated(chat.token_ids)
+        kept = truncate_prompt(chat.token_ids, req.truncate_prompt_tokens)
         if len(kept) < len(chat.token_ids):
             prompt = {"prompt": None, "prompt_token_ids": kept}
         params = self._params(len(kept), req.requested_max_tokens,

@@ -47,16 +47,26 @@ class ToolParser:
         raise NotImplementedError
 
 
+def marker_tail(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could still grow into ``marker``."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
 def _before_marker(text: str, marker: str) -> int:
     """How much of ``text`` is surely content when a call begins with ``marker``: up to
     the marker, else all but a tail that could still grow into it."""
     at = text.find(marker)
-    if at >= 0:
-        return at
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)
+    return at if at >= 0 else len(text) - marker_tail(text, marker)
+
+
+def _may_open_with(text: str, openers: tuple[str, ...]) -> bool:
+    """Whether ``text`` (leading whitespace aside) opens, or may still open, with one of
+    ``openers``: a reply that is all calls, whose content is nothing until that is known."""
+    body = text.lstrip()
+    return not body or any(body.startswith(o) or o.startswith(body) for o in openers)
 
 
 def call_from(obj: Any) -> ToolCall | None:
@@ -127,10 +137,7 @@ class Llama3JsonToolParser(ToolParser):
         return None, calls
 
     def streamable(self, text: str) -> int:
-        body = text.lstrip()
-        if not body or body.startswith(("{", self.TAG)) or self.TAG.startswith(body):
-            return 0  # may still be a call: nothing is content yet
-        return len(text)
+        return 0 if _may_open_with(text, ("{", self.TAG)) else len(text)
 
 
 class MistralToolParser(ToolParser):
@@ -195,10 +202,7 @@ class PythonicToolParser(ToolParser):
         return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
 
     def streamable(self, text: str) -> int:
-        body = text.lstrip()
-        if not body or body.startswith(("[", self.TAGS[0])) or self.TAGS[0].startswith(body):
-            return 0
-        return len(text)
+        return 0 if _may_open_with(text, ("[", self.TAGS[0])) else len(text)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
