@@ -179,3 +179,18 @@ class StageInbox:
 class _Sent:
     def wait(self) -> None:
         pass
+
+
+def assert_same_prompt_logprobs(got, want, atol: float = 1e-4) -> None:
+    """Each output's prompt logprobs are the reference's: None where it has none, else one
+    entry per prompt token (None first), the same token ids in each, logprobs within
+    ``atol``."""
+    for a, b in zip(got, want, strict=True):
+        pa, pb = a.prompt_logprobs, b.prompt_logprobs
+        if pb is None:
+            assert pa is None
+            continue
+        assert len(pa) == len(pb) == len(a.prompt_token_ids) and pa[0] is None
+        for da, db in zip(pa[1:], pb[1:]):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < atol for t in da)

@@ -217,7 +217,7 @@ def test_emulated_prompt_logprobs_match_cpu(tiny: str, name: str,
     """Prompt logprobs from the prefill graphs that return their hidden states: chunked
     prompts (a 64-token budget), a prefill with context, mixed with requests that ask for
     none or for another number of top entries, equal to the CPU backend's."""
-    from engine_helpers import generate, make_llm
+    from engine_helpers import assert_same_prompt_logprobs, generate, make_llm
 
     from cadence import SamplingParams
 
@@ -241,15 +241,8 @@ def test_emulated_prompt_logprobs_match_cpu(tiny: str, name: str,
             got = generate(llm, PROMPTS, params)
         finally:
             llm.shutdown()
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        if b.prompt_logprobs is None:
-            assert a.prompt_logprobs is None
-            continue
-        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
-        for da, db in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            assert da.keys() == db.keys()
-            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+    assert [a.outputs[0].token_ids for a in got] == [b.outputs[0].token_ids for b in want]
+    assert_same_prompt_logprobs(got, want)
 
 
 def _has_gaudi() -> bool:
