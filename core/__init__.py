@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cadence.hookspecs import hookimpl
+from cadence.pooling.params import PoolingParams
 from cadence.sampling_params import SamplingParams
 from cadence.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
 
 _LAZY = {
     "LLM": "cadence.llm",
@@ -23,6 +25,8 @@ _LAZY = {
     "EngineArgs": "cadence.engine_args",
     "RequestOutput": "cadence.outputs",
     "CompletionOutput": "cadence.outputs",
+    "EmbeddingRequestOutput": "cadence.outputs",
+    "EmbeddingOutput": "cadence.outputs",
 }
 
 if TYPE_CHECKING:
@@ -30,7 +34,12 @@ if TYPE_CHECKING:
     from cadence.engine import LLMEngine
     from cadence.engine_args import EngineArgs
     from cadence.llm import LLM
-    from cadence.outputs import CompletionOutput, RequestOutput
+    from cadence.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
 
 
 def __getattr__(name: str) -> Any:

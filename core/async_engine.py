@@ -35,7 +35,8 @@ from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
-from cadence.outputs import RequestOutput
+from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.pooling import PoolingParams
 from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     output_kind: OutputKind
     done: concurrent.futures.Future
@@ -159,9 +160,9 @@ class AsyncLLM:
             return request_id in self._by_user_id
 
     async def add_request(self, prompt: str | Sequence[int] | dict,
-                          params: SamplingParams | None = None, request_id: str | None = None,
-                          priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
-                          ) -> RequestStream:
+                          params: SamplingParams | PoolingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          output_kind: OutputKind = OutputKind.DELTA) -> RequestStream:
         """Validate and queue one request; iterate the returned stream for its outputs.
 
         Raises ValueError (bad input), EngineOverloadedError or EngineDeadError before
@@ -182,6 +183,16 @@ class AsyncLLM:
         async for out in stream:
             yield out
 
+    async def encode(self, prompt: str | Sequence[int] | dict,
+                     pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0
+                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
+        stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
+                                        priority, OutputKind.FINAL_ONLY)
+        async for out in stream:
+            yield out
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a final output (finish_reason 'abort')."""
         with self._lock:
@@ -196,7 +207,8 @@ class AsyncLLM:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # ---- submission -------------------------------------------------------------------
-    async def _add(self, rid: str, prompt: Any, params: SamplingParams, priority: int,
+    async def _add(self, rid: str, prompt: Any, params: SamplingParams | PoolingParams,
+                   priority: int,
                    output_kind: OutputKind) -> Channel:
         if not isinstance(rid, str):
             raise ValueError(f"request_id must be a string, got {type(rid).__name__}")

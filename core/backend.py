@@ -134,6 +134,12 @@ class Backend(ABC):
     #: from those (core/layers/prompt_logprobs.py). The engine refuses requests with
     #: ``prompt_logprobs`` otherwise.
     supports_prompt_logprobs: ClassVar[bool] = False
+    #: Whether the backend returns, for each span of ``ModelInput.pool_rows``, the float32
+    #: sum of those token rows' final hidden states (after the model's last norm) in
+    #: ``SamplerOutput.pooled``: what embedding requests read (cadence/pooling). A backend
+    #: that runs ``ModelRunner.prepare``, ``run_model`` and ``sample`` gets them from those
+    #: (core/layers/pooling.py). The engine refuses embedding requests otherwise.
+    supports_pooling: ClassVar[bool] = False
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among
     #: ``data_parallel_size`` replicas; core/data_parallel/). ``engine serve

@@ -181,10 +181,10 @@ class BlockManager:
 
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from. A request that still needs its prompt logprobs takes
-        no hits: a cached token has no logits.
+        no hits: a cached token has no logits; nor does one whose pooling reads every row.
         """
         assert not self._tables.get(request.request_id), "lookup on a request holding blocks"
-        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return 0
         bs = self.block_size
         num_tokens = request.num_tokens

@@ -6,9 +6,10 @@ before these are built, never patched afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cadence.distributed import EXPERT_PLACEMENTS
+from cadence.pooling.config import PoolerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
@@ -29,6 +30,9 @@ class ModelConfig:
     # (field, value) pairs from generation_config.json, resolved by EngineArgs; they fill
     # the sampling fields a request leaves out (core/generation_defaults.py).
     generation_defaults: tuple[tuple[str, object], ...] = ()
+    # How embedding requests pool (cadence/pooling), resolved by EngineArgs from the model
+    # folder and the command line.
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -28,6 +28,8 @@ from cadence.output_processor import OutputProcessor
 from cadence.output_state import OutputKind, ParentRequest
 from cadence.outputs import RequestOutput
 from cadence.plugins import get_registry
+from cadence.pooling import PoolingParams
+from cadence.pooling.intake import PoolingIntake
 from cadence.request import Request
 from cadence.request_intake import (
     eos_token_ids,
@@ -78,6 +80,8 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.block_manager, self._settle)
         self.stats = EngineStats()
         # Structured output; compiles nothing and imports no xgrammar until a request asks.
+        self._pooling = PoolingIntake(config, self.backend.name,
+                                      self.backend.supports_pooling)
         self.structured = StructuredOutputManager(
             tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))
         hook = registry.hook.cadence_post_sample if registry.has_impl(
@@ -102,13 +106,18 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
-                    params: SamplingParams | None = None, priority: int = 0,
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         """Validate and queue a request; raises ValueError for bad input (a ``FieldError``
         naming the argument or ``SamplingParams`` field in ``param``), queues nothing.
-        ``params=None`` means the model's generation defaults (docs/semantics.md)."""
+        ``params=None`` means the model's generation defaults (docs/semantics.md);
+        ``PoolingParams`` make it an embedding request, whose one output is an
+        ``EmbeddingRequestOutput`` (cadence/pooling)."""
         if params is None:
             params = default_sampling_params(self.config.model_config)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = params, self._pooling.sampling_params(params)
         if not isinstance(request_id, str):
             raise FieldError(f"request_id must be a string, got {type(request_id).__name__}",
                              "request_id")
@@ -131,6 +140,8 @@ class LLMEngine:
         kept = truncate_prompt(ids, params.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept  # the text would no longer be the prompt's
+        if pooling is not None:
+            self._pooling.check(ids, pooling)
         validate_request(ids, params, self.config.scheduler_config,
                          self.vocab_size)
         if params.structured_outputs is not None:
@@ -149,6 +160,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             # One sample computes them for all: they depend on the prompt alone.
             children[0].prompt_logprobs = [None] * (len(ids) - 1)
+        if pooling is not None:
+            children[0].pooling = self._pooling.state(pooling, len(ids))
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.
@@ -240,7 +253,7 @@ class LLMEngine:
         for r in ran:
             touched += self.output_processor.commit(r.plan.scheduled,
                                                     r.model_input.sample_seq_indices, r.output,
-                                                    r.model_input.prompt_logprob_spans)
+                                                    r.model_input)
             self.scheduler.update_after_step(r.plan)
         self._stamp_token_times(touched)
         self._pending = touched

@@ -25,6 +25,7 @@ from cadence.config import (
 )
 from cadence.generation_defaults import load_generation_defaults
 from cadence.model_limits import check_architecture, longest_context, model_kv_window
+from cadence.pooling.config import POOLING_TYPES, load_pooler_config
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     expert_placement_strategy: str = "linear"
     ray_placement_strategy: str = "PACK"
+    # Embeddings (cadence/pooling): None reads the model folder's sentence-transformers
+    # files, else last-token pooling, normalized.
+    pooling_type: str | None = None
+    pooling_normalize: bool | None = None
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -97,11 +102,12 @@ class EngineArgs:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
         defaults = load_generation_defaults(model, args["generation_config"])
+        pooler = load_pooler_config(model, args["pooling_type"], args["pooling_normalize"])
         batched = args["max_num_batched_tokens"] or max(8192, max_len if not
                                                          args["enable_chunked_prefill"] else 0)
         return EngineConfig(
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
-                                     generation_defaults=defaults),
+                                     generation_defaults=defaults, pooler_config=pooler),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
                                      args["enable_prefix_caching"],
                                      sliding_window=model_kv_window(model)),
@@ -219,6 +225,14 @@ class EngineArgs:
                             "STRICT_PACK all on one node, STRICT_SPREAD each on a node of its "
                             "own; start-up fails if the cluster cannot place them within "
                             "--step-timeout (default: %(default)s)")
+        p.add_argument("--pooling-type", default=None, choices=POOLING_TYPES,
+                       help="embeddings: pool the last prompt token's final hidden state, "
+                            "the mean over the prompt, or the first token's (default: the "
+                            "model folder's sentence-transformers Pooling module, else last)")
+        p.add_argument("--pooling-normalize", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="embeddings: scale each to unit L2 norm (default: as the model "
+                            "folder's sentence-transformers modules say, else on)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

@@ -21,12 +21,17 @@ def build_model_input(plan, get_block_table,
     sampled: list[Request] = []
     request_ids: list[str] = []
     prompt_lp = _PromptLogprobRows()
+    pool_rows: list[tuple[int, int]] = []
+    pool_spans: list[tuple[int, int, int]] = []
     for i, sr in enumerate(plan.scheduled):
         req = sr.request
         start = req.num_computed_tokens
         end = start + sr.num_new_tokens
         if req.needs_prompt_logprobs:
             prompt_lp.add(i, req, start, end, len(input_ids))
+        if req.pooling is not None and (span := req.pooling.wanted(start, end)) is not None:
+            pool_rows.append((len(input_ids) + span[0] - start, span[1]))
+            pool_spans.append((i, span[0], span[1]))
         table = get_block_table(req.request_id)
         if sr.num_new_tokens == 1:
             input_ids.append(req.token_at(start))
@@ -50,6 +55,8 @@ def build_model_input(plan, get_block_table,
     if prompt_lp.spans:
         mi.prompt_logprob_rows, mi.prompt_logprob_targets = prompt_lp.rows, prompt_lp.targets
         mi.num_prompt_logprobs, mi.prompt_logprob_spans = prompt_lp.k, prompt_lp.spans
+    if pool_rows:
+        mi.pool_rows, mi.pool_spans = pool_rows, pool_spans
     return mi
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -13,7 +14,8 @@ from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
 from cadence.output_state import OutputKind
-from cadence.outputs import RequestOutput
+from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.pooling import PoolingParams
 from cadence.sampling_params import FieldError, SamplingParams
 
 PromptType = str | dict | Sequence[int]
@@ -66,34 +68,40 @@ class LLM:
         failed on (docs/reliability.md) comes back with ``finish_reason="error"`` and the
         reason in ``RequestOutput.error``; the others are unaffected.
         """
-        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
-            raise FieldError("prompts must be a prompt (a string, a list of token ids or a "
-                             "dict) or a list of prompts, got " + type(prompts).__name__,
-                             "prompts")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            bad = sampling_params if not isinstance(sampling_params, (list, tuple)) else next(
-                (p for p in sampling_params if not isinstance(p, SamplingParams)), None)
-            if bad is not None:
-                raise FieldError("sampling_params must be SamplingParams, a list of them (one "
-                                 f"per prompt) or None, got {type(bad).__name__}",
-                                 "sampling_params")
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise FieldError(f"sampling_params has {len(params)} entries for "
-                                 f"{len(prompts)} prompts; pass one, or one per prompt",
-                                 "sampling_params")
+        params = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
         if priority is not None and (not isinstance(priority, (list, tuple))
                                      or len(priority) != len(prompts)):
             raise FieldError(f"priority must be None or a list of integers with one entry "
                              f"per prompt ({len(prompts)}), got {priority!r:.60}", "priority")
+        return self._run_all(prompts, params, priority, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's ``LLM.embed``); results come back in prompt order,
+        each vector in ``output.outputs.embedding``.
+
+        The model pools its final hidden states as ``PoolerConfig`` says (last token by
+        default; the model folder's sentence-transformers files or ``pooling_type=`` and
+        ``pooling_normalize=`` at construction change it: docs/semantics.md,
+        "Embeddings"). ``pooling_params``: one for all prompts, or one per prompt.
+        ``truncate_prompt_tokens=k`` embeds each prompt's last ``k`` tokens. A request the
+        engine failed on comes back with ``outputs=None`` and the reason in ``error``.
+        """
+        prompts = _prompt_list(prompts)
+        params = _per_prompt(pooling_params or PoolingParams(), PoolingParams,
+                             "pooling_params", len(prompts))
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                      for p in params]
+        return self._run_all(prompts, params, None, use_tqdm)
+
+    def _run_all(self, prompts: list, params: list, priority: Sequence[int] | None,
+                 use_tqdm: bool) -> list:
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
@@ -159,3 +167,30 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _prompt_list(prompts: Any) -> list:
+    """One prompt (a string, token ids or a dict) or a list of them, as a list."""
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
+        raise FieldError("prompts must be a prompt (a string, a list of token ids or a "
+                         "dict) or a list of prompts, got " + type(prompts).__name__,
+                         "prompts")
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                            and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(given: Any, cls: type, name: str, n: int) -> list:
+    """``given`` (one ``cls`` for every prompt, or a list with one per prompt) as a list."""
+    if isinstance(given, cls):
+        return [given] * n
+    bad = given if not isinstance(given, (list, tuple)) else next(
+        (p for p in given if not isinstance(p, cls)), None)
+    if bad is not None:
+        raise FieldError(f"{name} must be {cls.__name__}, a list of them (one per prompt) or "
+                         f"None, got {type(bad).__name__}", name)
+    if len(given) != n:
+        raise FieldError(f"{name} has {len(given)} entries for {n} prompts; pass one, or one "
+                         "per prompt", name)
+    return list(given)

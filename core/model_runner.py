@@ -18,6 +18,7 @@ from cadence.config import EngineConfig
 from cadence.forward_context import set_forward_context
 from cadence.host_memory import anonymous_buffer
 from cadence.layers import paged_attention, sampler
+from cadence.layers.pooling import pooled_sums
 from cadence.layers.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class PreparedInput:
     metadata: object
     # (token rows, target ids, top-k count) of the step's prompt logprobs, or None.
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # (first row, row count) of each span whose hidden states to sum (embeddings).
+    pool_rows: list[tuple[int, int]] | None = None
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
@@ -95,9 +98,10 @@ class ModelRunner:
         self.draw: sampler.Draw | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model_config.seed)
-        # The prompt logprobs ``run_model`` computed, until ``sample`` hands them on with the
-        # step's samples.
+        # The prompt logprobs and pooled sums ``run_model`` computed, until ``sample`` hands
+        # them on with the step's samples.
         self._prompt_logprobs: tuple | None = None
+        self._pooled: torch.Tensor | None = None
         # Async scheduling: the sampled ids of the last step that completed (device tensor),
         # None while a step runs and after one failed, so that a step planned on them never
         # runs on stale ids. ``_previous`` is what the step now running reads.
@@ -164,14 +168,15 @@ class ModelRunner:
                                   device=self.device)
         return PreparedInput(input_ids, positions, sample_idx,
                              build(mi, self.block_size, self.device),
-                             prompt_logprob_tensors(mi, self.device))
+                             prompt_logprob_tensors(mi, self.device), mi.pool_rows or None)
 
     @torch.inference_mode()
     def run_model(self, prepared: PreparedInput) -> torch.Tensor | None:
         """Forward + logits of the sampled rows ([num_sampled, vocab] float32); None on a
-        pipeline stage before the last (it computes no logits). The step's prompt logprobs,
-        if it asks for any, are computed here too, and ``sample`` returns them."""
-        self._prompt_logprobs = None
+        pipeline stage before the last (it computes no logits). The step's prompt logprobs
+        and pooled sums, if it asks for any, are computed here too, and ``sample`` returns
+        them."""
+        self._prompt_logprobs = self._pooled = None
         with set_forward_context(self.attn, prepared.metadata):
             hidden = self.model(prepared.input_ids, prepared.positions)
         if hidden is None:
@@ -179,6 +184,8 @@ class ModelRunner:
         if prepared.prompt_logprobs is not None:
             self._prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden,
                                                             *prepared.prompt_logprobs)
+        if prepared.pool_rows:
+            self._pooled = pooled_sums(hidden, prepared.pool_rows)
         if prepared.sample_token_idx.numel() == 0:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, prepared.sample_token_idx))
@@ -211,14 +218,16 @@ class ModelRunner:
         else:
             pending = sampler.pending_output_ids(meta, self._previous, logits.shape[1])
             out = sampler.sample(logits.float(), meta, self.generator, pending, self.draw)
-        out.prompt_logprobs = self.take_prompt_logprobs()
+        self.attach_prompt_outputs(out)
         self.last_sampled = out.token_ids
         return out
 
-    def take_prompt_logprobs(self) -> tuple | None:
-        """The prompt logprobs the last ``run_model`` computed (once), for a backend that
-        samples without ``sample`` to hand on in its ``DeviceSample``."""
-        out, self._prompt_logprobs = self._prompt_logprobs, None
+    def attach_prompt_outputs(self, out: sampler.DeviceSample) -> sampler.DeviceSample:
+        """Hand the prompt logprobs and pooled sums the last ``run_model`` computed on in
+        ``out`` (once), for a backend that samples without ``sample``; pass a throwaway
+        ``DeviceSample`` to drop a failed step's."""
+        out.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        out.pooled, self._pooled = self._pooled, None
         return out
 
     def to_host(self, sampled: sampler.DeviceSample) -> SamplerOutput:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cadence.backend import SamplerOutput
+from cadence.backend import ModelInput, SamplerOutput
 from cadence.detokenizer import IncrementalDetokenizer, find_stop_string, token_text_decoder
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
@@ -57,16 +57,12 @@ class OutputProcessor:
 
     # ---- commit (critical path) -------------------------------------------------------
     def commit(self, scheduled: list, sample_seq_indices: list[int], out: SamplerOutput,
-               prompt_spans: list[tuple[int, int, int]] = ()) -> list[Request]:
+               mi: ModelInput | None = None) -> list[Request]:
         """Append sampled tokens and run O(1) stop checks; return the requests touched.
-        ``prompt_spans``: the step's ``ModelInput.prompt_logprob_spans``."""
-        if out.prompt_logprobs is not None:
-            rows, j = out.prompt_logprobs, 0
-            for seq_idx, start, count in prompt_spans:
-                req = scheduled[seq_idx].request
-                if req.prompt_logprobs is not None:
-                    req.prompt_logprobs[start:start + count] = rows[j:j + count]
-                j += count
+        ``mi``: the step's input, whose spans say whose prompt logprobs and pooled sums
+        ``out`` carries."""
+        if mi is not None:
+            _file_prompt_outputs(scheduled, out, mi)
         touched = []
         refused: list[Request] = []
         logprobs = out.logprobs
@@ -159,7 +155,8 @@ class OutputProcessor:
                 end = i + 1
                 break
         req.num_finalized_tokens = end
-        self.stats.num_generation_tokens += end - start
+        if req.pooling is None:  # an embedding request's one token is never output
+            self.stats.num_generation_tokens += end - start
         if not req.is_finished:
             return end > start
         st.is_final = True
@@ -287,3 +284,20 @@ def _is_hidden_stop_token(req: Request, i: int) -> bool:
     return (i == len(req.output_token_ids) - 1 and req.status is RequestStatus.FINISHED_STOPPED
             and not isinstance(req.stop_reason, str)
             and not req.sampling_params.include_stop_str_in_output)
+
+
+def _file_prompt_outputs(scheduled: list, out: SamplerOutput, mi: ModelInput) -> None:
+    """File the step's prompt logprobs and pooled sums with their requests, by prompt
+    position: a prompt computed again after a preemption overwrites, never adds."""
+    if out.prompt_logprobs is not None:
+        rows, j = out.prompt_logprobs, 0
+        for seq_idx, start, count in mi.prompt_logprob_spans:
+            req = scheduled[seq_idx].request
+            if req.prompt_logprobs is not None:
+                req.prompt_logprobs[start:start + count] = rows[j:j + count]
+            j += count
+    if out.pooled is not None:
+        for (seq_idx, start, count), sums in zip(mi.pool_spans, out.pooled):
+            req = scheduled[seq_idx].request
+            if req.pooling is not None:
+                req.pooling.add(start, count, sums)

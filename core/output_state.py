@@ -7,7 +7,14 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cadence.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cadence.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from cadence.request import Request
 
 
@@ -55,6 +62,8 @@ class ParentRequest:
         reported before (vLLM's n > 1 streams do the same): a finished sample is reported
         finished once, and a client never sees the same finish twice.
         """
+        if self.children[0].pooling is not None:
+            return self._embedding() if finished else None
         outs = [self._completion(c) for c in self.children]
         prompt_lp = self.prompt_logprobs
         if self.output_kind is OutputKind.DELTA:
@@ -65,17 +74,30 @@ class ParentRequest:
                 return None
             if prompt_lp is not None:
                 self.prompt_logprobs_sent = True
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             finished, self._metrics(finished),
+                             self.children[0].num_cached_tokens, prompt_logprobs=prompt_lp,
+                             error=self.error)
+
+    def _metrics(self, finished: bool) -> RequestMetrics:
         first = [c.first_token_time for c in self.children if c.first_token_time is not None]
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=self.arrival_time,
             first_token_time=min(first) if first else None,
             finished_time=time.monotonic() if finished else None,
             num_preemptions=sum(c.num_preemptions for c in self.children),
             num_cached_tokens=self.children[0].num_cached_tokens,
         )
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished, metrics, self.children[0].num_cached_tokens,
-                             prompt_logprobs=prompt_lp, error=self.error)
+
+    def _embedding(self) -> EmbeddingRequestOutput:
+        """The final output of an embedding request: its vector, unless it was aborted or
+        failed before its prompt was computed (its one sampled token is never shown)."""
+        c = self.children[0]
+        state = c.pooling
+        vec = None if self.error is not None or not state.is_complete else state.embedding()
+        return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                      None if vec is None else EmbeddingOutput(vec), True,
+                                      self._metrics(True), c.num_cached_tokens, self.error)
 
     @staticmethod
     def _is_news(o: CompletionOutput, c: Request) -> bool:

@@ -66,3 +66,30 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
     #: Why the request failed (its samples finish with ``"error"``); None otherwise.
     error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """The pooled vector of one prompt (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What the engine emits for an embedding request: one output, at the end (vLLM's
+    ``EmbeddingRequestOutput``). ``outputs`` is None when the request was aborted or failed
+    (``error`` says why)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -93,6 +93,10 @@ class Request:
     # token t + 1 given the tokens before it, None until computed. Only on the sample that
     # computes them for its user request (index 0); None everywhere else.
     prompt_logprobs: list | None = field(default=None, repr=False)
+    # An embedding request's pooling progress (cadence.pooling.PoolingState); None for a
+    # generation request. Such a request runs as a one-token greedy request whose token is
+    # dropped: it finishes at the step that completes its prompt.
+    pooling: object = field(default=None, repr=False)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -100,6 +104,13 @@ class Request:
         no prefix-cache hits (a cached token has no logits)."""
         pl = self.prompt_logprobs
         return bool(pl) and pl[-1] is None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether this sample's prefill must compute every prompt token: for prompt
+        logprobs, or for pooling that reads more than the last row."""
+        return self.needs_prompt_logprobs or (self.pooling is not None
+                                               and self.pooling.needs_every_row)
 
     @property
     def num_prompt_tokens(self) -> int:

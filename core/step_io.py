@@ -95,6 +95,12 @@ class ModelInput:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     num_prompt_logprobs: int = -1
     prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # Embeddings (cadence/pooling): per span of token rows to pool, (first row, row count);
+    # the backend returns each span's sum of final hidden states (core/layers/pooling.py) in
+    # ``SamplerOutput.pooled``. ``pool_spans`` is the engine's bookkeeping: (sequence index,
+    # first prompt position, count) per span. Empty when no embedding request computes.
+    pool_rows: list[tuple[int, int]] = field(default_factory=list)
+    pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +127,9 @@ class SamplerOutput:
     sampled_token_ids: list[int]
     logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
     prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    #: Per ``ModelInput.pool_rows`` span, the float32 sum of its rows' final hidden states;
+    #: None when the step asked for none.
+    pooled: list[list[float]] | None = None
     #: Seconds the device spent on this step's forward + sampling, when the backend measures
     #: it where the host cannot (a worker process); 0.0 otherwise. For the bench breakdown.
     device_seconds: float = 0.0

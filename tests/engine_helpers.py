@@ -194,3 +194,13 @@ def assert_same_prompt_logprobs(got, want, atol: float = 1e-4) -> None:
         for da, db in zip(pa[1:], pb[1:]):
             assert da.keys() == db.keys()
             assert all(abs(da[t].logprob - db[t].logprob) < atol for t in da)
+
+
+def assert_same_embeddings(got, want, atol: float = 1e-5) -> None:
+    """Each embedding output carries a vector of the reference's length, within ``atol``."""
+    for a, b in zip(got, want, strict=True):
+        assert a.finished and a.error is None and a.outputs is not None, a
+        va, vb = a.outputs.embedding, b.outputs.embedding
+        assert len(va) == len(vb)
+        worst = max(abs(x - y) for x, y in zip(va, vb))
+        assert worst <= atol, f"{a.request_id}: embeddings differ by {worst}"

@@ -58,6 +58,7 @@ class CpuBackend(Backend):
     distributed_backend = "gloo"
     # ModelRunner computes them after the forward, in every strategy.
     supports_prompt_logprobs = True
+    supports_pooling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -200,9 +200,11 @@ class CudaBackend(Backend):
     # One stage per GPU, the activations between stages over NCCL send/recv; a stage before
     # the last samples nothing (``sample``). Stages run eagerly too (``warmup``).
     supports_pipeline_parallel = True
-    # Prefill steps run eagerly through ModelRunner.run_model, which computes them; the
-    # output copier brings them to the host with the samples.
+    # Prefill steps (and any step with pooled rows) run eagerly through
+    # ModelRunner.run_model, which computes prompt logprobs and pooled sums; the output
+    # copier brings them to the host with the samples.
     supports_prompt_logprobs = True
+    supports_pooling = True
     distributed_backend = "nccl"
     # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
     # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).

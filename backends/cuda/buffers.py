@@ -146,6 +146,7 @@ class CopyHandle:
     logprobs: tuple[torch.Tensor, ...] | None
     num_logprobs: list[int] | None
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+    pooled: torch.Tensor | None = None
 
 
 class OutputCopier:
@@ -185,9 +186,11 @@ class OutputCopier:
             self._copy(sampled.token_ids, self._ids[i][:n])
             logprobs = self._copy_all(sampled.logprobs)
             prompt_logprobs = self._copy_all(sampled.prompt_logprobs)
+            pooled = self._copy_all(None if sampled.pooled is None else (sampled.pooled,))
             if event is not None:
                 event.record(self.stream)
-        return CopyHandle(i, n, logprobs, sampled.num_logprobs, prompt_logprobs)
+        return CopyHandle(i, n, logprobs, sampled.num_logprobs, prompt_logprobs,
+                          None if pooled is None else pooled[0])
 
     def _copy_all(self, tensors: tuple[torch.Tensor, ...] | None
                   ) -> tuple[torch.Tensor, ...] | None:
@@ -207,4 +210,4 @@ class OutputCopier:
             event.synchronize()
         ids = self._ids[handle.buffer][:handle.num_rows]
         return sampler.to_host(sampler.DeviceSample(ids, handle.logprobs, handle.num_logprobs,
-                                                    handle.prompt_logprobs))
+                                                    handle.prompt_logprobs, handle.pooled))

@@ -168,9 +168,12 @@ def launch(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
     ``previous``: the last step's sampled ids, for ``mi``'s placeholders (async scheduling)."""
     ensure_current_device(be)
     be.last_sampled = None  # valid again only once a submitted step has sampled
-    be.runner.take_prompt_logprobs()  # a failed step's, never a graph replay's
+    # A failed step's prompt outputs, never a graph replay's.
+    be.runner.attach_prompt_outputs(sampler.DeviceSample(None))
     bucket = None
-    if be.graphs is not None and mi.is_decode_only and mi.num_seqs:
+    # A pooled row is a hidden state the captured graphs do not return: such a step (a
+    # one-token remainder of an embedding prompt counts as a decode) runs eagerly.
+    if be.graphs is not None and mi.is_decode_only and mi.num_seqs and not mi.pool_rows:
         bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
         if bucket is not None and max(map(len, mi.block_tables)) > be.width:
             bucket = None  # a table wider than the static buffer: run eagerly
@@ -203,7 +206,8 @@ def launch_eager(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None 
     md = build_metadata(mi, views, be.block_size)
     return be.runner.run_model(PreparedInput(views.input_ids, views.positions,
                                              views.sample_idx, md,
-                                             prompt_logprob_tensors(mi, be.device)))
+                                             prompt_logprob_tensors(mi, be.device),
+                                             mi.pool_rows or None))
 
 
 def fill_placeholders(be: CudaBackend, input_ids: torch.Tensor, mi: ModelInput,
@@ -231,8 +235,7 @@ def sample(be: CudaBackend, logits: torch.Tensor, meta: SamplingMetadata,
     if pending is None:
         return be.runner.sample(logits, meta)
     out = sampler.sample(logits.float(), meta, be.runner.generator, pending, be.runner.draw)
-    out.prompt_logprobs = be.runner.take_prompt_logprobs()
-    return out
+    return be.runner.attach_prompt_outputs(out)
 
 
 def submit(be: CudaBackend, mi: ModelInput) -> None:

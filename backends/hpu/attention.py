@@ -189,8 +189,8 @@ class GraphedForward(nn.Module):
     from a global would be baked into the graph. One instance per kind (decode, prefill,
     prefill with context) keeps shapes of different kinds from sharing a graph cache.
     On a pipeline stage before the last it returns None (the model sent its activations).
-    ``with_hidden``: it returns (logits, every token row's hidden state), for the prompt
-    logprobs of a prefill; a graph of its own, compiled on first use.
+    ``with_hidden``: it returns (logits, every token row's hidden state), for prompt
+    logprobs and embeddings; a graph of its own, compiled on first use.
     """
 
     def __init__(self, model: nn.Module, attn: HpuPagedAttention, kind: str,

@@ -78,9 +78,10 @@ class HpuBackend(BucketedSteps, Backend):
     # stage before the last samples nothing. See the NOTE at ``warmup``.
     supports_pipeline_parallel = True
     distributed_backend = "hccl"
-    # A prefill part that holds prompt-logprob rows runs a graph that also returns its
-    # hidden states; the rows' logits are taken from those (parts.py).
+    # A part that holds prompt-logprob or pooled rows runs a graph that also returns its
+    # hidden states; the rows' logits and sums are taken from those (parts.py).
     supports_prompt_logprobs = True
+    supports_pooling = True
     # Under the ray executor each rank's bundle holds one Gaudi card: the "HPU" resource
     # Ray detects on Gaudi nodes (vLLM asks for the same).
     ray_resources: ClassVar[dict[str, float]] = {"HPU": 1}
@@ -176,12 +177,13 @@ class HpuBackend(BucketedSteps, Backend):
         self._graphs = {kind: self.device.wrap_graph(GraphedForward(self.runner.model, attn, kind),
                                                      kind, capturable)
                         for kind in ("decode", "prefill", "prefill_ctx")}
-        # Prefills whose prompt logprobs are asked for also return their hidden states.
+        # Prefills whose prompt logprobs are asked for, and embedding prompts, also return
+        # their hidden states; an embedding prompt's one-token remainder runs as a decode.
         self._graphs.update({
             f"{kind}+hidden": self.device.wrap_graph(
                 GraphedForward(self.runner.model, attn, kind, with_hidden=True),
                 f"{kind}+hidden", capturable)
-            for kind in ("prefill", "prefill_ctx")})
+            for kind in ("decode", "prefill", "prefill_ctx")})
         if self.config.plans_with_placeholders:  # not under pipeline parallel
             from cadence.backends.hpu.feedback import SampledIds
 

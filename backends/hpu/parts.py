@@ -90,13 +90,15 @@ class BucketedSteps:
                     for r in range(shape.batch_size)]
             fill = None if self._sampled is None else self._sampled.fill_for(mi, seqs, batch)
             parts.append(Part(batch, rows, fill=fill,
-                              prompt_rows=_padded_prompt_rows(mi, seqs, shape.query_len)))
+                              prompt_rows=_padded_prompt_rows(mi, seqs, shape.query_len),
+                              pool_rows=_padded_pool_rows(mi, seqs, shape.query_len)))
         return parts
 
     def _run_parts(self, parts: list[Part]) -> None:
         import torch
 
         from cadence.backends.hpu.attention import graph_kind, to_tensors
+        from cadence.layers.pooling import pooled_sums
         from cadence.layers.prompt_logprobs import compute_prompt_logprobs
 
         with torch.inference_mode():
@@ -104,18 +106,22 @@ class BucketedSteps:
                 args = to_tensors(p.batch, self.device.torch_device)
                 if p.fill is not None:
                     args = (self._sampled.apply(args[0], p.fill), *args[1:])
-                if p.prompt_rows is None:
+                if p.prompt_rows is None and p.pool_rows is None:
                     p.result = self._graphs[graph_kind(p.batch)](*args)
                     continue
                 out = self._graphs[graph_kind(p.batch) + "+hidden"](*args)
                 p.result = out if out is None else out[0]
-                if out is not None:
+                if out is None:
+                    continue
+                if p.prompt_rows is not None:
                     rows, targets, k = p.prompt_rows
                     dev = self.device.torch_device
                     p.prompt_logprobs = compute_prompt_logprobs(
                         self.runner.model.compute_logits, out[1],
                         torch.tensor(rows, dtype=torch.int64).to(dev),
                         torch.tensor(targets, dtype=torch.int64).to(dev), k)
+                if p.pool_rows is not None:
+                    p.pooled = pooled_sums(out[1], p.pool_rows)
 
     @property
     def _is_last_stage(self) -> bool:
@@ -151,3 +157,14 @@ def _padded_prompt_rows(mi: ModelInput, seqs: range, query_len: int
     if not kept:
         return None
     return [k for k, _ in kept], [t for _, t in kept], max(mi.num_prompt_logprobs, 0)
+
+
+def _padded_pool_rows(mi: ModelInput, seqs: range, query_len: int
+                      ) -> list[tuple[int, int]] | None:
+    """The step's pooled spans that fall in ``seqs``, as (first row, count) of their padded
+    batch (a span's rows stay contiguous there); None when there are none."""
+    if not mi.pool_rows or not seqs:
+        return None
+    at = bk.padded_rows(mi, seqs, query_len, [a for a, _ in mi.pool_rows])
+    kept = [(k, c) for k, (_, c) in zip(at, mi.pool_rows) if k is not None]
+    return kept or None

@@ -25,6 +25,10 @@ class Part:
     # part, then the computed tensors (core/layers/prompt_logprobs.py).
     prompt_rows: Any = None
     prompt_logprobs: Any = None
+    # Embeddings: (padded first row, count) spans to pool, then their sums
+    # (core/layers/pooling.py).
+    pool_rows: Any = None
+    pooled: Any = None
 
 
 def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingMetadata:
@@ -83,14 +87,18 @@ def sample_parts(parts: list[Any], meta: SamplingMetadata, runner: Any, device: 
 def parts_to_host(parts: list[Part], num_sampled: int) -> SamplerOutput:
     """The parts' samples on the host, each at its sampled row (waits for the device)."""
     from cadence.layers import sampler
+    from cadence.layers.pooling import pooled_to_host
     from cadence.layers.prompt_logprobs import prompt_logprobs_to_host
 
     token_ids = [0] * num_sampled
     logprobs: list | None = None
     prompt: list | None = None
+    pooled: list | None = None
     for p in parts:
         if p.prompt_logprobs is not None:
             prompt = prompt_logprobs_to_host(p.prompt_logprobs)
+        if p.pooled is not None:  # the parts run in sequence order, as the spans do
+            pooled = (pooled or []) + pooled_to_host(p.pooled)
         out = sampler.to_host(p.result)
         if out.logprobs is not None and logprobs is None:
             logprobs = [None] * num_sampled
@@ -99,4 +107,4 @@ def parts_to_host(parts: list[Part], num_sampled: int) -> SamplerOutput:
                 token_ids[j] = out.sampled_token_ids[r]
                 if out.logprobs is not None:
                     logprobs[j] = out.logprobs[r]
-    return SamplerOutput(token_ids, logprobs, prompt_logprobs=prompt)
+    return SamplerOutput(token_ids, logprobs, prompt_logprobs=prompt, pooled=pooled)

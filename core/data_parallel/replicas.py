@@ -14,7 +14,8 @@ from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
-from cadence.outputs import RequestOutput
+from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.pooling import PoolingParams
 from cadence.sampling_params import SamplingParams
 
 
@@ -114,9 +115,9 @@ class DataParallelAsyncLLM:
         return [r.stats() for r in self.replicas]
 
     async def add_request(self, prompt: str | Sequence[int] | dict,
-                          params: SamplingParams | None = None, request_id: str | None = None,
-                          priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
-                          ) -> RequestStream:
+                          params: SamplingParams | PoolingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          output_kind: OutputKind = OutputKind.DELTA) -> RequestStream:
         """``AsyncLLM.add_request`` on the least-loaded replica."""
         if request_id is not None and any(r.has_request(request_id) for r in self.replicas):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -134,6 +135,16 @@ class DataParallelAsyncLLM:
                        priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
                        ) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(prompt, params, request_id, priority, output_kind)
+        async for out in stream:
+            yield out
+
+    async def encode(self, prompt: str | Sequence[int] | dict,
+                     pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0
+                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
+        stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
+                                        priority, OutputKind.FINAL_ONLY)
         async for out in stream:
             yield out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.backend import SamplerOutput, SamplingMetadata
+from cadence.layers.pooling import pooled_to_host
 from cadence.layers.prompt_logprobs import prompt_logprobs_to_host
 from cadence.layers.ranks import token_ranks
 
@@ -35,6 +36,8 @@ class DeviceSample:
     num_logprobs: list[int] | None = None
     # The step's prompt logprobs (core/layers/prompt_logprobs.py), when it asked for any.
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The step's pooled sums [spans, H] float32 (core/layers/pooling.py), when it asked.
+    pooled: torch.Tensor | None = None
 
 
 def host_tensor(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -265,10 +268,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def to_host(s: DeviceSample) -> SamplerOutput:
     token_ids = s.token_ids.tolist()
     prompt = None if s.prompt_logprobs is None else prompt_logprobs_to_host(s.prompt_logprobs)
+    pooled = None if s.pooled is None else pooled_to_host(s.pooled)
     if s.logprobs is None:
-        return SamplerOutput(token_ids, prompt_logprobs=prompt)
+        return SamplerOutput(token_ids, prompt_logprobs=prompt, pooled=pooled)
     sampled_lp, rank, top_ids, top_lp = (t.tolist() for t in s.logprobs)
     rows: list = []
     for i, k in enumerate(s.num_logprobs or []):
         rows.append(None if k < 0 else (sampled_lp[i], rank[i], top_ids[i][:k], top_lp[i][:k]))
-    return SamplerOutput(token_ids, rows, prompt_logprobs=prompt)
+    return SamplerOutput(token_ids, rows, prompt_logprobs=prompt, pooled=pooled)

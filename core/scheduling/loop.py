@@ -170,7 +170,7 @@ class AsyncSchedulingLoop:
             req.num_output_placeholders -= 1
         touched = e.output_processor.commit(step.plan.scheduled,
                                             step.model_input.sample_seq_indices, out,
-                                            step.model_input.prompt_logprob_spans)
+                                            step.model_input)
         self._cache_and_free(step.plan)
         e._stamp_token_times(touched)
         e._pending += touched
@@ -249,7 +249,7 @@ def rerun_alone(e: LLMEngine, plan: StepPlan) -> None:
     for r in e.guard.run(sub, e._build_input(sub), PostSample(None)):
         touched = e.output_processor.commit(r.plan.scheduled,
                                             r.model_input.sample_seq_indices, r.output,
-                                            r.model_input.prompt_logprob_spans)
+                                            r.model_input)
         e.scheduler.update_after_step(r.plan)
         e._stamp_token_times(touched)
         e._pending += touched

@@ -264,7 +264,7 @@ class PipelineLoop:
         if self._void:
             indices, out = _without(self._void, mb.plan, indices, out)
         touched = e.output_processor.commit(mb.plan.scheduled, indices, out,
-                                            mb.model_input.prompt_logprob_spans)
+                                            mb.model_input)
         e.scheduler.update_after_step(mb.plan)
         e._stamp_token_times(touched)
         e._pending += touched

@@ -31,6 +31,7 @@ from cadence.async_engine import (
 )
 from cadence.output_state import OutputKind
 from cadence.server.chat_protocol import ChatCompletionRequest
+from cadence.server.embeddings import EmbeddingRequest, EmbeddingServing
 from cadence.server.errors import error_body, error_response
 from cadence.server.limits import (
     ApiKeyAuth,
@@ -135,6 +136,14 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         if req.stream:
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
+
+    embeddings = EmbeddingServing(engine, model_name, serving.tokenizer, serving.max_model_len)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(req: EmbeddingRequest, raw: Request) -> Any:
+        deadline = Deadline.start(limits.request_timeout)
+        return await _unless_disconnected(
+            raw, deadline.run(embeddings.body(req, serving.check_model)))
 
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest) -> dict:

@@ -147,7 +147,7 @@ class OpenAIServing:
     # ---- whole responses ---------------------------------------------------------------
     async def completion_body(self, streams: list[RequestStream], req: CompletionRequest
                               ) -> dict:
-        finals = await _finals(streams)
+        finals = await final_outputs(streams)
         choices, usage = [], formats.Usage()
         for i, out in enumerate(finals):
             if req.echo_only:
@@ -166,7 +166,7 @@ class OpenAIServing:
 
     async def chat_body(self, streams: list[RequestStream], req: ChatCompletionRequest
                         ) -> dict:
-        (out,) = await _finals(streams)
+        (out,) = await final_outputs(streams)
         usage = formats.Usage()
         usage.add(out)
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
@@ -248,7 +248,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     """The final output of each stream (``_merge`` aborts them all if this is cancelled)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in _merge(streams):

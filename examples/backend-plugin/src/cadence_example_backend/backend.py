@@ -27,6 +27,7 @@ class ExampleBackend(Backend):
     name = "example"
     # prepare/run_model/sample below are ModelRunner's, which compute them.
     supports_prompt_logprobs = True
+    supports_pooling = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -1,0 +1,137 @@
+"""/v1/embeddings: OpenAI's body (with vLLM's extra fields), its mapping to
+``PoolingParams``, and the response. The engine side is cadence/pooling."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from cadence.output_state import OutputKind
+from cadence.outputs import EmbeddingRequestOutput
+from cadence.pooling import PoolingParams
+from cadence.request_intake import truncate_prompt
+from cadence.sampling_params import FieldError
+from cadence.server.protocol import RequestError
+from cadence.server.serving import check_unicode, final_outputs
+
+# OpenAI's own limit on the inputs of one request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body; ``truncate_prompt_tokens``, ``normalize``,
+    ``add_special_tokens`` and ``priority`` are vLLM's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        """One string or one token-id list per input."""
+        x = self.input
+        if isinstance(x, str):
+            x = [x]
+        elif x and isinstance(x[0], int):
+            x = [list(x)]
+        if not x:
+            raise RequestError("input must not be empty", "input")
+        if len(x) > MAX_EMBEDDING_INPUTS:
+            raise RequestError(f"input holds {len(x)} inputs; at most {MAX_EMBEDDING_INPUTS} "
+                               "per request", "input")
+        if any(not p for p in x):
+            raise RequestError("input must not be empty (one of its inputs is)", "input")
+        return list(x)
+
+    def pooling_params(self) -> PoolingParams:
+        try:
+            return PoolingParams(self.dimensions, self.normalize, self.truncate_prompt_tokens)
+        except FieldError as e:
+            raise RequestError(str(e), e.param) from None
+
+
+class EmbeddingServing:
+    """Serves /v1/embeddings from one ``AsyncLLM`` (or data-parallel replicas)."""
+
+    def __init__(self, engine: Any, model_name: str, tokenizer: Any, max_model_len: int
+                 ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def inputs(self, req: EmbeddingRequest) -> list[dict]:
+        prompts = []
+        for x in req.inputs():
+            if isinstance(x, str):
+                check_unicode(x, "input")
+                ids = self.tokenizer.encode(x, add_special_tokens=req.add_special_tokens)
+                prompt = {"prompt": x, "prompt_token_ids": ids}
+            else:
+                prompt = {"prompt": None, "prompt_token_ids": x}
+            kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
+            if len(kept) >= self.max_model_len:
+                raise RequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; an "
+                    f"input has {len(kept)} (embedding inputs must be shorter; "
+                    "truncate_prompt_tokens keeps an input's last tokens)", "input",
+                    code="context_length_exceeded")
+            prompts.append(prompt if len(kept) == len(prompt["prompt_token_ids"])
+                           else {"prompt": None, "prompt_token_ids": kept})
+        return prompts
+
+    async def body(self, req: EmbeddingRequest, check_model: Any) -> dict:
+        check_model(req.model)
+        if req.truncate_prompt_tokens is not None and \
+                req.truncate_prompt_tokens >= self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens must be < max_model_len="
+                               f"{self.max_model_len}, got {req.truncate_prompt_tokens}",
+                               "truncate_prompt_tokens")
+        params = req.pooling_params()
+        prompts = self.inputs(req)
+        streams = []
+        base = uuid.uuid4().hex
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(
+                    prompt, params, f"embd-{base}-{i}", req.priority, OutputKind.FINAL_ONLY))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, FieldError):
+                raise RequestError(str(e), _BODY_FIELD.get(e.param, e.param)) from None
+            raise
+        finals: list[EmbeddingRequestOutput] = await final_outputs(streams)
+        data, tokens = [], 0
+        for i, out in enumerate(finals):
+            if out.outputs is None:  # aborted: the client left, nobody reads this
+                raise RuntimeError(out.error or "the request was aborted")
+            tokens += len(out.prompt_token_ids)
+            data.append({"object": "embedding", "index": i,
+                         "embedding": encode(out.outputs.embedding, req.encoding_format)})
+        return {"id": f"embd-{base}", "object": "list", "created": int(time.time()),
+                "model": self.model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+# The engine's names for the body's fields where they differ.
+_BODY_FIELD = {"prompt": "input", "pooling_params": None}
+
+
+def encode(vec: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's two encodings: a JSON list, or base64 of little-endian float32."""
+    if encoding_format == "float":
+        return vec
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
