@@ -222,6 +222,12 @@ class ModelRunner:
         self.last_sampled = out.token_ids
         return out
 
+    def take_prompt_logprobs(self) -> tuple | None:
+        """The prompt logprobs the last ``run_model`` computed (once). Kept for backends
+        written before embeddings; ``attach_prompt_outputs`` also hands on pooled sums."""
+        out, self._prompt_logprobs = self._prompt_logprobs, None
+        return out
+
     def attach_prompt_outputs(self, out: sampler.DeviceSample) -> sampler.DeviceSample:
         """Hand the prompt logprobs and pooled sums the last ``run_model`` computed on in
         ``out`` (once), for a backend that samples without ``sample``; pass a throwaway

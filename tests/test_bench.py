@@ -355,3 +355,20 @@ def test_warm_up_serves_reversed_prompts_untimed() -> None:
     assert [ids for _, ids, _ in eng.added] == [[3, 2, 1], [6, 5, 4]]
     assert {n for _, _, n in eng.added} == {WARMUP_TOKENS} and eng.steps == 3
     assert prompts[0] == [1, 2, 3]  # the measured prompts are untouched
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embed_reports_both_engines_and_checks_the_vectors(tiny_model_dir, tmp_path,
+                                                           pooling):
+    res = _run(["bench", "embed", "--model", tiny_model_dir("llama"), "--num-prompts", "5",
+                "--rounds", "2", "--hf-batch-size", "2", "--pooling-type", pooling,
+                *WORKLOAD], tmp_path / "embed.json")
+    assert [r["engine"] for r in res["runs"]] == ["cadence", "hf"] * 2
+    assert {r["round"] for r in res["runs"]} == {1, 2}
+    assert all(r["prompt_tokens"] == 5 * 8 and r["prompt_tokens_per_s"] > 0
+               for r in res["runs"])
+    assert res["summary"]["cadence"]["vs_cadence"] == 1.0
+    assert res["summary"]["hf"]["rounds"] == 2
+    # fp32: cadence's vectors are transformers' (checked on every round).
+    assert all(r["max_abs_diff_vs_hf"] < 1e-5 for r in res["runs"] if r["engine"] == "cadence")
+    assert res["pooling"] == pooling and MACHINE_KEYS <= set(res["machine"])

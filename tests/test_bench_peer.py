@@ -54,6 +54,15 @@ with open(opt["--input"]) as f:
     work = json.load(f)
 with open(os.environ["FAKE_PEER_LOG"] + ".input", "w") as f:
     json.dump(work, f)
+if opt.get("--task") == "embed":
+    with open(os.path.join(opt["--model"], "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    n = sum(map(len, work["prompts"]))
+    with open(opt["--output"], "w") as f:
+        json.dump({{"prompt_tokens": n, "elapsed_s": 0.5, "prompt_tokens_per_s": n / 0.5,
+                   "vllm_version": "0.32.0-fake", "config": opt["--config"],
+                   "dtype": opt["--dtype"], "first_embedding": [0.0] * hidden}}, f)
+    sys.exit(0)
 out = sum(work["max_tokens"])
 elapsed = {{"eager": 2.0, "default": 1.0}}[opt["--config"]]
 with open(opt["--output"], "w") as f:
@@ -229,3 +238,26 @@ def test_compare_with_fake_peer(tiny_model_dir, fake_peer, tmp_path, capsys):
     work = json.loads(Path(str(log) + ".input").read_text())
     assert len(work["prompts"]) == 3 and all(len(p) == 8 for p in work["prompts"])
     assert work["max_tokens"] == [6, 6, 6] and work["temperature"] == 1.0
+
+
+def test_embed_with_fake_peer(tiny_model_dir, fake_peer, tmp_path):
+    """``engine bench embed --peer vllm``: each round runs cadence, transformers, then the
+    peer's embed task on the same prompts; the peer's first vector is checked too."""
+    python, log = fake_peer
+    model = tiny_model_dir("llama")
+    out = tmp_path / "embed.json"
+    assert main(["bench", "embed", "--model", model, "--num-prompts", "3", "--rounds", "2",
+                 "--peer", "vllm", "--peer-python", python, *WORKLOAD,
+                 "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["engine"] for r in data["runs"]] == ["cadence", "hf", "vllm-eager"] * 2
+    assert data["summary"]["vllm-eager"]["median"] == pytest.approx(3 * 8 / 0.5)
+    assert data["peer_version"] == "0.32.0-fake"
+    # The stand-in returns zeros, which are not transformers' vector.
+    assert all(r["max_abs_diff_vs_hf"] > 0.01 for r in data["runs"]
+               if r["engine"] == "vllm-eager")
+    calls = _calls(log)
+    args = dict(zip(calls[1]["args"][::2], calls[1]["args"][1::2]))
+    assert args["--task"] == "embed" and args["--model"] == model
+    work = json.loads(Path(str(log) + ".input").read_text())
+    assert len(work["prompts"]) == 3 and all(len(p) == 8 for p in work["prompts"])

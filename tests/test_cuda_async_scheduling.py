@@ -163,3 +163,36 @@ def test_prompt_logprobs_come_back_with_the_samples(model, async_scheduling) -> 
     assert [a.outputs[0].token_ids for a in got] == [b.outputs[0].token_ids for b in want]
     assert all(w.prompt_logprobs is not None for w in want)
     assert_same_prompt_logprobs(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_gpu.py covers it on a GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_embeddings_come_back_with_the_samples(model, async_scheduling) -> None:
+    """Embedding prompts run eagerly, also when a prefix-cache hit leaves one token to
+    compute (a step the scheduler counts as a decode, which would otherwise replay a
+    graph that returns no hidden states); the pooled sums come back through the output
+    copier and equal the CPU backend's, beside generation requests."""
+    from engine_helpers import assert_same_embeddings, make_llm
+
+    from cadence import PoolingParams
+
+    long = list(range(5, 38))  # 33 tokens: a repeat hits two 16-token blocks, computes one
+    prompts = [{"prompt_token_ids": p} for p in (long, [3, 4, 9], long)]
+    cpu = make_llm(model, max_model_len=64)
+    try:
+        want = cpu.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    finally:
+        cpu.shutdown()
+    llm = _llm(model, async_scheduling=async_scheduling)
+    try:
+        eng = llm.engine
+        eng.add_request("g", {"prompt_token_ids": [7, 8]},
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        got = llm.embed(prompts[:2], PoolingParams(normalize=False), use_tqdm=False)
+        (again,) = llm.embed(prompts[2:], PoolingParams(normalize=False), use_tqdm=False)
+        assert again.num_cached_tokens == 32
+        assert_same_embeddings([*got, again], want)
+        assert not eng.has_unfinished_requests()
+        assert eng.block_manager.num_free_blocks == eng.num_blocks
+    finally:
+        llm.shutdown()

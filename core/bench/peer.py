@@ -134,13 +134,13 @@ def write_peer_input(path: Path, workload: Any, prompts: list[list[int]], out_le
 
 
 def run_peer(opts: PeerOptions, config: str, round_: int, input_path: Path, model: str,
-             dtype: str, workdir: Path) -> dict[str, Any]:
-    tag = f"{opts.name}-{config}-round{round_}"
+             dtype: str, workdir: Path, task: str = "generate") -> dict[str, Any]:
+    tag = f"{opts.name}-{task}-{config}-round{round_}"
     result = workdir / f"{tag}.json"
     print(f"peer: {opts.name} {config}, round {round_} of {opts.rounds}", file=sys.stderr,
           flush=True)
     _call(opts, ["--input", str(input_path), "--output", str(result), "--config", config,
-                 "--dtype", dtype, "--model", model], workdir, tag)
+                 "--dtype", dtype, "--model", model, "--task", task], workdir, tag)
     try:
         return json.loads(result.read_text())
     except (OSError, ValueError) as e:

@@ -7,6 +7,7 @@ and vLLM:
     PEER_PYTHON peer_vllm.py --input work.json --output result.json --config eager \\
         --dtype float32 --model MODEL_DIR
     PEER_PYTHON peer_vllm.py --check        # prints {"vllm_version": "..."}
+    PEER_PYTHON peer_vllm.py --task embed ...   # LLM.embed of the prompts instead
 
 ``work.json`` (written by ``cadence.bench.peer``) holds the prompts as token ids, each
 request's output length and the sampling settings. ``--config eager`` builds the engine with
@@ -36,6 +37,7 @@ def _parse(argv):
     p.add_argument("--config", choices=("eager", "default"), default="eager")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model")
+    p.add_argument("--task", choices=("generate", "embed"), default="generate")
     args = p.parse_args(argv)
     if not args.check and not (args.input and args.output and args.model):
         p.error("--input, --output and --model are required")
@@ -49,6 +51,32 @@ def _sampling_params(SamplingParams, work, max_tokens):
                           detokenize=work.get("detokenize", True))
 
 
+def run_embed(args, work):
+    """``LLM.embed`` of the prompts with vLLM's pooling runner (last token, normalized: its
+    default for a causal LM turned into an embedding model)."""
+    import vllm
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    prompts = work["prompts"]
+    kwargs = {"model": args.model, "dtype": args.dtype, "runner": "pooling",
+              "convert": "embed", "enforce_eager": args.config == "eager",
+              "max_model_len": max(2048, max(map(len, prompts)) + 1), "seed": 0}
+    if work.get("tokenizer"):
+        kwargs["tokenizer"] = work["tokenizer"]
+    llm = LLM(**kwargs)
+    llm.embed([TokensPrompt(prompt_token_ids=work["warmup_prompt"])], use_tqdm=False)
+    todo = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    start = time.perf_counter()
+    outs = llm.embed(todo, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_in = sum(map(len, prompts))
+    return {"prompt_tokens": num_in, "elapsed_s": elapsed, "prompt_tokens_per_s":
+            num_in / elapsed, "vllm_version": vllm.__version__, "config": args.config,
+            "dtype": args.dtype, "num_prompts": len(prompts),
+            "first_embedding": list(outs[0].outputs.embedding)}
+
+
 def run(args):
     import vllm
     from vllm import LLM, SamplingParams
@@ -56,6 +84,10 @@ def run(args):
 
     with open(args.input) as f:
         work = json.load(f)
+    if args.task == "embed":
+        with open(args.output, "w") as f:
+            json.dump(run_embed(args, work), f)
+        return
     prompts, max_tokens = work["prompts"], work["max_tokens"]
     kwargs = {"model": args.model, "dtype": args.dtype,
               "enforce_eager": args.config == "eager",
