@@ -122,6 +122,13 @@ def test_ids_aborts_metrics_and_health_across_replicas(tiny_model_dir):
                                          base_url="http://test") as client:
                 r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert r.status_code == 200, r.text
+                # Embeddings route by load too: four inputs, spread over both replicas.
+                before = [s.num_requests_added for s in dp.replica_stats()]
+                r = await client.post("/v1/embeddings", json={"input": ["a", "b c", "d", "e"]})
+                assert r.status_code == 200, r.text
+                assert [d["index"] for d in r.json()["data"]] == [0, 1, 2, 3]
+                after = [s.num_requests_added for s in dp.replica_stats()]
+                assert all(a > b for a, b in zip(after, before)), (before, after)
                 text = (await client.get("/metrics")).text
                 running = [s for f in text_string_to_metric_families(text)
                            if f.name == "vllm:num_requests_running" for s in f.samples]
