@@ -33,6 +33,9 @@ class ModelConfig:
     # How embedding requests pool (cadence/pooling), resolved by EngineArgs from the model
     # folder and the command line.
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    # False for a base model saved without its LM head (an embedding model): it serves
+    # embeddings only, and generation requests are refused.
+    has_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

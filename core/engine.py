@@ -79,9 +79,10 @@ class LLMEngine:
                                           cc.sliding_window)
         self.scheduler = make_scheduler(config, self.block_manager, self._settle)
         self.stats = EngineStats()
-        # Structured output; compiles nothing and imports no xgrammar until a request asks.
+        # Embedding requests' admission (cadence/pooling).
         self._pooling = PoolingIntake(config, self.backend.name,
                                       self.backend.supports_pooling)
+        # Structured output; compiles nothing and imports no xgrammar until a request asks.
         self.structured = StructuredOutputManager(
             tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))
         hook = registry.hook.cadence_post_sample if registry.has_impl(
@@ -118,6 +119,10 @@ class LLMEngine:
         pooling = None
         if isinstance(params, PoolingParams):
             pooling, params = params, self._pooling.sampling_params(params)
+        elif not self.config.model_config.has_lm_head:
+            raise FieldError("this model is a base model saved without an LM head (an "
+                             "embedding model): it serves embeddings only (LLM.embed, "
+                             "/v1/embeddings), not generation", "model")
         if not isinstance(request_id, str):
             raise FieldError(f"request_id must be a string, got {type(request_id).__name__}",
                              "request_id")

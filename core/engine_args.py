@@ -24,7 +24,12 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
-from cadence.model_limits import check_architecture, longest_context, model_kv_window
+from cadence.model_limits import (
+    check_architecture,
+    has_lm_head,
+    longest_context,
+    model_kv_window,
+)
 from cadence.pooling.config import POOLING_TYPES, load_pooler_config
 
 
@@ -107,7 +112,8 @@ class EngineArgs:
                                                          args["enable_chunked_prefill"] else 0)
         return EngineConfig(
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
-                                     generation_defaults=defaults, pooler_config=pooler),
+                                     generation_defaults=defaults, pooler_config=pooler,
+                                     has_lm_head=has_lm_head(model)),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
                                      args["enable_prefix_caching"],
                                      sliding_window=model_kv_window(model)),

@@ -56,7 +56,8 @@ def cadence_post_sample(outputs: list[RequestOutput]) -> None:
     Mostly called inside finalize, i.e. inside the backend's post-sample callback while the
     device runs the next step, so keep it short; also for the single output a transition
     emits (a stop found when a request is preempted, an abort, a failure). Not called at
-    all when no plugin implements it. Never mutate the outputs.
+    all when no plugin implements it. Never mutate the outputs. An embedding request's one
+    output is an ``EmbeddingRequestOutput`` (``outputs.embedding``, no samples).
     """
 
 

@@ -129,7 +129,8 @@ class EngineStats:
 
     def on_request_finished(self, req: Request) -> None:
         now = time.monotonic()
-        if req.first_token_time is not None:
+        if req.first_token_time is not None and req.pooling is None:
+            # An embedding request's one token is dropped: it has no first token to time.
             self.time_to_first_token.observe(req.first_token_time - req.arrival_time)
         self.e2e_request_latency.observe(now - req.arrival_time)
         if req.first_scheduled_time is not None:

@@ -36,6 +36,17 @@ def check_architecture(model: str) -> None:
                          f"supports {', '.join(supported)}")
 
 
+def has_lm_head(model: str) -> bool:
+    """False when config.json names only base models (``LlamaModel``, ...: checkpoints saved
+    without their LM head, as embedding models are) and does not tie a head to the
+    embeddings; such a model serves embeddings only."""
+    from cadence.models import is_base_model
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    return not is_base_model(cfg.get("architectures")) or bool(cfg.get("tie_word_embeddings"))
+
+
 def longest_context(model: str) -> tuple[int | None, str]:
     """The longest max_model_len the model's positions allow, and why.
 

@@ -92,7 +92,7 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         # read from disk nor converted (a 4-stage split reads a quarter of the checkpoint);
         # an expert-parallel rank, the same for the experts of the other ranks.
         def skip(name: str) -> bool:
-            return model.stage_weight_name(name) is None
+            return model.stage_weight_name(model.body_weight_name(name)) is None
     model.load_weights(iterate_weights(model_config.model, skip))
     return model.eval(), hf_config
 

@@ -76,6 +76,9 @@ class OutputProcessor:
             touched.append(req)
             if req.grammar is not None and self._advance_grammar(req, token, refused):
                 continue
+            if req.pooling is not None:  # its prompt is computed: that is all it asked
+                req.status = RequestStatus.FINISHED_STOPPED
+                continue
             self._check_stop(req, token)
         for req in refused:
             self.fail(req.parent_id, f"structured output: the grammar refused token "

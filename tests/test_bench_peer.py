@@ -261,3 +261,25 @@ def test_embed_with_fake_peer(tiny_model_dir, fake_peer, tmp_path):
     assert args["--task"] == "embed" and args["--model"] == model
     work = json.loads(Path(str(log) + ".input").read_text())
     assert len(work["prompts"]) == 3 and all(len(p) == 8 for p in work["prompts"])
+
+
+def test_a_peer_that_crashes_after_writing_its_result_counts(tmp_path, capsys):
+    """vLLM's CPU build may abort in teardown once its result is on disk: the result is
+    used, with a note; a crash before the result is still an error."""
+    from cadence.bench.peer import run_peer
+
+    script = _script(tmp_path / "crashy", """#!/bin/sh
+out=""
+while [ $# -gt 0 ]; do [ "$1" = "--output" ] && out="$2"; shift; done
+echo '{"output_tokens": 3}' > "$out"
+exit 134
+""")
+    opts = PeerOptions("vllm", script, 1, ("eager",))
+    res = run_peer(opts, "eager", 1, tmp_path / "in.json", "m", "float32", tmp_path)
+    assert res == {"output_tokens": 3}
+    assert "after writing its result" in capsys.readouterr().err
+    broken = PeerOptions("vllm", _script(tmp_path / "broken", BROKEN_PEER), 1, ("eager",))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with pytest.raises(PeerError, match="exited with 1"):
+        run_peer(broken, "eager", 1, tmp_path / "in.json", "m", "float32", fresh)

@@ -117,6 +117,8 @@ def test_beside_generation_neither_changes(model) -> None:
         solo_emb = llm.embed(_inputs(), use_tqdm=False)
         eng = llm.engine
         before = eng.stats.num_generation_tokens
+        ttft, stops = sum(eng.stats.time_to_first_token.counts), eng.stats.finish_reasons
+        stops_before = stops.get("stop", 0)
         for i, p in enumerate(PROMPTS[:2]):
             eng.add_request(f"g{i}", {"prompt_token_ids": p}, gen)
         for i, p in enumerate(PROMPTS):
@@ -129,8 +131,11 @@ def test_beside_generation_neither_changes(model) -> None:
         assert [done[f"g{i}"].outputs[0].token_ids for i in range(2)] == \
             [o.outputs[0].token_ids for o in solo_gen]
         assert_same_embeddings([done[f"e{i}"] for i in range(4)], solo_emb)
-        # The embedding requests' internal token is no generated token.
+        # The embedding requests' internal token is no generated token, and has no time to
+        # first token; they finish with "stop" (the generation requests with "length").
         assert eng.stats.num_generation_tokens - before == 24
+        assert sum(eng.stats.time_to_first_token.counts) - ttft == 2
+        assert eng.stats.finish_reasons.get("stop", 0) - stops_before == 4
         assert eng.block_manager.num_free_blocks == eng.num_blocks
     finally:
         llm.shutdown()
@@ -278,3 +283,40 @@ def test_async_llm_encode(model) -> None:
     (out,) = asyncio.run(run())
     (want,) = _embed(model, prompts=PROMPTS[1:2])
     assert_same_embeddings([out], [want], atol=0.0)
+
+
+def test_a_base_model_without_head_embeds_and_refuses_generation(model, tmp_path) -> None:
+    """``LlamaModel`` saved alone (the layout of e5-mistral or gte-Qwen2: weights named
+    ``layers.0...`` without ``model.``, no ``lm_head``) loads, embeds as transformers does,
+    and refuses generation with an error that says why."""
+    from transformers import AutoModel
+
+    folder = tmp_path / "base"
+    base = AutoModel.from_pretrained(model, dtype=torch.float32)
+    base.save_pretrained(str(folder))
+    shutil.copy(f"{model}/tokenizer.json", folder)
+    shutil.copy(f"{model}/tokenizer_config.json", folder)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as st:
+        names = list(st.keys())  # noqa: SIM118 (safe_open is not a dict)
+    assert "layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    got = _embed(str(folder), pooling_type="mean", pooling_normalize=False)
+    want = _embed(model, pooling_type="mean", pooling_normalize=False)
+    assert_same_embeddings(got, want, atol=0.0)
+    # Tensor parallel: each rank's vocabulary shard of the embeddings stands in for its
+    # head shard. Pipeline parallel has no such stand-in on its last stage: refused.
+    split = _embed(str(folder), prompts=PROMPTS[:2], tensor_parallel_size=2, num_kv_blocks=64)
+    assert_same_embeddings(split, _embed(model, prompts=PROMPTS[:2]), atol=1e-4)
+    with pytest.raises(ValueError, match="without an LM head"):
+        make_llm(str(folder), pipeline_parallel_size=2)
+    llm = make_llm(str(folder))
+    try:
+        assert llm.engine.config.model_config.has_lm_head is False
+        with pytest.raises(ValueError, match="serves embeddings only") as e:
+            llm.generate("the cat", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert e.value.param == "model"
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()

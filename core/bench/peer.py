@@ -90,9 +90,11 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _call(opts: PeerOptions, args: list[str], workdir: Path, tag: str) -> Path:
+def _call(opts: PeerOptions, args: list[str], workdir: Path, tag: str,
+          result: Path | None = None) -> Path:
     """Run the peer script with ``args``; its stdout and stderr go to files in ``workdir``.
-    Returns the stdout file; raises PeerError when it cannot start or exits non-zero."""
+    Returns the stdout file; raises PeerError when it cannot start or exits non-zero,
+    unless it wrote ``result`` first (see below)."""
     cmd = [opts.python, str(SCRIPTS[opts.name]), *args]
     out, err = workdir / f"{tag}.stdout", workdir / f"{tag}.stderr"
     with open(out, "w") as fo, open(err, "w") as fe:
@@ -102,6 +104,12 @@ def _call(opts: PeerOptions, args: list[str], workdir: Path, tag: str) -> Path:
         except OSError as e:
             raise PeerError(f"cannot run the peer python {opts.python!r} (--peer-python): "
                             f"{e}") from None
+    if rc != 0 and result is not None and result.is_file() and result.stat().st_size:
+        # vLLM's CPU build at times aborts in interpreter teardown after the measured work
+        # is done and written ("terminate called without an active exception", -6).
+        print(f"peer: the {opts.name} run ({tag}) exited with {rc} after writing its result; "
+              "the result is used", file=sys.stderr, flush=True)
+        return out
     if rc != 0:
         tail = _tail(err) or _tail(out)
         raise PeerError(f"the {opts.name} peer run ({tag}) with {opts.python} exited with "
@@ -140,7 +148,7 @@ def run_peer(opts: PeerOptions, config: str, round_: int, input_path: Path, mode
     print(f"peer: {opts.name} {config}, round {round_} of {opts.rounds}", file=sys.stderr,
           flush=True)
     _call(opts, ["--input", str(input_path), "--output", str(result), "--config", config,
-                 "--dtype", dtype, "--model", model, "--task", task], workdir, tag)
+                 "--dtype", dtype, "--model", model, "--task", task], workdir, tag, result)
     try:
         return json.loads(result.read_text())
     except (OSError, ValueError) as e:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from cadence.models import BASE_MODELS, is_base_model
+
 # The mixture-of-experts families (core/models/moe.py): each expert splits like a dense MLP.
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -13,10 +15,12 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
                                  "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                                 "GPT2LMHeadModel", "GPTNeoXForCausalLM") + MOE_ARCHITECTURES
+                                 "GPT2LMHeadModel", "GPTNeoXForCausalLM") + MOE_ARCHITECTURES \
+    + tuple(BASE_MODELS)
 
 
-# The families whose layers split into stages (the same families).
+# The families whose layers split into stages (the same families; a base model without an
+# LM head is refused below: the last stage has no embeddings to stand in for the head).
 PIPELINE_PARALLEL_ARCHITECTURES = TENSOR_PARALLEL_ARCHITECTURES
 
 
@@ -48,6 +52,10 @@ def check_pipeline_parallel_model(model: str, size: int) -> None:
         raise ValueError(f"--pipeline-parallel-size {size}: architecture {archs} has no "
                          f"pipeline parallel support yet; supported: "
                          f"{list(PIPELINE_PARALLEL_ARCHITECTURES)}")
+    if is_base_model(archs) and not cfg.get("tie_word_embeddings"):
+        raise ValueError(f"--pipeline-parallel-size {size}: architecture {archs} is a base "
+                         "model without an LM head, and a last stage has no embeddings to "
+                         "stand in for one; serve it without pipeline parallel")
     layers, field = _field(cfg, "num_hidden_layers", "n_layer")
     if layers < size:
         raise ValueError(f"--pipeline-parallel-size {size} needs at least one decoder layer "

@@ -25,6 +25,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
 }
 
+# Base models saved without their LM head, as embedding models are (e5-mistral,
+# gte-Qwen2): the family's class loads them, with the head standing in from the
+# embeddings; they serve embeddings only (``ModelConfig.has_lm_head``).
+BASE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+_MODELS.update({base: _MODELS[full] for base, full in BASE_MODELS.items()})
+
 
 def supported_architectures() -> list[str]:
     """Architecture names (``config.architectures`` entries) that cadence can load."""
@@ -41,3 +52,8 @@ def get_model_class(architectures: list[str] | None) -> type:
     raise ValueError(
         f"unsupported model architecture(s) {architectures}; supported: {supported_architectures()}"
     )
+
+
+def is_base_model(architectures: list[str] | None) -> bool:
+    """Whether ``config.architectures`` names a base model (no LM head) and nothing else."""
+    return bool(architectures) and all(a in BASE_MODELS for a in architectures)

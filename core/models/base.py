@@ -20,6 +20,7 @@ from cadence.distributed import all_gather, pp_layer_range, pp_rank, pp_size, tp
 from cadence.layers.linear import ColumnParallelLinear
 from cadence.layers.logits import RefineTopLogits
 from cadence.model_limits import layer_windows
+from cadence.models import is_base_model
 
 
 def sliding_windows(config: Any, max_model_len: int | None) -> list[int | None]:
@@ -165,7 +166,8 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, ckpt_tensor in weights:
-            for converted, tensor in self.convert_weight(ckpt_name, ckpt_tensor):
+            for converted, tensor in self.convert_weight(self.body_weight_name(ckpt_name),
+                                                         ckpt_tensor):
                 name = self.stage_weight_name(converted)
                 if name is None:
                     continue  # another pipeline stage's weight
@@ -198,8 +200,31 @@ class CausalLM(nn.Module):
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
         missing = [n for n in owned if not self._is_loaded(n, loaded)]
+        if missing == ["lm_head.weight"] and is_base_model(
+                getattr(self.config, "architectures", None)):
+            missing = self._stand_in_head()
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+
+    def body_weight_name(self, name: str) -> str:
+        """Checkpoint name -> the HF name under the model's body: a base model saved alone
+        (an embedding model's checkpoint) names its weights without the body's prefix,
+        ``layers.0...`` for ``model.layers.0...``."""
+        body = getattr(self, "_body", None)
+        if body and name.startswith(("layers.", f"{self._embed}.", f"{self.final_norm}.")):
+            return f"{body}.{name}"
+        return name
+
+    def _stand_in_head(self) -> list[str]:
+        """A base model has no LM head: the embeddings' weight stands in, so the forward's
+        shapes hold (the engine samples one token it drops for each embedding request and
+        refuses generation: ``ModelConfig.has_lm_head``). Returns what is still missing."""
+        if not self.is_first_stage:
+            raise ValueError("this checkpoint is a base model without an LM head, and under "
+                             "pipeline parallel its last stage holds no embeddings to stand "
+                             "in for one: serve it without --pipeline-parallel-size")
+        self.lm_head.weight = self.get_submodule(f"{self._body}.{self._embed}").weight
+        return []
 
     #: The final norm's name inside the body (HF's): the last pipeline stage holds it.
     final_norm: ClassVar[str] = "norm"
