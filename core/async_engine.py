@@ -30,6 +30,7 @@ from cadence.async_stream import (
     call_soon,
     deliver,
 )
+from cadence.beam_search import BeamSearchOutput, BeamSearchParams
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params
@@ -97,6 +98,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler_config.max_model_len
         self.generation_defaults = engine.config.model_config.generation_defaults
+        self.eos_token_ids = engine.eos_token_ids
         self.max_pending_requests = max_pending_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Keyed by the engine-side id: the caller's id, unless the engine may still hold an
@@ -182,6 +184,20 @@ class AsyncLLM:
         stream = await self.add_request(prompt, params, request_id, priority, output_kind)
         async for out in stream:
             yield out
+
+    async def beam_search(self, prompt: str | Sequence[int] | dict, params: BeamSearchParams,
+                          priority: int = 0) -> BeamSearchOutput:
+        """Beam search for one prompt (vLLM's ``beam_search``; core/beam_search.py): its
+        beams best first, each round's requests through this engine."""
+        from cadence.beam_search import beam_search_async, detokenizer
+        from cadence.request_intake import tokenize_prompt
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        (out,) = await beam_search_async(self, [tokenize_prompt(self.tokenizer, prompt)[1]],
+                                         params, self.eos_token_ids, self.max_model_len,
+                                         detokenizer(self.tokenizer), priority)
+        return out
 
     async def encode(self, prompt: str | Sequence[int] | dict,
                      pooling_params: PoolingParams | None = None,

@@ -9,6 +9,14 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cadence.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    detokenizer,
+    search,
+    step_params,
+)
 from cadence.chat import render_chat, split_conversations
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
@@ -16,6 +24,7 @@ from cadence.generation_defaults import default_sampling_params, describe_genera
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput, RequestOutput
 from cadence.pooling import PoolingParams
+from cadence.request_intake import tokenize_prompt
 from cadence.sampling_params import FieldError, SamplingParams
 
 PromptType = str | dict | Sequence[int]
@@ -99,6 +108,30 @@ class LLM:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]
         return self._run_all(prompts, params, None, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``); one
+        ``BeamSearchOutput`` per prompt, its ``sequences`` best first (core/beam_search.py;
+        docs/semantics.md, "Beam search"). Each round runs every live beam as a one-token
+        request through the engine, all prompts' beams in one batch."""
+        if not isinstance(params, BeamSearchParams):
+            raise FieldError(f"params must be BeamSearchParams, got {type(params).__name__}",
+                             "params")
+        engine = self.engine
+        searches = [BeamSearch(tokenize_prompt(engine.tokenizer, p)[1], params,
+                               engine.eos_token_ids,
+                               engine.config.scheduler_config.max_model_len)
+                    for p in _prompt_list(prompts)]
+        step = step_params(params)
+
+        def run_round(ids: list[list[int]]) -> list[RequestOutput]:
+            return self._run_all([{"prompt_token_ids": p} for p in ids], [step] * len(ids),
+                                 None, False)
+
+        search(searches, run_round)
+        decode = detokenizer(engine.tokenizer)
+        return [s.output(decode) for s in searches]
 
     def _run_all(self, prompts: list, params: list, priority: Sequence[int] | None,
                  use_tqdm: bool) -> list:

@@ -50,6 +50,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.generation_defaults = first.generation_defaults
+        self.eos_token_ids = first.eos_token_ids
         self._turn = itertools.count()
 
     @classmethod

@@ -30,6 +30,7 @@ from cadence.async_engine import (
     RequestFailedError,
 )
 from cadence.output_state import OutputKind
+from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.embeddings import EmbeddingRequest, EmbeddingServing
 from cadence.server.errors import error_body, error_response
@@ -116,9 +117,14 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    beams = BeamServing(serving)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         deadline = Deadline.start(limits.request_timeout)
+        if req.use_beam_search:
+            return await _unless_disconnected(raw, deadline.run(beams.completion_body(req)))
+        check_beam_request(req)
         inputs = serving.completion_inputs(req)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req, kind)
@@ -130,6 +136,9 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         deadline = Deadline.start(limits.request_timeout)
+        if req.use_beam_search:
+            return await _unless_disconnected(raw, deadline.run(beams.chat_body(req)))
+        check_beam_request(req)
         inputs = [serving.chat_input(req)]
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = await serving.submit(inputs, req, kind)

@@ -84,6 +84,10 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search: n beams, ranked by length-penalized log-probability
+    # (core/server/beam.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""

@@ -75,7 +75,13 @@ class OpenAIServing:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
-        inputs = []
+        return [(prompt, self._params(len(prompt["prompt_token_ids"]), req.max_tokens,
+                                      self._make_params(req), "prompt"))
+                for prompt in self.completion_prompts(req)]
+
+    def completion_prompts(self, req: CompletionRequest) -> list[dict]:
+        """Each prompt of the body as an engine prompt (text and ids), truncated as asked."""
+        prompts = []
         for p in req.prompts():
             if isinstance(p, str):
                 if not p:
@@ -87,15 +93,22 @@ class OpenAIServing:
             kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
             if len(kept) < len(prompt["prompt_token_ids"]):
                 prompt = {"prompt": None, "prompt_token_ids": kept}
-            n = len(prompt["prompt_token_ids"])
-            inputs.append((prompt, self._params(n, req.max_tokens, self._make_params(req),
-                                                "prompt")))
-        return inputs
+            prompts.append(prompt)
+        return prompts
 
     def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
+        prompt = self.chat_prompt(req)
+        params = self._params(len(prompt["prompt_token_ids"]), req.requested_max_tokens,
+                              self._make_params(req), "messages", req.max_tokens_field)
+        if req.effective_tool_choice == "auto" and self.tool_parser.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return prompt, params
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
+        """The conversation rendered with the chat template, as an engine prompt."""
         choice = req.effective_tool_choice
         if choice == "auto" and self.tool_parser is None:
             raise RequestError(
@@ -111,11 +124,7 @@ class OpenAIServing:
         kept = truncate_prompt(chat.token_ids, req.truncate_prompt_tokens)
         if len(kept) < len(chat.token_ids):
             prompt = {"prompt": None, "prompt_token_ids": kept}
-        params = self._params(len(kept), req.requested_max_tokens,
-                              self._make_params(req), "messages", req.max_tokens_field)
-        if choice == "auto" and self.tool_parser.keeps_special_tokens:
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        return prompt, params
+        return prompt
 
     def _reply(self, req: ChatCompletionRequest) -> ChatReply:
         return ChatReply(req.effective_tool_choice, self.tool_parser, self.reasoning_parser)
