@@ -22,8 +22,14 @@ from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
 from cadence.output_state import OutputKind
-from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from cadence.pooling import PoolingParams
+from cadence.pooling.scoring import cosine, score_pairs
 from cadence.request_intake import tokenize_prompt
 from cadence.sampling_params import FieldError, SamplingParams
 
@@ -132,6 +138,26 @@ class LLM:
         search(searches, run_round)
         decode = detokenizer(engine.tokenizer)
         return [s.output(decode) for s in searches]
+
+    def score(self, data_1: PromptType | Sequence[PromptType],
+              data_2: PromptType | Sequence[PromptType],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+              ) -> list[ScoringRequestOutput]:
+        """Similarity scores of text pairs (vLLM's ``LLM.score`` with an embedding model):
+        the cosine similarity of their embeddings, for ``data_1`` against each of
+        ``data_2`` (one and N), or pair by pair (N and N)."""
+        one, two = _prompt_list(data_1), _prompt_list(data_2)
+        pairs = score_pairs(len(one), len(two))
+        vecs = [o.outputs.embedding if o.outputs is not None else None for o in self.embed(
+            one + two, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
+            use_tqdm)]
+        out = []
+        for k, (i, j) in enumerate(pairs):
+            a, b = vecs[i], vecs[len(one) + j]
+            if a is None or b is None:
+                raise RuntimeError("score: the engine failed to embed one of the texts")
+            out.append(ScoringRequestOutput(str(k), ScoringOutput(cosine(a, b))))
+        return out
 
     def _run_all(self, prompts: list, params: list, priority: Sequence[int] | None,
                  use_tqdm: bool) -> list:

@@ -93,3 +93,20 @@ class EmbeddingRequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """The similarity score of one pair of texts (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One pair's score (vLLM's ``ScoringRequestOutput``): the cosine similarity of the two
+    texts' embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

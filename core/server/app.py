@@ -32,7 +32,6 @@ from cadence.async_engine import (
 from cadence.output_state import OutputKind
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
-from cadence.server.embeddings import EmbeddingRequest, EmbeddingServing
 from cadence.server.errors import error_body, error_response
 from cadence.server.limits import (
     ApiKeyAuth,
@@ -43,6 +42,7 @@ from cadence.server.limits import (
     check_api_key,
 )
 from cadence.server.metrics import make_registry
+from cadence.server.pooling_routes import install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -146,13 +146,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
 
-    embeddings = EmbeddingServing(engine, model_name, serving.tokenizer, serving.max_model_len)
-
-    @app.post("/v1/embeddings")
-    async def embeddings_route(req: EmbeddingRequest, raw: Request) -> Any:
-        deadline = Deadline.start(limits.request_timeout)
-        return await _unless_disconnected(
-            raw, deadline.run(embeddings.body(req, serving.check_model)))
+    install_pooling_routes(app, engine, serving, limits, _unless_disconnected)
 
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest) -> dict:

@@ -72,62 +72,67 @@ class EmbeddingServing:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def inputs(self, req: EmbeddingRequest) -> list[dict]:
+    def prompts(self, texts: list[str | list[int]], add_special_tokens: bool,
+                truncate: int | None, field: str) -> list[dict]:
+        """Engine prompts of ``texts`` (strings or token ids) of the body field ``field``."""
+        if truncate is not None and truncate >= self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens must be < max_model_len="
+                               f"{self.max_model_len}, got {truncate}",
+                               "truncate_prompt_tokens")
         prompts = []
-        for x in req.inputs():
+        for x in texts:
             if isinstance(x, str):
-                check_unicode(x, "input")
-                ids = self.tokenizer.encode(x, add_special_tokens=req.add_special_tokens)
+                check_unicode(x, field)
+                ids = self.tokenizer.encode(x, add_special_tokens=add_special_tokens)
                 prompt = {"prompt": x, "prompt_token_ids": ids}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": x}
-            kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
+            kept = truncate_prompt(prompt["prompt_token_ids"], truncate)
             if len(kept) >= self.max_model_len:
                 raise RequestError(
                     f"this model's maximum context length is {self.max_model_len} tokens; an "
                     f"input has {len(kept)} (embedding inputs must be shorter; "
-                    "truncate_prompt_tokens keeps an input's last tokens)", "input",
+                    "truncate_prompt_tokens keeps an input's last tokens)", field,
                     code="context_length_exceeded")
             prompts.append(prompt if len(kept) == len(prompt["prompt_token_ids"])
                            else {"prompt": None, "prompt_token_ids": kept})
         return prompts
 
-    async def body(self, req: EmbeddingRequest, check_model: Any) -> dict:
-        check_model(req.model)
-        if req.truncate_prompt_tokens is not None and \
-                req.truncate_prompt_tokens >= self.max_model_len:
-            raise RequestError(f"truncate_prompt_tokens must be < max_model_len="
-                               f"{self.max_model_len}, got {req.truncate_prompt_tokens}",
-                               "truncate_prompt_tokens")
-        params = req.pooling_params()
-        prompts = self.inputs(req)
+    async def embed(self, prompts: list[dict], params: PoolingParams, priority: int,
+                    field: str) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt, or none: a refused one aborts those already queued."""
         streams = []
         base = uuid.uuid4().hex
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(
-                    prompt, params, f"embd-{base}-{i}", req.priority, OutputKind.FINAL_ONLY))
+                    prompt, params, f"embd-{base}-{i}", priority, OutputKind.FINAL_ONLY))
         except BaseException as e:
             for s in streams:
                 s.abort()
             if isinstance(e, FieldError):
-                raise RequestError(str(e), _BODY_FIELD.get(e.param, e.param)) from None
+                name = {"prompt": field, "pooling_params": None}.get(e.param, e.param)
+                raise RequestError(str(e), name) from None
             raise
         finals: list[EmbeddingRequestOutput] = await final_outputs(streams)
-        data, tokens = [], 0
-        for i, out in enumerate(finals):
+        for out in finals:
             if out.outputs is None:  # aborted: the client left, nobody reads this
                 raise RuntimeError(out.error or "the request was aborted")
-            tokens += len(out.prompt_token_ids)
-            data.append({"object": "embedding", "index": i,
-                         "embedding": encode(out.outputs.embedding, req.encoding_format)})
-        return {"id": f"embd-{base}", "object": "list", "created": int(time.time()),
-                "model": self.model_name, "data": data,
+        return finals
+
+    async def body(self, req: EmbeddingRequest, check_model: Any) -> dict:
+        check_model(req.model)
+        params = req.pooling_params()
+        prompts = self.prompts(req.inputs(), req.add_special_tokens,
+                               req.truncate_prompt_tokens, "input")
+        finals = await self.embed(prompts, params, req.priority, "input")
+        data = [{"object": "embedding", "index": i,
+                 "embedding": encode(out.outputs.embedding, req.encoding_format)}
+                for i, out in enumerate(finals)]
+        tokens = sum(len(out.prompt_token_ids) for out in finals)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": self.model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-# The engine's names for the body's fields where they differ.
-_BODY_FIELD = {"prompt": "input", "pooling_params": None}
 
 
 def encode(vec: list[float], encoding_format: str) -> list[float] | str:
