@@ -254,7 +254,8 @@ class Backend(ABC):
         flight; they run in submission order. Step N+1's ``placeholder_idx`` input ids are
         filled from step N's sampled ids on the device (``placeholder_src`` names the rows),
         and rows with ``sampling.output_placeholder_src`` count that token as their newest
-        output for penalties. If step N failed, a step with placeholders must fail too, never
+        output for penalties and ``sampling.bad_words_pending`` (the shared sampler does
+        both given ``pending_output_ids``). If step N failed, a step with placeholders must fail too, never
         run on stale ids. This default runs forward and sample at once (no overlap, the
         protocol's reference); ``collect`` copies the samples to the host.
         """

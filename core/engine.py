@@ -32,6 +32,7 @@ from cadence.pooling import PoolingParams
 from cadence.pooling.intake import PoolingIntake
 from cadence.request import Request
 from cadence.request_intake import (
+    bad_words_token_ids,
     eos_token_ids,
     tokenize_prompt,
     truncate_prompt,
@@ -167,6 +168,10 @@ class LLMEngine:
             children[0].prompt_logprobs = [None] * (len(ids) - 1)
         if pooling is not None:
             children[0].pooling = self._pooling.state(pooling, len(ids))
+        if params.bad_words:
+            bad = bad_words_token_ids(self.tokenizer, params.bad_words)
+            for child in children:
+                child.bad_words_ids = bad
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.

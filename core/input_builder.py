@@ -104,6 +104,14 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         meta.output_token_ids = [r.output_token_ids for r in reqs]
     if any(p.min_tokens for p in params):
         meta.banned_token_ids = [_banned(r) for r in reqs]
+    if any(r.bad_words_ids for r in reqs):
+        bans = [_bad_word_bans(r) for r in reqs]
+        if not meta.banned_token_ids:
+            meta.banned_token_ids = [[] for _ in reqs]
+        for row, (now, _) in zip(meta.banned_token_ids, bans):
+            row.extend(now)
+        if any(later for _, later in bans):
+            meta.bad_words_pending = [later for _, later in bans]
     if any(p.logit_bias for p in params):
         meta.logit_bias = [p.logit_bias or {} for p in params]
     if any(p.allowed_token_ids for p in params):
@@ -128,3 +136,26 @@ def _banned(req: Request) -> list[int]:
     if sp.allowed_token_ids and set(sp.allowed_token_ids) <= set(ids):
         return []  # as with a grammar: banning every allowed token leaves nothing to sample
     return ids
+
+
+def _bad_word_bans(req: Request) -> tuple[list[int], list[tuple[int, int]]]:
+    """The tokens ``req`` may not sample next for its bad words: those banned now, and
+    (newest token, token) pairs to ban if its newest output token, still on the device
+    (async scheduling), turns out to be that one."""
+    out = req.output_token_ids
+    now: list[int] = []
+    later: list[tuple[int, int]] = []
+    for seq in req.bad_words_ids:
+        head, last = seq[:-1], seq[-1]
+        if req.num_output_placeholders == 0:
+            if not head or (len(out) >= len(head) and tuple(out[-len(head):]) == head):
+                now.append(last)
+            continue
+        # One token in flight (only the newest step has placeholders): the host knows the
+        # output up to the token before it.
+        known = head[:-1]
+        if not head:
+            now.append(last)
+        elif not known or (len(out) >= len(known) and tuple(out[-len(known):]) == known):
+            later.append((head[-1], last))
+    return now, later

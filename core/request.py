@@ -97,6 +97,8 @@ class Request:
     # generation request. Such a request runs as a one-token greedy request whose token is
     # dropped: it finishes at the step that completes its prompt.
     pooling: object = field(default=None, repr=False)
+    # SamplingParams.bad_words as token sequences (request_intake.bad_words_token_ids).
+    bad_words_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

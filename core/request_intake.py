@@ -79,6 +79,19 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
         raise FieldError("stop strings need detokenize=True", "detokenize")
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str] | None
+                        ) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences: as it reads alone and after a space (how it is
+    written mid-sentence), as vLLM tokenizes them; duplicates once."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words or ():
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return tuple(seqs)
+
+
 def truncate_prompt(ids: list[int], k: int | None) -> list[int]:
     """The prompt's last ``k`` ids (``truncate_prompt_tokens``; all of them when None)."""
     return ids if k is None or len(ids) <= k else ids[-k:]

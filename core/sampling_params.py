@@ -48,6 +48,9 @@ class SamplingParams:
     it). The returned logprobs are the model's own, from before the bias.
     ``allowed_token_ids`` restricts sampling to those tokens (vLLM's field), applied before
     the bias.
+    ``bad_words`` (vLLM's field): each word is tokenized as it reads alone and after a space;
+    the last token of such a sequence may not be sampled where the output's last tokens
+    are the rest of it (a one-token word never). Only output tokens count, as in vLLM.
     ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (vLLM's field: left
     truncation, for inputs longer than the context).
     ``prompt_logprobs=k`` returns, per prompt token after the first, its log-probability
@@ -81,12 +84,17 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Words the output may not contain (vLLM's field): the token that would complete one is
+    # banned where the output's last tokens begin it.
+    bad_words: list[str] | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.
     output_text_buffer_length: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         # Only lists and tuples: list() of an int fails with a TypeError, and of a dict or a
         # string of digits it would quietly make stop values out of keys or characters.
         for name, allowed in (("stop", "a string or a list of non-empty strings"),
@@ -151,6 +159,14 @@ class SamplingParams:
             flag(name)
         if any(not isinstance(s, str) or not s or not is_valid_unicode(s) for s in self.stop):
             raise bad("stop", "a list of non-empty strings (valid Unicode, no lone surrogates)")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() or not is_valid_unicode(w)
+                for w in words)):
+            raise bad("bad_words", "None, a string or a list of strings that are not blank "
+                      "(valid Unicode)")
+        if words is not None:
+            self.bad_words = list(words) or None
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0
                for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")

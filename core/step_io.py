@@ -35,8 +35,14 @@ class SamplingMetadata:
     repetition_penalty: list[float] = field(default_factory=list)
     prompt_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[list[int]] = field(default_factory=list)
-    # Token ids each row may not sample yet (EOS and stop ids while below min_tokens).
+    # Token ids each row may not sample now: EOS and stop ids while below min_tokens, and
+    # the tokens that would complete a bad word.
     banned_token_ids: list[list[int]] = field(default_factory=list)
+    # Async scheduling, bad words whose second-to-last token is the row's newest output
+    # token, not on the host yet: per row, (that token, the token to ban if it is) pairs;
+    # the backend checks them against its device-side copy (``output_placeholder_src``).
+    # Empty when no row has any.
+    bad_words_pending: list[list[tuple[int, int]]] = field(default_factory=list)
     # Per row, token id -> bias added to its logit ({} for none); empty when no row has one.
     logit_bias: list[dict[int, float]] = field(default_factory=list)
     # Per row, the only token ids it may sample ([] for no restriction); empty when no row

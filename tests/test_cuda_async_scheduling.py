@@ -196,3 +196,30 @@ def test_embeddings_come_back_with_the_samples(model, async_scheduling) -> None:
         assert eng.block_manager.num_free_blocks == eng.num_blocks
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_gpu.py covers it on a GPU")
+def test_bad_words_with_async_scheduling_equal_the_cpu_backend(model) -> None:
+    """A bad word whose second-to-last token is the newest output, still on the device when
+    the next step is planned, is checked on the device (the sampler's ban_if_newest)."""
+    from engine_helpers import make_llm
+
+    cpu = make_llm(model, max_model_len=64)
+    try:
+        free = cpu.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)
+        # Words made of what the free run says: two tokens each, as the tokenizer reads them.
+        tok = cpu.get_tokenizer()
+        words = [[tok.decode(o.outputs[0].token_ids[3:5])] for o in free]
+        params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words=w)
+                  for w in words]
+        want = cpu.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        cpu.shutdown()
+    llm = _llm(model, async_scheduling=True)
+    try:
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in want] != [o.outputs[0].token_ids for o in free]

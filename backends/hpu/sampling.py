@@ -51,6 +51,7 @@ def expand_sampling(meta: SamplingMetadata, rows: list[int | None]) -> SamplingM
         prompt_token_ids=pick(meta.prompt_token_ids, []),
         output_token_ids=pick(meta.output_token_ids, []),
         banned_token_ids=pick(meta.banned_token_ids, []),
+        bad_words_pending=pick(meta.bad_words_pending, []),
         logit_bias=pick(meta.logit_bias, {}),
         allowed_token_ids=pick(meta.allowed_token_ids, []),
         num_logprobs=pick(meta.num_logprobs, -1),

@@ -2,8 +2,8 @@
 only for seeded rows (each needs its own generator).
 
 Order, as in vLLM: grammar bitmask (structured output) -> raw logprobs (if asked) ->
-allowed token ids -> logit bias -> penalties -> banned ids (min_tokens) -> greedy argmax, or
-temperature -> min_p -> top_k -> top_p -> inverse-CDF sampling.
+allowed token ids -> logit bias -> penalties -> banned ids (min_tokens, bad words) ->
+greedy argmax, or temperature -> min_p -> top_k -> top_p -> inverse-CDF sampling.
 """
 
 from __future__ import annotations
@@ -155,6 +155,23 @@ def pending_output_ids(meta: SamplingMetadata, previous: torch.Tensor | None,
     return torch.where(src >= 0, previous[src.clamp(min=0)], vocab_size)
 
 
+def ban_if_newest(logits: torch.Tensor, pairs: list[list[tuple[int, int]]],
+                  newest: torch.Tensor | None) -> torch.Tensor:
+    """Per row, ban each pair's second token where the row's newest output token
+    ``newest[row]`` (device; async scheduling's ``pending_output_ids``) is its first: the
+    bad words whose prefix ends in a token the host has not seen yet."""
+    if newest is None:
+        raise RuntimeError("bad words wait on the newest output token, and the step has none")
+    rows = [r for r, row in enumerate(pairs) for _ in row]
+    dev = logits.device
+    r = host_tensor(rows, torch.int64, dev)
+    need = host_tensor([a for row in pairs for a, _ in row], torch.int64, dev)
+    ban = host_tensor([b for row in pairs for _, b in row], torch.int64, dev)
+    current = logits[r, ban]
+    hit = newest.index_select(0, r) == need
+    return logits.index_put((r, ban), torch.where(hit, float("-inf"), current))
+
+
 def draw_softmax(logits: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     """Per row of ``logits`` [B, V] (float32; temperature applied, filtered tokens -inf), the
     token where the softmax's cumulative mass first reaches ``frac`` [B, 1] (in (0, 1]) of its
@@ -192,6 +209,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
         logits = logits.index_put(
             _entries(meta.banned_token_ids, logits.device),
             torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
+    if any(meta.bad_words_pending):
+        logits = ban_if_newest(logits, meta.bad_words_pending, pending_ids)
     any_greedy = meta.all_greedy or any(t <= 1e-5 for t in meta.temperature)
     # max(dim).indices is argmax: the first maximal entry, NaN counted as the maximum (both
     # documented so). Measured on [64, 49152] fp32 on 2 CPU threads: 0.84 against 2.0 ms.

@@ -46,7 +46,7 @@ def build_async_input(plan: StepPlan, in_flight: Sequence[InFlightStep], engine:
         offset += sr.num_new_tokens
     mi.placeholder_idx, mi.placeholder_src = idx, src
     meta = mi.sampling
-    if idx and meta.has_penalties:
+    if idx and (meta.has_penalties or meta.bad_words_pending):
         sampled = [plan.scheduled[s].request for s in mi.sample_seq_indices]
         # Copies: a backend may sample on another thread while commit appends to the lists.
         meta.output_token_ids = [list(r.output_token_ids) for r in sampled]

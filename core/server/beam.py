@@ -28,7 +28,7 @@ _NEUTRAL: dict[str, tuple] = {
     "min_p": (None, 0, 0.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "seed": (None,), "stop": (None, [], ""),
     "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}),
-    "allowed_token_ids": (None,), "structured_outputs": (None,), "guided_json": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "structured_outputs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "response_format": (None,), "prompt_logprobs": (None,), "stream": (False,),
     "include_stop_str_in_output": (False,),

@@ -82,6 +82,7 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     # vLLM's beam search: n beams, ranked by length-penalized log-probability
@@ -155,6 +156,7 @@ class _Common(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
                 logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 prompt_logprobs=prompt_logprobs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens)
         except FieldError as e:

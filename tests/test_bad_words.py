@@ -1,0 +1,109 @@
+"""``SamplingParams.bad_words`` (vLLM's field): a word's completing token is banned where
+the output's last tokens begin it, so the output never holds the word's token sequence; a
+one-token word is never sampled; the outputs are the same with async scheduling (where the
+newest token is still on the device when the next step is planned), on the worker process,
+the emulated HPU (the CUDA backend's CPU mode: tests/test_cuda_async_scheduling.py); bad
+values are refused."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import generate, make_llm, summarize
+
+from cadence import SamplingParams
+from cadence.request_intake import bad_words_token_ids
+
+PROMPTS = [[5, 9, 11, 40, 2, 7], [3, 4, 100, 8, 8], [42, 17]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
+
+
+@pytest.fixture(scope="module")
+def words(model):
+    """Bad words made of pieces of the unconstrained greedy outputs (two-token words whose
+    tokenization is what the output holds, and one one-token word), and those outputs."""
+    llm = make_llm(model)
+    try:
+        tok = llm.get_tokenizer()
+        plain = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS],
+                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        chosen: list[str] = []
+        for out in plain:
+            ids = out.outputs[0].token_ids
+            for i in range(2, len(ids) - 1):
+                word = tok.decode(ids[i:i + 2])
+                if word.strip() and tuple(ids[i:i + 2]) in bad_words_token_ids(tok, [word]):
+                    chosen.append(word)
+                    break
+        one = tok.decode(plain[2].outputs[0].token_ids[:1])
+        assert len(chosen) >= 2, "no two-token word round-trips through the tokenizer"
+        return chosen + [one], plain, bad_words_token_ids(tok, chosen + [one])
+    finally:
+        llm.shutdown()
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=0.9, seed=4, max_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2, seed=1)]
+
+
+def _run(model: str, bad: list[str], **kw):
+    import dataclasses
+
+    llm = make_llm(model, **kw)
+    try:
+        params = [dataclasses.replace(p, bad_words=bad) for p in PARAMS]
+        outs = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        return outs
+    finally:
+        llm.shutdown()
+
+
+def test_the_output_never_holds_a_bad_word(model, words) -> None:
+    bad, plain, seqs = words
+    assert any(_contains(o.outputs[0].token_ids, s) for o in plain for s in seqs)
+    outs = _run(model, bad)
+    for out in outs:
+        for c in out.outputs:
+            for s in seqs:
+                assert not _contains(c.token_ids, s), (c.token_ids, s)
+    # Greedy changes exactly where a bad word would have been completed.
+    assert outs[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("how", [
+    {"async_scheduling": True, "backend_options": {"overlap": "process"}},
+    {"backend_options": {"overlap": "process"}},
+    {"disable_async_output_proc": True},
+])
+def test_the_same_outputs_however_the_steps_run(model, words, how) -> None:
+    bad = words[0]
+    assert summarize(_run(model, bad, **how)) == summarize(_run(model, bad))
+
+
+def test_emulated_hpu_with_async_scheduling_equals_cpu(model, words, monkeypatch) -> None:
+    bad = words[0]
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    got = _run(model, bad, backend="hpu", async_scheduling=True, max_model_len=128)
+    monkeypatch.delenv("CADENCE_HPU_EMULATE")
+    assert [[c.token_ids for c in o.outputs] for o in got] == \
+        [[c.token_ids for c in o.outputs] for o in _run(model, bad)]
+
+
+def test_bad_values_are_refused() -> None:
+    for value in ([""], ["  "], [3], {"a": 1}):
+        with pytest.raises(ValueError, match="bad_words") as e:
+            SamplingParams(bad_words=value)
+        assert e.value.param == "bad_words"
+    assert SamplingParams(bad_words="cat").bad_words == ["cat"]
+    assert SamplingParams(bad_words=[]).bad_words is None
