@@ -153,6 +153,21 @@ def test_pp2_prompt_logprobs_match_one_process(pp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_pp2_embeddings_match_one_process(pp_pair):
+    """The last stage pools its hidden states and the sums come back with its samples."""
+    _, _, llm = pp_pair
+    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4], list(range(10, 60))]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    single = make_llm(llm.engine.config.model_config.model, num_kv_blocks=64)
+    try:
+        want = single.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    finally:
+        single.shutdown()
+    got = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    assert_same_embeddings(got, want, atol=1e-4)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_pp2_structured_output(pp_pair):
     """Constrained requests under the pipeline: each micro-batch's bitmask is built from
     matchers its requests' last commit advanced, and the last stage applies it."""
@@ -599,18 +614,3 @@ def test_preemption_never_takes_a_request_in_flight():
     plan = s.schedule()  # nothing in flight now: the tail goes, as in one batch
     assert [sr.request.request_id for sr in plan.scheduled] == ["r0"]
     assert [r.request_id for r in plan.preempted] == ["r1"]
-
-
-def test_pp2_embeddings_match_one_process(pp_pair):
-    """The last stage pools its hidden states and the sums come back with its samples."""
-    _, _, llm = pp_pair
-    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4], list(range(10, 60))]
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    single = make_llm(llm.engine.config.model_config.model, num_kv_blocks=64)
-    try:
-        want = single.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
-    finally:
-        single.shutdown()
-    got = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
-    assert_same_embeddings(got, want, atol=1e-4)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

@@ -72,6 +72,21 @@ def test_tp2_prompt_logprobs_match_one_process(tp_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_tp2_embeddings_match_one_process(tp_pair):
+    """Every rank computes the pooled sums of its replicated hidden states; rank 0's come back."""
+    _, llm = tp_pair
+    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4], list(range(10, 60))]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    single = make_llm(llm.engine.config.model_config.model, num_kv_blocks=64)
+    try:
+        want = single.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    finally:
+        single.shutdown()
+    got = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    assert_same_embeddings(got, want, atol=1e-4)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_tp2_async_output_on_equals_off(tp_pair):
     _, llm = tp_pair
     params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=8),
@@ -254,18 +269,3 @@ def test_low_precision_sums_are_widened_only_where_the_library_needs_it(monkeypa
         native_dtypes = ("float32", "bfloat16")  # a plugin's own library says so itself
 
     assert Mine()._wide(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.bfloat16
-
-
-def test_tp2_embeddings_match_one_process(tp_pair):
-    """Every rank computes the pooled sums of its replicated hidden states; rank 0's come back."""
-    _, llm = tp_pair
-    ids = [[5, 9, 11, 40, 2, 7, 7, 30], [3, 4], list(range(10, 60))]
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    single = make_llm(llm.engine.config.model_config.model, num_kv_blocks=64)
-    try:
-        want = single.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
-    finally:
-        single.shutdown()
-    got = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
-    assert_same_embeddings(got, want, atol=1e-4)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks

@@ -63,7 +63,7 @@ class RankGroup(Backend):
         self.name = backend_cls.name
         self.supports_async_scheduling = backend_cls.supports_async_scheduling
         self.supports_prompt_logprobs = backend_cls.supports_prompt_logprobs
-        self.supports_pooling = backend_cls.supports_pooling
+        self.supports_pooling = getattr(backend_cls, "supports_pooling", False)
         parallel = config.parallel_config
         self.world_size = parallel.world_size
         # The rank whose samples come back: rank 0, or the last stage's first rank (the

@@ -131,20 +131,3 @@ def probe_in_subprocess(name: str, allow_list: str | None = None) -> dict[str, A
                           check=False, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, f"probing {name!r} in a fresh process failed:\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def checkpoint_tensor(model_dir: str, name: str) -> Any:
-    """One tensor of a model folder's safetensors checkpoint, by its Hugging Face name."""
-    from safetensors import safe_open
-
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = [json.load(f)["weight_map"][name]]
-    else:
-        files = [f for f in sorted(os.listdir(model_dir)) if f.endswith(".safetensors")]
-    for file in files:
-        with safe_open(os.path.join(model_dir, file), framework="pt") as st:
-            if name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                return st.get_tensor(name)
-    raise KeyError(f"{name} is not in the checkpoint in {model_dir}")

@@ -217,3 +217,17 @@ def cadence_reference(cadence_model_dir: str) -> dict[str, list[Any]]:
         return {"greedy": run_workload(llm, "greedy")}
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cadence_reference_embeddings(cadence_model_dir: str) -> list[list[float]]:
+    """The CPU backend's sync strategy's embeddings (the model's own pooling, normalized)
+    of the kit's first three prompts: the reference for the embedding check."""
+    from cadence.testing.helpers import PROMPTS
+
+    llm = _make_llm(cadence_model_dir, REFERENCE_BACKEND, disable_async_output_proc=True,
+                    backend_options={"overlap": "sync"})
+    try:
+        return [o.outputs.embedding for o in llm.embed(PROMPTS[:3], use_tqdm=False)]
+    finally:
+        llm.shutdown()
