@@ -87,3 +87,25 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that caller's event loop is closed: nobody is listening
         pass
+
+
+async def add_all(engine: Any, requests: list[tuple]) -> list[RequestStream]:
+    """``engine.add_request(*args)`` for every entry, all queued at once, or none: if one is
+    refused, those already queued are aborted and the first error (in entry order) is
+    raised.
+
+    NOTE the engine thread applies queued commands between steps: awaited one after the
+    other, a body of N prompts would enter the engine one per step (a 2048-input embedding
+    body, 2048 steps). Queued together, they are applied before the same step.
+    """
+    import asyncio
+
+    results = await asyncio.gather(*(engine.add_request(*args) for args in requests),
+                                   return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for r in results:
+            if isinstance(r, RequestStream):
+                r.abort()
+        raise errors[0]
+    return list(results)

@@ -8,8 +8,10 @@ token with the ``2 * beam_width`` most likely next tokens and their raw log-prob
 changed), then keeps the best. The choice of beams follows transformers' beam search
 (``generate(num_beams=...)``): of every beam's expansions ranked by cumulative
 log-probability, an EOS within the first ``beam_width`` ranks ends a hypothesis, and the
-best non-EOS expansions, up to ``beam_width``, go on. Finished hypotheses are ranked by
-``cumulative logprob / generated_length ** length_penalty``.
+best non-EOS expansions, up to ``beam_width``, go on; the search stops once ``beam_width``
+hypotheses are finished and the best live beam, scored at its present length, no longer
+beats the worst of them. Finished hypotheses are ranked by
+``cumulative logprob / generated_length ** length_penalty`` (the length counts an EOS).
 """
 
 from __future__ import annotations
@@ -148,6 +150,13 @@ class BeamSearch:
                 self._finish(b, "length")
             else:
                 self.live.append(b)
+        if self.live and len(self.finished) >= width:
+            # transformers' stop (early_stopping=False): the best live beam, scored at its
+            # present length, no longer beats the worst of the best finished ones.
+            worst = heapq.nlargest(width, (f.score for f in self.finished))[-1]
+            best = max(b.cum for b in self.live)
+            if best / len(self.live[0].tokens) ** self.params.length_penalty <= worst:
+                self.live = []
 
     def _finish(self, beam: _Beam, reason: str) -> None:
         n = len(beam.tokens)
@@ -163,7 +172,9 @@ class BeamSearch:
                               key=lambda s: s.score)
         if decode is not None:
             for s in best:
-                s.text = decode(self.prompt, s.output_token_ids)
+                # The EOS that ended a beam is not text, as a generation's is not.
+                ids = s.output_token_ids
+                s.text = decode(self.prompt, ids[:-1] if s.finish_reason == "stop" else ids)
         return BeamSearchOutput(best, self.prompt)
 
 
@@ -230,6 +241,7 @@ async def beam_search_async(engine: Any, prompts: list[list[int]], params: BeamS
     import itertools
     import uuid
 
+    from cadence.async_stream import add_all
     from cadence.output_state import OutputKind
 
     searches = [BeamSearch(p, params, eos_token_ids, max_model_len) for p in prompts]
@@ -243,16 +255,15 @@ async def beam_search_async(engine: Any, prompts: list[list[int]], params: BeamS
         return out
 
     async def run_round(batch: list[list[int]]) -> list[Any]:
-        streams = []
+        streams = await add_all(engine, [
+            ({"prompt_token_ids": p}, step, f"beam-{base}-{next(ids)}", priority,
+             OutputKind.FINAL_ONLY) for p in batch])
+        finals = [asyncio.ensure_future(final(s)) for s in streams]
         try:
-            for p in batch:
-                streams.append(await engine.add_request(
-                    {"prompt_token_ids": p}, step, f"beam-{base}-{next(ids)}", priority,
-                    OutputKind.FINAL_ONLY))
-            return list(await asyncio.gather(*(final(s) for s in streams)))
+            return list(await asyncio.gather(*finals))
         except BaseException:
-            for s in streams:  # a no-op for a stream already finished
-                s.abort()
+            for f in finals:  # the others' streams abort as their loops close
+                f.cancel()
             raise
 
     await search_async(searches, run_round)

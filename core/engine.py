@@ -169,7 +169,7 @@ class LLMEngine:
         if pooling is not None:
             children[0].pooling = self._pooling.state(pooling, len(ids))
         if params.bad_words:
-            bad = bad_words_token_ids(self.tokenizer, params.bad_words)
+            bad = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
             for child in children:
                 child.bad_words_ids = bad
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]

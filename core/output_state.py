@@ -95,9 +95,11 @@ class ParentRequest:
         c = self.children[0]
         state = c.pooling
         vec = None if self.error is not None or not state.is_complete else state.embedding()
+        metrics = self._metrics(True)
+        metrics.first_token_time = None  # its one token is dropped: no first token
         return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                       None if vec is None else EmbeddingOutput(vec), True,
-                                      self._metrics(True), c.num_cached_tokens, self.error)
+                                      metrics, c.num_cached_tokens, self.error)
 
     @staticmethod
     def _is_news(o: CompletionOutput, c: Request) -> bool:

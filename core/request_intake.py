@@ -79,15 +79,22 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
         raise FieldError("stop strings need detokenize=True", "detokenize")
 
 
-def bad_words_token_ids(tokenizer: Any, words: list[str] | None
-                        ) -> tuple[tuple[int, ...], ...]:
-    """Each bad word's token sequences: as it reads alone and after a space (how it is
-    written mid-sentence), as vLLM tokenizes them; duplicates once."""
+def bad_words_token_ids(tokenizer: Any, words: list[str] | None,
+                        vocab_size: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences, as vLLM makes them: as it reads alone, and after a
+    space (how it is written mid-sentence) where that form is a word token of its own (its
+    first token differs and its length does not; a tokenizer that splits off the space
+    would otherwise ban the bare word after any space token). Duplicates once; a sequence
+    with an id outside the model's vocabulary can never be sampled and is dropped."""
     seqs: dict[tuple[int, ...], None] = {}
     for word in words or ():
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        forms = [alone]
+        if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+            forms.append(spaced)
+        for ids in forms:
+            if ids and (vocab_size is None or max(ids) < vocab_size):
                 seqs[ids] = None
     return tuple(seqs)
 

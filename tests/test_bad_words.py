@@ -111,3 +111,32 @@ def test_bad_values_are_refused() -> None:
         assert e.value.param == "bad_words"
     assert SamplingParams(bad_words="cat").bad_words == ["cat"]
     assert SamplingParams(bad_words=[]).bad_words is None
+
+
+def test_a_word_and_its_spaced_form_ending_alike_are_both_banned() -> None:
+    """Two pending pairs of one row may ban the same token (a word and its spaced form,
+    "New York" and " New York", end in the same token): a repeated index must not undo the
+    ban the other wrote."""
+    import torch
+
+    from cadence.layers.sampler import ban_if_newest
+
+    pairs = [[(3, 4), (2, 4)], [(1, 5)]]
+    for newest, banned in (([3, 0], {(0, 4)}), ([2, 1], {(0, 4), (1, 5)}), ([0, 0], set())):
+        out = ban_if_newest(torch.zeros(2, 6), pairs, torch.tensor(newest))
+        assert {tuple(i) for i in torch.isinf(out).nonzero().tolist()} == banned, newest
+
+
+def test_tokenization_follows_vllms_rule() -> None:
+    table = {"cat": [7], " cat": [8], "big cat": [9, 7], " big cat": [10, 11, 7],
+             "x": [3], " x": [0, 3]}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return table[text]
+
+    assert bad_words_token_ids(Tok(), ["cat"]) == ((7,), (8,))
+    # The spaced form of a different length is left out, as vLLM leaves it.
+    assert bad_words_token_ids(Tok(), ["big cat"]) == ((9, 7),)
+    assert bad_words_token_ids(Tok(), ["x", "x"]) == ((3,),)
+    assert bad_words_token_ids(Tok(), ["cat"], vocab_size=8) == ((7,),)

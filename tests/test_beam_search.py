@@ -52,21 +52,24 @@ def _hf_beams(hf, prompt, width, max_new, length_penalty, eos) -> list[list[int]
     return beams
 
 
-@pytest.mark.parametrize(("width", "length_penalty"), [(3, 1.0), (3, 0.0), (2, 2.0)])
-def test_match_transformers(eos_model, width, length_penalty) -> None:
+@pytest.mark.parametrize(("width", "length_penalty", "max_tokens"),
+                         [(3, 1.0, 40), (3, 0.0, 10), (2, 2.0, 10), (3, -0.5, 12)])
+def test_match_transformers(eos_model, width, length_penalty, max_tokens) -> None:
+    """Up to 40 tokens: transformers stops a search once the best live beam cannot beat the
+    finished ones, and so must cadence (without that stop, 6 of 30 prompts differed)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(eos_model, dtype=torch.float32)
     llm = make_llm(eos_model)
     try:
-        prompts = _prompts(8, llm.engine.vocab_size)
-        params = BeamSearchParams(beam_width=width, max_tokens=10,
+        prompts = _prompts(30, llm.engine.vocab_size)
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens,
                                   length_penalty=length_penalty)
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
         stopped = 0
         for prompt, out in zip(prompts, outs, strict=True):
             got = [s.output_token_ids for s in out.sequences]
-            assert got == _hf_beams(hf, prompt, width, 10, length_penalty, EOS), prompt
+            assert got == _hf_beams(hf, prompt, width, max_tokens, length_penalty, EOS), prompt
             for s in out.sequences:
                 assert s.tokens[:len(prompt)] == prompt
                 assert s.cum_logprob == pytest.approx(sum(s.logprobs))

@@ -181,6 +181,15 @@ def test_sentence_transformers_files_choose_the_pooling(model, tmp_path) -> None
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         load_pooler_config(str(folder))
     assert load_pooler_config(str(folder), "last").pooling_type == "last"
+    # A module after the pooling that cadence does not apply: embeddings are refused.
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": True}))
+    assert load_pooler_config(str(folder)).unsupported_modules == ("Dense",)
+    with pytest.raises(ValueError, match=r"modules \['Dense'\]"):
+        _embed(str(folder), prompts=PROMPTS[:1])
 
 
 def test_matryoshka_dimensions(model, tmp_path) -> None:
@@ -281,6 +290,7 @@ def test_async_llm_encode(model) -> None:
         return outs
 
     (out,) = asyncio.run(run())
+    assert out.metrics.first_token_time is None
     (want,) = _embed(model, prompts=PROMPTS[1:2])
     assert_same_embeddings([out], [want], atol=0.0)
 
@@ -299,7 +309,7 @@ def test_a_base_model_without_head_embeds_and_refuses_generation(model, tmp_path
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as st:
-        names = list(st.keys())  # noqa: SIM118 (safe_open is not a dict)
+        names = list(st.keys())
     assert "layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaModel"]
     got = _embed(str(folder), pooling_type="mean", pooling_normalize=False)

@@ -111,3 +111,26 @@ def test_unknown_model_is_404(model) -> None:
         return r.status_code
 
     assert serve(model, run) == 404
+
+
+def test_a_bodys_inputs_enter_the_engine_together(model) -> None:
+    """The inputs of one body are queued at once, so they share steps (awaited one by one,
+    each would enter the engine a step after the one before it)."""
+    async def body(client, engine):
+        steps = engine.engine.stats.num_steps
+        r = await client.post("/v1/embeddings", json={"input": [[5, 6, 7 + i] for i in range(48)]})
+        assert r.status_code == 200, r.text
+        return engine.engine.stats.num_steps - steps
+
+    assert serve(model, body, max_num_seqs=64) <= 3
+
+
+def test_more_inputs_than_the_server_takes_at_once_is_a_400(model) -> None:
+    async def body(client, engine):
+        r = await client.post("/v1/embeddings", json={"input": ["a"] * 9})
+        ok = await client.post("/v1/embeddings", json={"input": ["a"] * 8})
+        return r.status_code, r.json(), ok.status_code
+
+    status, reply, ok = serve(model, body, max_pending_requests=8)
+    assert status == 400 and reply["error"]["param"] == "input", reply
+    assert "at most 8" in reply["error"]["message"] and ok == 200

@@ -103,6 +103,12 @@ class DataParallelAsyncLLM:
                 f"replica {i}: {p}" for i, p in enumerate(problems))
         return None
 
+    @property
+    def max_pending_requests(self) -> int | None:
+        """The most requests the replicas take at once, together (None: no bound)."""
+        limits = [r.max_pending_requests for r in self.replicas]
+        return None if any(x is None for x in limits) else sum(limits)
+
     def replica_problems(self) -> list[str | None]:
         """Each replica's ``check_health()``, by rank."""
         return [r.check_health() for r in self.replicas]

@@ -167,9 +167,11 @@ def ban_if_newest(logits: torch.Tensor, pairs: list[list[tuple[int, int]]],
     r = host_tensor(rows, torch.int64, dev)
     need = host_tensor([a for row in pairs for a, _ in row], torch.int64, dev)
     ban = host_tensor([b for row in pairs for _, b in row], torch.int64, dev)
-    current = logits[r, ban]
     hit = newest.index_select(0, r) == need
-    return logits.index_put((r, ban), torch.where(hit, float("-inf"), current))
+    # Accumulated: a (row, token) may come twice (a word and its spaced form end alike),
+    # and of repeated indices a plain index_put keeps one write, not the one that banned.
+    add = torch.zeros(hit.shape, dtype=logits.dtype, device=dev).masked_fill_(hit, float("-inf"))
+    return logits.index_put((r, ban), add, accumulate=True)
 
 
 def draw_softmax(logits: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:

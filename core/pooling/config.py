@@ -29,6 +29,10 @@ class PoolerConfig:
     pooling_type: str = "last"
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # sentence-transformers modules after the pooling that cadence does not apply (a Dense
+    # projection, say): embedding requests are refused, naming them, since the vectors
+    # would not be the model's. Generation is unaffected.
+    unsupported_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -48,7 +52,7 @@ def load_pooler_config(model: str, pooling_type: str | None = None,
     return PoolerConfig(pooling_type or st_type or "last",
                         normalize if normalize is not None else
                         (st_norm if st_norm is not None else True),
-                        _matryoshka(model))
+                        _matryoshka(model), _unsupported_modules(model))
 
 
 def _read_json(path: str) -> object:
@@ -103,3 +107,17 @@ def _matryoshka(model: str) -> tuple[int, ...] | None:
     if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
         return tuple(dims)
     return () if cfg.get("is_matryoshka") else None
+
+
+# The sentence-transformers modules cadence's pooling covers.
+_KNOWN_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def _unsupported_modules(model: str) -> tuple[str, ...]:
+    path = os.path.join(model, "modules.json")
+    if not os.path.isfile(path):
+        return ()
+    modules = _read_json(path)
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules
+             if isinstance(m, dict)] if isinstance(modules, list) else []
+    return tuple(k for k in kinds if k not in _KNOWN_MODULES)

@@ -35,6 +35,11 @@ class PoolingIntake:
         if not self.supported:
             raise FieldError(f"embeddings are not supported by the {self.backend_name!r} "
                              "backend", "pooling_params")
+        if self.pooler.unsupported_modules:
+            raise FieldError(f"embeddings of this model need its sentence-transformers "
+                             f"modules {list(self.pooler.unsupported_modules)} (modules.json), "
+                             "which cadence does not apply; its vectors would not be the "
+                             "model's", "pooling_params")
         if len(ids) >= self.max_model_len:
             # The one internal token needs a position, as a generation's first one does.
             raise FieldError(f"prompt has {len(ids)} tokens; an embedding prompt must have "

@@ -42,7 +42,7 @@ from cadence.server.limits import (
     check_api_key,
 )
 from cadence.server.metrics import make_registry
-from cadence.server.pooling_routes import install_pooling_routes
+from cadence.server.pooling_routes import POOLING_BODIES, install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -50,7 +50,8 @@ from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize
 # Body fields whose values are JSON objects with keys of the client's choosing.
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+           **POOLING_BODIES}
 
 
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,

@@ -20,6 +20,7 @@ from cadence.beam_search import (
 )
 from cadence.sampling_params import FieldError
 from cadence.server import formats
+from cadence.server.embeddings import check_request_count
 from cadence.server.protocol import RequestError
 
 # Field -> what the body may send with beam search (None or a neutral value).
@@ -28,7 +29,8 @@ _NEUTRAL: dict[str, tuple] = {
     "min_p": (None, 0, 0.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "seed": (None,), "stop": (None, [], ""),
     "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "structured_outputs": (None,), "guided_json": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "structured_outputs": (None,),
+    "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "response_format": (None,), "prompt_logprobs": (None,), "stream": (False,),
     "include_stop_str_in_output": (False,),
@@ -79,6 +81,7 @@ class BeamServing:
 
     async def _search(self, prompts: list[list[int]], params: BeamSearchParams,
                       priority: int, skip_special: bool) -> list[BeamSearchOutput]:
+        check_request_count(self.engine, params.beam_width * len(prompts), "n")
         return await beam_search_async(self.engine, prompts, params, self.eos_ids,
                                        self.serving.max_model_len,
                                        detokenizer(self.serving.tokenizer, skip_special),

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from cadence.async_stream import add_all
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput
 from cadence.pooling import PoolingParams
@@ -101,19 +102,15 @@ class EmbeddingServing:
     async def embed(self, prompts: list[dict], params: PoolingParams, priority: int,
                     field: str) -> list[EmbeddingRequestOutput]:
         """Embed every prompt, or none: a refused one aborts those already queued."""
-        streams = []
+        check_request_count(self.engine, len(prompts), field)
         base = uuid.uuid4().hex
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(
-                    prompt, params, f"embd-{base}-{i}", priority, OutputKind.FINAL_ONLY))
-        except BaseException as e:
-            for s in streams:
-                s.abort()
-            if isinstance(e, FieldError):
-                name = {"prompt": field, "pooling_params": None}.get(e.param, e.param)
-                raise RequestError(str(e), name) from None
-            raise
+            streams = await add_all(self.engine, [
+                (prompt, params, f"embd-{base}-{i}", priority, OutputKind.FINAL_ONLY)
+                for i, prompt in enumerate(prompts)])
+        except FieldError as e:
+            name = {"prompt": field, "pooling_params": None}.get(e.param, e.param)
+            raise RequestError(str(e), name) from None
         finals: list[EmbeddingRequestOutput] = await final_outputs(streams)
         for out in finals:
             if out.outputs is None:  # aborted: the client left, nobody reads this
@@ -140,3 +137,12 @@ def encode(vec: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vec
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
+
+
+def check_request_count(engine: Any, count: int, field: str) -> None:
+    """Refuse (400) a body that needs more requests at once than the server takes: a 429
+    would ask the client to retry what can never fit."""
+    limit = getattr(engine, "max_pending_requests", None)
+    if limit is not None and count > limit:
+        raise RequestError(f"{field} needs {count} requests at once; this server takes at most "
+                           f"{limit} (--max-pending-requests)", field)

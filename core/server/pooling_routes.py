@@ -12,6 +12,11 @@ from cadence.server.embeddings import EmbeddingRequest, EmbeddingServing
 from cadence.server.limits import Deadline, ServerLimits
 from cadence.server.scoring import RerankRequest, ScoreRequest, ScoringServing
 
+# Each path's body model, for the error that lists a body's valid fields.
+POOLING_BODIES = {"/v1/embeddings": EmbeddingRequest, "/score": ScoreRequest,
+                  "/v1/score": ScoreRequest, "/rerank": RerankRequest,
+                  "/v1/rerank": RerankRequest, "/v2/rerank": RerankRequest}
+
 
 def install_pooling_routes(app: FastAPI, engine: Any, serving: Any, limits: ServerLimits,
                            unless_disconnected: Callable[..., Any]) -> None:
@@ -34,7 +39,8 @@ def install_pooling_routes(app: FastAPI, engine: Any, serving: Any, limits: Serv
     async def rerank_route(req: RerankRequest, raw: Request) -> Any:
         return await run(raw, scoring.rerank_body(req, serving.check_model))
 
-    for path in ("/score", "/v1/score"):
-        app.post(path)(score_route)
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        app.post(path)(rerank_route)
+    for path, body in POOLING_BODIES.items():
+        if body is ScoreRequest:
+            app.post(path)(score_route)
+        elif body is RerankRequest:
+            app.post(path)(rerank_route)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, RequestStream
+from cadence.async_stream import add_all
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
@@ -132,16 +133,13 @@ class OpenAIServing:
     async def submit(self, inputs: list[tuple[dict, SamplingParams]],
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
                      ) -> list[RequestStream]:
-        """Queue every prompt, or none: a later prompt's error aborts the earlier ones."""
-        streams: list[RequestStream] = []
+        """Queue every prompt at once, or none: one prompt's error aborts the others."""
         base = uuid.uuid4().hex
         try:
-            for i, (prompt, params) in enumerate(inputs):
-                streams.append(await self.engine.add_request(
-                    prompt, params, f"{base}-{i}", req.priority, kind))
+            streams = await add_all(self.engine, [
+                (prompt, params, f"{base}-{i}", req.priority, kind)
+                for i, (prompt, params) in enumerate(inputs)])
         except BaseException as e:
-            for s in streams:
-                s.abort()
             # The engine parses the grammar and names it structured_outputs.<kind>; the
             # client may have sent it as guided_* or response_format.
             if isinstance(e, ValueError) and str(e).startswith("structured_outputs."):
