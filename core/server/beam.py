@@ -64,9 +64,7 @@ class BeamServing:
 
     def __init__(self, serving: Any) -> None:
         self.serving = serving
-        engine = serving.engine
-        self.engine = engine
-        self.eos_ids = engine.eos_token_ids
+        self.engine = serving.engine
 
     def _params(self, req: Any, num_prompt: int, requested: int | None, field: str,
                 tokens_field: str = "max_tokens") -> BeamSearchParams:
@@ -82,7 +80,7 @@ class BeamServing:
     async def _search(self, prompts: list[list[int]], params: BeamSearchParams,
                       priority: int, skip_special: bool) -> list[BeamSearchOutput]:
         check_request_count(self.engine, params.beam_width * len(prompts), "n")
-        return await beam_search_async(self.engine, prompts, params, self.eos_ids,
+        return await beam_search_async(self.engine, prompts, params, self.engine.eos_token_ids,
                                        self.serving.max_model_len,
                                        detokenizer(self.serving.tokenizer, skip_special),
                                        priority)
