@@ -134,3 +134,43 @@ def test_more_inputs_than_the_server_takes_at_once_is_a_400(model) -> None:
     status, reply, ok = serve(model, body, max_pending_requests=8)
     assert status == 400 and reply["error"]["param"] == "input", reply
     assert "at most 8" in reply["error"]["message"] and ok == 200
+
+
+def test_a_conversation_is_embedded_as_its_chat_template_renders_it(model) -> None:
+    """vLLM's chat form: ``messages`` rendered with the chat template (no generation prompt
+    unless asked) and embedded like the token ids the rendering gives."""
+    from cadence.chat import render_chat
+
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "the small cat"}]
+    llm = make_llm(model)
+    try:
+        tok = llm.get_tokenizer()
+        ids = render_chat(tok, messages, add_generation_prompt=False).token_ids
+        with_prompt = render_chat(tok, messages, add_generation_prompt=True).token_ids
+        want = llm.embed([{"prompt_token_ids": ids}, {"prompt_token_ids": with_prompt}],
+                         use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+    async def body(client, engine):
+        ok = []
+        for extra in ({}, {"add_generation_prompt": True}):
+            r = await client.post("/v1/embeddings", json={"messages": messages, **extra})
+            assert r.status_code == 200, r.text
+            ok.append(r.json())
+        bad = []
+        for b in ({"messages": messages, "input": "x"}, {},
+                  {"input": "x", "add_generation_prompt": True},
+                  {"messages": messages, "add_special_tokens": True},
+                  {"messages": []}):
+            r = await client.post("/v1/embeddings", json=b)
+            bad.append((r.status_code, r.json()["error"]["param"]))
+        return ok, bad
+
+    (plain, prompted), bad = serve(model, body)
+    assert _close(plain["data"][0]["embedding"], want[0].outputs.embedding)
+    assert _close(prompted["data"][0]["embedding"], want[1].outputs.embedding)
+    assert plain["usage"]["prompt_tokens"] == len(ids)
+    assert bad == [(400, "messages"), (400, "input"), (400, "add_generation_prompt"),
+                   (400, "add_special_tokens"), (400, "messages")]

@@ -17,8 +17,9 @@ from cadence.outputs import EmbeddingRequestOutput
 from cadence.pooling import PoolingParams
 from cadence.request_intake import truncate_prompt
 from cadence.sampling_params import FieldError
+from cadence.server.chat_protocol import ChatMessage
 from cadence.server.protocol import RequestError
-from cadence.server.serving import check_unicode, final_outputs
+from cadence.server.serving import check_unicode, final_outputs, render_messages
 
 # OpenAI's own limit on the inputs of one request.
 MAX_EMBEDDING_INPUTS = 2048
@@ -26,19 +27,45 @@ MAX_EMBEDDING_INPUTS = 2048
 
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings body; ``truncate_prompt_tokens``, ``normalize``,
-    ``add_special_tokens`` and ``priority`` are vLLM's."""
+    ``add_special_tokens`` and ``priority`` are vLLM's, and so is the chat form: a
+    conversation in ``messages`` (instead of ``input``) rendered with the chat template,
+    with ``add_generation_prompt`` (default false), ``continue_final_message`` and
+    ``chat_template_kwargs``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
-    add_special_tokens: bool = True
+    # None: true for ``input``; the chat template places a conversation's special tokens.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0
+
+    def check_form(self) -> None:
+        """Exactly one of ``input`` and ``messages``, each with the fields it takes."""
+        if (self.input is None) == (self.messages is None):
+            raise RequestError("give exactly one of input (texts or token ids) and messages "
+                               "(a conversation)", "input" if self.messages is None
+                               else "messages")
+        if self.messages is None:
+            chat_only = [n for n in ("add_generation_prompt", "continue_final_message",
+                                     "chat_template_kwargs") if n in self.model_fields_set]
+            if chat_only:
+                raise RequestError(f"{chat_only[0]} applies only with messages", chat_only[0])
+        elif self.add_special_tokens is not None:
+            raise RequestError("add_special_tokens applies only with input: the chat "
+                               "template places a conversation's special tokens",
+                               "add_special_tokens")
+        elif not self.messages:
+            raise RequestError("messages must not be empty", "messages")
 
     def inputs(self) -> list[str | list[int]]:
         """One string or one token-id list per input."""
@@ -119,10 +146,18 @@ class EmbeddingServing:
 
     async def body(self, req: EmbeddingRequest, check_model: Any) -> dict:
         check_model(req.model)
+        req.check_form()
         params = req.pooling_params()
-        prompts = self.prompts(req.inputs(), req.add_special_tokens,
-                               req.truncate_prompt_tokens, "input")
-        finals = await self.embed(prompts, params, req.priority, "input")
+        if req.messages is not None:
+            chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
+                                   "use input", None, req.continue_final_message,
+                                   req.chat_template_kwargs)
+            field, texts, special = "messages", [chat.token_ids], False
+        else:
+            field, texts = "input", req.inputs()
+            special = req.add_special_tokens is not False
+        prompts = self.prompts(texts, special, req.truncate_prompt_tokens, field)
+        finals = await self.embed(prompts, params, req.priority, field)
         data = [{"object": "embedding", "index": i,
                  "embedding": encode(out.outputs.embedding, req.encoding_format)}
                 for i, out in enumerate(finals)]
