@@ -94,6 +94,9 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["prompt_logprobs"] = rng.choice((0, 2))
     if rng.random() < 0.1:
         kw["ignore_eos"] = True
+    if rng.random() < 0.1:
+        # Under async scheduling a two-token word waits on the token still on the device.
+        kw["bad_words"] = rng.sample(("the", "cat", "sat on", "a mat", "runs", "quick"), 2)
     if rng.random() < 0.2:
         # Async scheduling appends the token in flight on the device before counting.
         kw.update(presence_penalty=rng.choice((0.0, 0.5, -0.5)),

@@ -330,3 +330,55 @@ def test_a_base_model_without_head_embeds_and_refuses_generation(model, tmp_path
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", [{}, {"async_scheduling": True}])
+def test_churn_of_embeddings_beside_generation(model, mode) -> None:
+    """Embedding and generation requests mixed, on a cache small enough to preempt and a
+    token budget that chunks, with random aborts: every request ends with one final output,
+    every embedding not aborted equals its prompt embedded alone, no block stays held."""
+    import random
+
+    rng = random.Random(11)
+    specs = []
+    for i in range(160):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+        embed = rng.random() < 0.4
+        params = PoolingParams() if embed else SamplingParams(
+            temperature=rng.choice((0.0, 0.8)), seed=i, max_tokens=rng.randint(1, 10),
+            ignore_eos=True)
+        abort_at = rng.randint(0, 6) if rng.random() < 0.25 else None
+        specs.append((f"r{i}", prompt, params, abort_at))
+    llm = make_llm(model, pooling_type="mean", num_kv_blocks=12, block_size=8,
+                   max_num_batched_tokens=24, max_model_len=64, **mode)
+    try:
+        eng = llm.engine
+        finals, live, step = {}, {}, 0
+        pending = list(specs)
+        while pending or eng.has_unfinished_requests():
+            for _ in range(rng.randint(0, 4)):
+                if pending:
+                    rid, prompt, params, abort_at = pending.pop(0)
+                    eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+                    if abort_at is not None:
+                        live[rid] = step + abort_at
+            for rid, at in list(live.items()):
+                if at <= step:
+                    eng.abort_request(rid)
+                    del live[rid]
+            for out in eng.step():
+                if out.finished:
+                    assert out.request_id not in finals, f"{out.request_id}: two finals"
+                    finals[out.request_id] = out
+            step += 1
+        assert set(finals) == {rid for rid, *_ in specs}
+        assert eng.block_manager.num_free_blocks == eng.num_blocks
+        assert eng.stats.num_preemptions > 0
+        kept = [(rid, p) for rid, p, params, at in specs
+                if isinstance(params, PoolingParams) and finals[rid].outputs is not None]
+        assert len(kept) > 20
+        assert any(finals[rid].metrics.num_preemptions for rid, _ in kept)
+        alone = llm.embed([{"prompt_token_ids": p} for _, p in kept], use_tqdm=False)
+        assert_same_embeddings([finals[rid] for rid, _ in kept], alone, atol=1e-5)
+    finally:
+        llm.shutdown()
