@@ -167,3 +167,59 @@ def test_tensor_parallel_2_matches_one_gpu(tiny_model_dir, kind: str) -> None:
             for da, db in zip(a[6], b[6], strict=True):
                 assert [t for t, _, _ in da] == [t for t, _, _ in db]
                 assert all(abs(x - y) < 1e-4 for (_, x, _), (_, y, _) in zip(da, db))
+
+
+def test_prompt_logprobs_embeddings_and_beams_match_cpu(tiny_model_dir) -> None:
+    """The paths that read hidden states or several logprobs per step, on the GPU: prompt
+    logprobs, embeddings (a prefix-cache hit leaving one token is a decode step, which must
+    not replay a graph without hidden states) and beam search, against the CPU backend."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_helpers import assert_same_embeddings, assert_same_prompt_logprobs
+
+    from cadence import BeamSearchParams, PoolingParams, SamplingParams
+
+    model = tiny_model_dir("llama")
+    long = {"prompt_token_ids": list(range(5, 38))}  # a repeat hits two blocks, computes one
+    lp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    beams = BeamSearchParams(beam_width=3, max_tokens=8)
+    results = {}
+    for backend in ("cpu", "cuda"):
+        llm = _llm(model, backend)
+        try:
+            raw = PoolingParams(normalize=False)
+            results[backend] = (
+                llm.generate(PROMPTS, lp, use_tqdm=False),
+                llm.embed([long, *PROMPTS], raw, use_tqdm=False)
+                + llm.embed([long], raw, use_tqdm=False),
+                llm.beam_search(PROMPTS[:3], beams))
+        finally:
+            llm.shutdown()
+    (lp_cpu, emb_cpu, beam_cpu), (lp_gpu, emb_gpu, beam_gpu) = results["cpu"], results["cuda"]
+    assert_same_prompt_logprobs(lp_gpu, lp_cpu, atol=1e-3)
+    assert emb_gpu[-1].num_cached_tokens == 32
+    assert_same_embeddings(emb_gpu, emb_cpu, atol=1e-3)
+    assert [[s.tokens for s in o.sequences] for o in beam_gpu] == \
+        [[s.tokens for s in o.sequences] for o in beam_cpu]
+
+
+def test_bad_words_with_async_scheduling_equal_sync(tiny_model_dir) -> None:
+    """Bad words whose prefix ends in the token still on the GPU are checked there."""
+    from cadence import SamplingParams
+
+    model = tiny_model_dir("llama")
+    free = _llm(model)
+    try:
+        outs = free.generate(PROMPTS, _greedy(12), use_tqdm=False)
+        tok = free.get_tokenizer()
+        words = [tok.decode(o.outputs[0].token_ids[4:6]) for o in outs]
+    finally:
+        free.shutdown()
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=[w])
+              for w in words]
+    opts = {"cuda_graph_max_bs": 4}
+    want = _run(model, params, disable_async_output_proc=True, backend_options=opts)
+    assert _run(model, params, async_scheduling=True, backend_options=opts) == want
+    assert want != _run(model, _greedy(12), disable_async_output_proc=True)
