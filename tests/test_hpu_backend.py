@@ -282,6 +282,36 @@ def test_emulated_embeddings_match_cpu(tiny: str, name: str, async_scheduling: b
             llm.shutdown()
 
 
+@pytest.mark.parametrize("warm", [False, True])
+def test_warmup_hidden_compiles_the_graphs_that_return_hidden_states(tiny: str,
+                                                                     warm: bool) -> None:
+    """Embeddings run graphs that also return hidden states: compiled at their first use,
+    or at start-up with ``warmup_hidden``, after which they compile nothing more."""
+    from engine_helpers import make_llm
+
+    from cadence import PoolingParams
+
+    options = {"prompt_bs": "1:1:2", "prompt_seq": "16:16:32", "decode_bs": "1:1:2",
+               "decode_blocks": "2:2:4", "warmup_hidden": warm}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CADENCE_HPU_EMULATE", "1")
+        mp.setenv("PT_HPU_LAZY_MODE", "1")
+        llm = make_llm(tiny, backend="hpu", backend_options=options, max_num_seqs=2,
+                       max_model_len=64, max_num_batched_tokens=32)
+        try:
+            backend = llm.engine.backend
+            warmed = backend.num_warmup_compiles
+            llm.embed([{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 20)],
+                      PoolingParams(), use_tqdm=False)
+            recompiled = backend.recompiles_after_warmup()
+        finally:
+            llm.shutdown()
+    if warm:
+        assert recompiled == 0 and warmed > 0
+    else:
+        assert recompiled > 0
+
+
 def _has_gaudi() -> bool:
     from cadence.backends.hpu.backend import emulation_requested
 

@@ -57,6 +57,10 @@ def cadence_add_cli_options(parser) -> None:
     parser.add_argument("--hpu-skip-warmup", action="store_true", default=None,
                         help="skip compiling every bucket at start-up (graphs then compile "
                              "while serving)")
+    parser.add_argument("--hpu-warmup-hidden", action="store_true", default=None,
+                        help="also compile, at start-up, the graphs that return hidden "
+                             "states (embeddings, prompt logprobs), which otherwise compile "
+                             "at the first such request of each shape")
 
 
 @hookimpl
@@ -73,6 +77,8 @@ def cadence_configure(config) -> None:
         opts["kv_cache_gb"] = config["hpu_kv_cache_gb"]
     if config.get("hpu_skip_warmup"):
         opts["skip_warmup"] = True
+    if config.get("hpu_warmup_hidden"):
+        opts["warmup_hidden"] = True
     # Gaudi computes in bf16; emulation keeps the CPU default so it can match the CPU backend.
     from cadence.backends.hpu.backend import emulation_requested
 

@@ -54,10 +54,14 @@ class BucketedSteps:
         # ops and compile on first use (docs/backends/hpu.md).
         metas = [SamplingMetadata([], [], [], [], [], [], all_greedy=greedy)
                  for greedy in (True, False)]
+        # The graphs that also return hidden states (a part with prompt-logprob or pooled
+        # rows) double the compiles; only when asked.
+        hidden = (False, True) if self.config.backend_option("warmup_hidden") else (False,)
         for shape in plan:
-            for meta in metas:
+            for meta, with_hidden in ((m, h) for m in metas for h in hidden):
                 batch = bk.dummy_batch(shape, self.dummy_block, self.buckets.block_size)
-                part = Part(batch, [None] * shape.batch_size)
+                part = Part(batch, [None] * shape.batch_size,
+                            pool_rows=[(0, 1)] if with_hidden else None)
                 if self._sampled is not None:  # the placeholder fill compiles here too
                     part.fill = Fill.nothing(shape.num_tokens)
                 self._run_parts([part])
