@@ -147,7 +147,11 @@ class LLM:
         the cosine similarity of their embeddings, for ``data_1`` against each of
         ``data_2`` (one and N), or pair by pair (N and N)."""
         one, two = _prompt_list(data_1), _prompt_list(data_2)
-        pairs = score_pairs(len(one), len(two))
+        try:
+            pairs = score_pairs(len(one), len(two))
+        except FieldError as e:  # named for the server's body; here they are data_1/2
+            raise FieldError(str(e).replace("text_", "data_"),
+                             e.param.replace("text_", "data_")) from None
         vecs = [o.outputs.embedding if o.outputs is not None else None for o in self.embed(
             one + two, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
             use_tqdm)]

@@ -46,6 +46,17 @@ def test_llm_score_is_the_cosine_of_the_embeddings(vectors) -> None:
         [_cos(vecs[1], vecs[3]), _cos(vecs[2], vecs[4])], abs=1e-9)
 
 
+def test_llm_score_names_its_own_arguments(model) -> None:
+    llm = make_llm(model)
+    try:
+        with pytest.raises(ValueError, match="data_1 and data_2 must hold 1 and N") as e:
+            llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+        assert e.value.param == "data_2"
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
 def test_pairing_rules() -> None:
     assert score_pairs(1, 3) == [(0, 0), (0, 1), (0, 2)]
     assert score_pairs(2, 2) == [(0, 0), (1, 1)]
