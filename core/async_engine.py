@@ -19,7 +19,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,14 +30,14 @@ from cadence.async_stream import (
     call_soon,
     deliver,
 )
-from cadence.beam_search import BeamSearchOutput, BeamSearchParams
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
-from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.outputs import RequestOutput
 from cadence.pooling import PoolingParams
+from cadence.request_front import RequestFront
 from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class _Abort:
 _STOP = object()
 
 
-class AsyncLLM:
+class AsyncLLM(RequestFront):
     """Serve many concurrent streams from one engine.
 
     ``generate`` is an async generator: it yields one ``RequestOutput`` each time the
@@ -175,39 +175,6 @@ class AsyncLLM:
             params = default_sampling_params(self.engine.config.model_config)
         queue_ = await self._add(rid, prompt, params, priority, output_kind)
         return RequestStream(self, rid, queue_)
-
-    async def generate(self, prompt: str | Sequence[int] | dict,
-                       params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
-                       ) -> AsyncIterator[RequestOutput]:
-        """Queue one request and yield its outputs as they become ready."""
-        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
-        async for out in stream:
-            yield out
-
-    async def beam_search(self, prompt: str | Sequence[int] | dict, params: BeamSearchParams,
-                          priority: int = 0) -> BeamSearchOutput:
-        """Beam search for one prompt (vLLM's ``beam_search``; core/beam_search.py): its
-        beams best first, each round's requests through this engine."""
-        from cadence.beam_search import beam_search_async, detokenizer
-        from cadence.request_intake import tokenize_prompt
-
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        (out,) = await beam_search_async(self, [tokenize_prompt(self.tokenizer, prompt)[1]],
-                                         params, self.eos_token_ids, self.max_model_len,
-                                         detokenizer(self.tokenizer), priority)
-        return out
-
-    async def encode(self, prompt: str | Sequence[int] | dict,
-                     pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, priority: int = 0
-                     ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
-        stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                        priority, OutputKind.FINAL_ONLY)
-        async for out in stream:
-            yield out
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a final output (finish_reason 'abort')."""

@@ -98,8 +98,6 @@ async def add_all(engine: Any, requests: list[tuple]) -> list[RequestStream]:
     other, a body of N prompts would enter the engine one per step (a 2048-input embedding
     body, 2048 steps). Queued together, they are applied before the same step.
     """
-    import asyncio
-
     results = await asyncio.gather(*(engine.add_request(*args) for args in requests),
                                    return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -109,3 +107,49 @@ async def add_all(engine: Any, requests: list[tuple]) -> list[RequestStream]:
                 r.abort()
         raise errors[0]
     return list(results)
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (``merge`` aborts them all if this is cancelled)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        if out.finished:
+            finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals
+
+
+async def merge(streams: list[RequestStream]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs in arrival order, tagged with the stream index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    _END = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await merged.put((i, out))
+            await merged.put((i, _END))
+        except BaseException as e:
+            await merged.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await merged.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()

@@ -237,34 +237,20 @@ async def beam_search_async(engine: Any, prompts: list[list[int]], params: BeamS
                             priority: int = 0) -> list[BeamSearchOutput]:
     """Beam search through an ``AsyncLLM`` (or data-parallel replicas): each round's
     requests go in together and are awaited together; cancelling this aborts them."""
-    import asyncio
     import itertools
     import uuid
 
-    from cadence.async_stream import add_all
+    from cadence.async_stream import add_all, final_outputs
     from cadence.output_state import OutputKind
 
     searches = [BeamSearch(p, params, eos_token_ids, max_model_len) for p in prompts]
     step = step_params(params)
     base, ids = uuid.uuid4().hex, itertools.count()
 
-    async def final(stream: Any) -> Any:
-        out = None
-        async for out in stream:  # FINAL_ONLY: one output
-            pass
-        return out
-
     async def run_round(batch: list[list[int]]) -> list[Any]:
-        streams = await add_all(engine, [
+        return await final_outputs(await add_all(engine, [
             ({"prompt_token_ids": p}, step, f"beam-{base}-{next(ids)}", priority,
-             OutputKind.FINAL_ONLY) for p in batch])
-        finals = [asyncio.ensure_future(final(s)) for s in streams]
-        try:
-            return list(await asyncio.gather(*finals))
-        except BaseException:
-            for f in finals:  # the others' streams abort as their loops close
-                f.cancel()
-            raise
+             OutputKind.FINAL_ONLY) for p in batch]))
 
     await search_async(searches, run_round)
     return [s.output(decode) for s in searches]

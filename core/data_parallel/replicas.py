@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from cadence.async_engine import AsyncLLM, EngineDeadError
@@ -14,8 +14,8 @@ from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
-from cadence.outputs import EmbeddingRequestOutput, RequestOutput
 from cadence.pooling import PoolingParams
+from cadence.request_front import RequestFront
 from cadence.sampling_params import SamplingParams
 
 
@@ -31,7 +31,7 @@ def pick_replica(loads: Sequence[int | None], turn: int) -> int | None:
     return best
 
 
-class DataParallelAsyncLLM:
+class DataParallelAsyncLLM(RequestFront):
     """Replicas of one model, each an ``AsyncLLM`` with its own engine and backend.
 
     A request goes to the replica with the fewest requests in flight (a replica that is
@@ -136,24 +136,6 @@ class DataParallelAsyncLLM:
         # request with the same id cannot slip in between.
         return await self.replicas[i].add_request(prompt, params, request_id, priority,
                                                   output_kind)
-
-    async def generate(self, prompt: str | Sequence[int] | dict,
-                       params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
-        async for out in stream:
-            yield out
-
-    async def encode(self, prompt: str | Sequence[int] | dict,
-                     pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, priority: int = 0
-                     ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
-        stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                        priority, OutputKind.FINAL_ONLY)
-        async for out in stream:
-            yield out
 
     async def abort(self, request_id: str) -> None:
         for r in self.replicas:

@@ -85,12 +85,17 @@ class BeamServing:
                                        detokenizer(self.serving.tokenizer, skip_special),
                                        priority)
 
-    async def completion_body(self, req: Any) -> dict:
+    def _admit(self, req: Any) -> Any:
+        """The checks of either endpoint's body; returns the ``OpenAIServing``."""
         s = self.serving
         s.check_model(req.model)
         s.limits.check(req)
         req.check(s.max_logprobs)
         check_beam_request(req)
+        return s
+
+    async def completion_body(self, req: Any) -> dict:
+        s = self._admit(req)
         prompts = [p["prompt_token_ids"] for p in s.completion_prompts(req)]
         params = self._params(req, max(map(len, prompts)), req.max_tokens, "prompt")
         outs = await self._search(prompts, params, req.priority, req.skip_special_tokens)
@@ -105,11 +110,7 @@ class BeamServing:
         return formats.envelope("cmpl", "text_completion", s.model_name, choices, usage)
 
     async def chat_body(self, req: Any) -> dict:
-        s = self.serving
-        s.check_model(req.model)
-        s.limits.check(req)
-        req.check(s.max_logprobs)
-        check_beam_request(req)
+        s = self._admit(req)
         prompt = s.chat_prompt(req)["prompt_token_ids"]
         params = self._params(req, len(prompt), req.requested_max_tokens, "messages",
                               req.max_tokens_field)

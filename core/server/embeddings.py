@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cadence.async_stream import add_all
+from cadence.async_stream import add_all, final_outputs
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput
 from cadence.pooling import PoolingParams
@@ -19,7 +19,7 @@ from cadence.request_intake import truncate_prompt
 from cadence.sampling_params import FieldError
 from cadence.server.chat_protocol import ChatMessage
 from cadence.server.protocol import RequestError
-from cadence.server.serving import check_unicode, final_outputs, render_messages
+from cadence.server.serving import check_unicode, render_messages
 
 # OpenAI's own limit on the inputs of one request.
 MAX_EMBEDDING_INPUTS = 2048

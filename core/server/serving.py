@@ -3,7 +3,6 @@ the response bodies or the server-sent-event chunks."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import uuid
@@ -11,10 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, RequestStream
-from cadence.async_stream import add_all
+from cadence.async_stream import add_all, final_outputs, merge
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.output_state import OutputKind
-from cadence.outputs import RequestOutput
 from cadence.request_intake import truncate_prompt
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
@@ -200,7 +198,7 @@ class OpenAIServing:
         # echo=true: each stream's prompt, from its first output; each choice's first chunk
         # begins with it.
         echoes: dict[int, tuple[str, dict | None] | None] = {}
-        async for i, out in _merge(streams):
+        async for i, out in merge(streams):
             if req.echo_only:
                 out = formats.without_samples(out)
             usage.add(out, delta=True)
@@ -229,7 +227,7 @@ class OpenAIServing:
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
         reply = self._reply(req)
-        async for _, out in _merge(streams):
+        async for _, out in merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
                 delta = reply.delta(c.index, c.text, c.finished)
@@ -253,52 +251,6 @@ class OpenAIServing:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of each stream (``_merge`` aborts them all if this is cancelled)."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in _merge(streams):
-        if out.finished:
-            finals[i] = out
-    assert all(f is not None for f in finals)
-    return finals
-
-
-async def _merge(streams: list[RequestStream]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several streams' outputs in arrival order, tagged with the stream index."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-    _END = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                await merged.put((i, out))
-            await merged.put((i, _END))
-        except BaseException as e:
-            await merged.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
-    try:
-        while remaining:
-            i, item = await merged.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.abort()
 
 
 def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,

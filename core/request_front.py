@@ -1,0 +1,50 @@
+"""What every asyncio front end offers on top of its ``add_request``: ``AsyncLLM`` and the
+data-parallel replicas share it, so a request kind added here reaches both. No torch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from cadence.beam_search import BeamSearchOutput, BeamSearchParams
+from cadence.output_state import OutputKind
+from cadence.outputs import EmbeddingRequestOutput, RequestOutput
+from cadence.pooling import PoolingParams
+from cadence.sampling_params import SamplingParams
+
+
+class RequestFront:
+    """Mixed into a front end that has ``add_request``, ``tokenizer``, ``eos_token_ids``
+    and ``max_model_len``."""
+
+    async def generate(self, prompt: str | Sequence[int] | dict,
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its outputs as they become ready."""
+        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
+        async for out in stream:
+            yield out
+
+    async def encode(self, prompt: str | Sequence[int] | dict,
+                     pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0
+                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
+        stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
+                                        priority, OutputKind.FINAL_ONLY)
+        async for out in stream:
+            yield out
+
+    async def beam_search(self, prompt: str | Sequence[int] | dict, params: BeamSearchParams,
+                          priority: int = 0) -> BeamSearchOutput:
+        """Beam search for one prompt (vLLM's ``beam_search``; core/beam_search.py): its
+        beams best first, each round's requests through this front end."""
+        from cadence.beam_search import beam_search_async, detokenizer
+        from cadence.request_intake import tokenize_prompt
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        (out,) = await beam_search_async(self, [tokenize_prompt(self.tokenizer, prompt)[1]],
+                                         params, self.eos_token_ids, self.max_model_len,
+                                         detokenizer(self.tokenizer), priority)
+        return out
