@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.beam_search import BeamSearchParams
 from cadence.hookspecs import hookimpl
+from cadence.lora.request import LoRARequest
 from cadence.pooling.params import PoolingParams
 from cadence.sampling_params import SamplingParams
 from cadence.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "PoolingParams", "BeamSearchParams",
-           "StructuredOutputsParams",
+           "StructuredOutputsParams", "LoRARequest",
            "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
            "LLMEngine", "EngineArgs", "hookimpl", "__version__"]
 

@@ -62,6 +62,7 @@ class _Add:
     priority: int
     output_kind: OutputKind
     done: concurrent.futures.Future
+    lora_request: Any = None
 
 
 @dataclass(slots=True)
@@ -164,8 +165,10 @@ class AsyncLLM(RequestFront):
     async def add_request(self, prompt: str | Sequence[int] | dict,
                           params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
-                          output_kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+                          output_kind: OutputKind = OutputKind.DELTA,
+                          lora_request: Any = None) -> RequestStream:
         """Validate and queue one request; iterate the returned stream for its outputs.
+        ``lora_request``: a ``cadence.lora.LoRARequest`` to run it with an adapter.
 
         Raises ValueError (bad input), EngineOverloadedError or EngineDeadError before
         anything is queued, so a server can answer 400/429/503 before it starts streaming.
@@ -173,7 +176,7 @@ class AsyncLLM(RequestFront):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params is None:
             params = default_sampling_params(self.engine.config.model_config)
-        queue_ = await self._add(rid, prompt, params, priority, output_kind)
+        queue_ = await self._add(rid, prompt, params, priority, output_kind, lora_request)
         return RequestStream(self, rid, queue_)
 
     async def abort(self, request_id: str) -> None:
@@ -191,8 +194,8 @@ class AsyncLLM(RequestFront):
 
     # ---- submission -------------------------------------------------------------------
     async def _add(self, rid: str, prompt: Any, params: SamplingParams | PoolingParams,
-                   priority: int,
-                   output_kind: OutputKind) -> Channel:
+                   priority: int, output_kind: OutputKind, lora_request: Any = None
+                   ) -> Channel:
         if not isinstance(rid, str):
             raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -213,7 +216,7 @@ class AsyncLLM(RequestFront):
             self._streams[channel.engine_id] = channel
             self._by_user_id[rid] = channel.engine_id
             self._commands.put(_Add(channel.engine_id, prompt, params, priority, output_kind,
-                                    done))
+                                    done, lora_request))
         try:
             # Validation happens in the engine thread, between steps: the engine is not
             # thread-safe, and this way a ValueError reaches the caller, not the loop.
@@ -295,7 +298,7 @@ class AsyncLLM(RequestFront):
             return  # the caller was cancelled before its request got here: never add it
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
-                                    cmd.output_kind)
+                                    cmd.output_kind, cmd.lora_request)
         except Exception as e:  # ValueError for bad input; anything else is reported too
             cmd.done.set_exception(e)
         else:

@@ -140,6 +140,13 @@ class Backend(ABC):
     #: that runs ``ModelRunner.prepare``, ``run_model`` and ``sample`` gets them from those
     #: (core/layers/pooling.py). The engine refuses embedding requests otherwise.
     supports_pooling: ClassVar[bool] = False
+    #: Whether the backend applies the LoRA adapters a ``ModelInput`` names (``lora_ids``,
+    #: ``lora_paths``; cadence/lora). A backend that runs ``ModelRunner.load_model``,
+    #: ``prepare`` and ``run_model`` eagerly gets them from those: the runner wraps the
+    #: projections at load and passes each step's adapters through the forward context. A
+    #: replayed graph captured without them would skip them: run such steps eagerly. The
+    #: engine refuses ``enable_lora`` otherwise.
+    supports_lora: ClassVar[bool] = False
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among
     #: ``data_parallel_size`` replicas; core/data_parallel/). ``engine serve

@@ -234,7 +234,8 @@ def _advance(live: list[BeamSearch], outputs: list[Any]) -> None:
 async def beam_search_async(engine: Any, prompts: list[list[int]], params: BeamSearchParams,
                             eos_token_ids: Sequence[int], max_model_len: int,
                             decode: Callable[[list[int], list[int]], str] | None,
-                            priority: int = 0) -> list[BeamSearchOutput]:
+                            priority: int = 0, lora_request: Any = None
+                            ) -> list[BeamSearchOutput]:
     """Beam search through an ``AsyncLLM`` (or data-parallel replicas): each round's
     requests go in together and are awaited together; cancelling this aborts them."""
     import itertools
@@ -250,7 +251,7 @@ async def beam_search_async(engine: Any, prompts: list[list[int]], params: BeamS
     async def run_round(batch: list[list[int]]) -> list[Any]:
         return await final_outputs(await add_all(engine, [
             ({"prompt_token_ids": p}, step, f"beam-{base}-{next(ids)}", priority,
-             OutputKind.FINAL_ONLY) for p in batch]))
+             OutputKind.FINAL_ONLY, lora_request) for p in batch]))
 
     await search_async(searches, run_round)
     return [s.output(decode) for s in searches]

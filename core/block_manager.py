@@ -108,6 +108,9 @@ class BlockManager:
         # Leading table entries freed behind the window, per request (FREED_BLOCK entries).
         self._num_freed: dict[str, int] = {}
         self._next_gen = _ROOT_GEN + 1
+        # Per cache namespace (a LoRA adapter's blocks are its own), the generation its
+        # chains start from: a block is reachable only from the root it was computed under.
+        self._roots: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -188,7 +191,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         num_tokens = request.num_tokens
-        chain = _Chain()
+        chain = self._new_chain(request)
         hits: list[KVBlock] = []
         for i in range((num_tokens - 1) // bs):
             token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
@@ -234,7 +237,9 @@ class BlockManager:
         table = self._tables.get(request.request_id)
         if not table:
             return
-        chain = self._chains.setdefault(request.request_id, _Chain())
+        chain = self._chains.get(request.request_id)
+        if chain is None:
+            chain = self._chains[request.request_id] = self._new_chain(request)
         if chain.is_broken:
             return
         bs = self.block_size
@@ -258,6 +263,17 @@ class BlockManager:
                 chain.is_broken = True
                 return
             chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, gen
+
+    def _new_chain(self, request: Request) -> _Chain:
+        """An empty chain in the request's cache namespace (``Request.cache_namespace``)."""
+        ns = getattr(request, "cache_namespace", 0)
+        if not ns:
+            return _Chain()
+        gen = self._roots.get(ns)
+        if gen is None:
+            gen = self._roots[ns] = self._next_gen
+            self._next_gen += 1
+        return _Chain(last_hash=hash(("namespace", ns)), last_gen=gen)
 
     def _num_dead(self, num_computed_tokens: int) -> int:
         """Blocks wholly before the first key a query at ``num_computed_tokens`` sees."""

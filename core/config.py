@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cadence.distributed import EXPERT_PLACEMENTS
+from cadence.lora.config import LoRAConfig
 from cadence.pooling.config import PoolerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -230,6 +231,8 @@ class EngineConfig:
     backend_options: tuple[tuple[str, object], ...] = ()
     fault_config: FaultConfig = FaultConfig()
     parallel_config: ParallelConfig = ParallelConfig()
+    # LoRA adapters (cadence/lora): None when the engine serves none.
+    lora_config: LoRAConfig | None = None
 
     @property
     def plans_with_placeholders(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,25 +20,18 @@ from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.executor import create_executor
 from cadence.faults import StepGuard
-from cadence.generation_defaults import default_sampling_params
 from cadence.input_builder import build_model_input
+from cadence.lora import LoRARequest
 from cadence.metrics import EngineStats
 from cadence.output_processor import OutputProcessor
 from cadence.output_state import OutputKind, ParentRequest
 from cadence.outputs import RequestOutput
 from cadence.plugins import get_registry
 from cadence.pooling import PoolingParams
-from cadence.pooling.intake import PoolingIntake
 from cadence.request import Request
-from cadence.request_intake import (
-    bad_words_token_ids,
-    eos_token_ids,
-    tokenize_prompt,
-    truncate_prompt,
-    validate_request,
-    vocab_size_from_config,
-)
-from cadence.sampling_params import FieldError, SamplingParams, shown
+from cadence.request_factory import RequestFactory
+from cadence.request_intake import eos_token_ids, vocab_size_from_config
+from cadence.sampling_params import FieldError, SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import check_backend_supports, make_scheduler, make_step_loop
 from cadence.structured_output.manager import StructuredOutputManager
@@ -59,6 +51,12 @@ class LLMEngine:
         logger.info("%s", self.backend_reason)
         if config.plans_with_placeholders:
             check_backend_supports(backend_cls, registry)
+        if config.lora_config is not None and not getattr(backend_cls, "supports_lora", False):
+            able = sorted(n for n, info in registry.backends.items()
+                          if getattr(info.cls, "supports_lora", False))
+            raise ValueError(f"LoRA adapters are not supported by backend {backend_cls.name!r}"
+                             f"; backends that serve them: {', '.join(able) or '(none)'} "
+                             "(or start without enable_lora)")
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         self.backend.load_model()
@@ -80,12 +78,11 @@ class LLMEngine:
                                           cc.sliding_window)
         self.scheduler = make_scheduler(config, self.block_manager, self._settle)
         self.stats = EngineStats()
-        # Embedding requests' admission (cadence/pooling).
-        self._pooling = PoolingIntake(config, self.backend.name,
-                                      self.backend.supports_pooling)
         # Structured output; compiles nothing and imports no xgrammar until a request asks.
         self.structured = StructuredOutputManager(
             tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))
+        self.requests = RequestFactory(config, tokenizer, self.vocab_size, self.eos_token_ids,
+                                       self.backend, self.structured)
         hook = registry.hook.cadence_post_sample if registry.has_impl(
             "cadence_post_sample") else None
         self.output_processor = OutputProcessor(
@@ -109,69 +106,18 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
                     params: SamplingParams | PoolingParams | None = None, priority: int = 0,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+                    output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError for bad input (a ``FieldError``
         naming the argument or ``SamplingParams`` field in ``param``), queues nothing.
         ``params=None`` means the model's generation defaults (docs/semantics.md);
         ``PoolingParams`` make it an embedding request, whose one output is an
-        ``EmbeddingRequestOutput`` (cadence/pooling)."""
-        if params is None:
-            params = default_sampling_params(self.config.model_config)
-        pooling = None
-        if isinstance(params, PoolingParams):
-            pooling, params = params, self._pooling.sampling_params(params)
-        elif not self.config.model_config.has_lm_head:
-            raise FieldError("this model is a base model saved without an LM head (an "
-                             "embedding model): it serves embeddings only (LLM.embed, "
-                             "/v1/embeddings), not generation", "model")
-        if not isinstance(request_id, str):
-            raise FieldError(f"request_id must be a string, got {type(request_id).__name__}",
-                             "request_id")
-        if not isinstance(params, SamplingParams):
-            raise FieldError(f"params must be SamplingParams or None, got "
-                             f"{type(params).__name__}", "params")
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise FieldError(f"priority must be an integer (lower runs first), got "
-                             f"{shown(priority)}", "priority")
-        priority = int(priority)
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            # vLLM refuses it too: a priority the scheduler ignores would be silently wrong.
-            raise FieldError(f"priority={shown(priority)} needs the priority scheduling policy "
-                             f"(--scheduling-policy priority); this engine schedules "
-                             f"{self.config.scheduler_config.policy!r}, which ignores it",
-                             "priority")
-        if request_id in self.output_processor.parents:
+        ``EmbeddingRequestOutput`` (cadence/pooling). ``lora_request`` runs it with a LoRA
+        adapter (cadence/lora; the engine must serve adapters: ``enable_lora``)."""
+        if isinstance(request_id, str) and request_id in self.output_processor.parents:
             raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
-        text, ids = tokenize_prompt(self.tokenizer, prompt)
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens)
-        if len(kept) < len(ids):
-            text, ids = None, kept  # the text would no longer be the prompt's
-        if pooling is not None:
-            self._pooling.check(ids, pooling)
-        validate_request(ids, params, self.config.scheduler_config,
-                         self.vocab_size)
-        if params.structured_outputs is not None:
-            self.structured.check(params)
-        if params.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
-            raise FieldError(f"prompt_logprobs is not supported by the "
-                             f"{self.backend.name!r} backend", "prompt_logprobs")
-        children = []
-        for i in range(params.n):
-            sp = params.for_sample(i) if params.n > 1 else params
-            children.append(Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt_token_ids=ids, sampling_params=sp, eos_token_ids=self.eos_token_ids,
-                prompt=text, parent_id=request_id, index=i, priority=priority,
-                arrival_seq=next(self._arrival)))
-        if params.prompt_logprobs is not None:
-            # One sample computes them for all: they depend on the prompt alone.
-            children[0].prompt_logprobs = [None] * (len(ids) - 1)
-        if pooling is not None:
-            children[0].pooling = self._pooling.state(pooling, len(ids))
-        if params.bad_words:
-            bad = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
-            for child in children:
-                child.bad_words_ids = bad
+        text, ids, children = self.requests.build(request_id, prompt, params, priority,
+                                                  lora_request, self._arrival)
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.
@@ -179,13 +125,25 @@ class LLMEngine:
                              "samples is in use by another request (the samples of n > 1 "
                              "are named '<index>_<request_id>')", "request_id")
         self.output_processor.add(ParentRequest(request_id, text, ids, children, output_kind))
-        if params.structured_outputs is not None:
+        if children[0].sampling_params.structured_outputs is not None:
             self.structured.hold(children)  # to the scheduler once its grammar compiled
         else:
             for child in children:
                 self.scheduler.add_request(child)
         self.stats.num_requests_added += 1
         self.stats.num_prompt_tokens += len(ids)
+
+    # ---- LoRA adapters (vLLM's names) ---------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model ahead of its requests; ValueError if bad."""
+        return self.requests.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already queued with it finish with it)."""
+        return self.requests.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.requests.loras.list()
 
     @property
     def eos_token_id(self) -> int | None:

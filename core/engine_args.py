@@ -24,6 +24,8 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.generation_defaults import load_generation_defaults
+from cadence.lora.adapter import check_lora_architecture
+from cadence.lora.config import LoRAConfig
 from cadence.model_limits import (
     check_architecture,
     has_lm_head,
@@ -68,6 +70,11 @@ class EngineArgs:
     # files, else last-token pooling, normalized.
     pooling_type: str | None = None
     pooling_normalize: bool | None = None
+    # LoRA adapters (cadence/lora): served only with enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -108,6 +115,10 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
         defaults = load_generation_defaults(model, args["generation_config"])
         pooler = load_pooler_config(model, args["pooling_type"], args["pooling_normalize"])
+        lora = None
+        if args["enable_lora"]:
+            lora = LoRAConfig(args["max_loras"], args["max_lora_rank"], args["max_cpu_loras"])
+            check_lora_architecture(model)
         batched = args["max_num_batched_tokens"] or max(8192, max_len if not
                                                          args["enable_chunked_prefill"] else 0)
         return EngineConfig(
@@ -134,6 +145,7 @@ class EngineArgs:
                 enable_expert_parallel=bool(args["enable_expert_parallel"]),
                 expert_placement_strategy=args["expert_placement_strategy"],
                 ray_placement_strategy=args["ray_placement_strategy"]),
+            lora_config=lora,
         )
 
     @staticmethod
@@ -239,6 +251,18 @@ class EngineArgs:
                        default=None,
                        help="embeddings: scale each to unit L2 norm (default: as the model "
                             "folder's sentence-transformers modules say, else on)")
+        p.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT folders): per request through "
+                            "lora_request, on the server through --lora-modules and the "
+                            "model field (docs/semantics.md, \"LoRA adapters\")")
+        p.add_argument("--max-loras", type=int, default=1,
+                       help="most distinct adapters in one step; requests for others wait "
+                            "(default: %(default)s)")
+        p.add_argument("--max-lora-rank", type=int, default=16,
+                       help="largest adapter rank accepted (default: %(default)s)")
+        p.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded, least recently used dropped first "
+                            "(default: --max-loras)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)

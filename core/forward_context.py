@@ -42,17 +42,20 @@ class AttentionImpl(Protocol):
 class ForwardContext:
     attn: AttentionImpl
     metadata: Any
+    # The step's LoRA adapters (cadence.lora.runtime.LoRAStep), None when no row has one.
+    lora: Any = None
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn: AttentionImpl, metadata: Any) -> Iterator[ForwardContext]:
+def set_forward_context(attn: AttentionImpl, metadata: Any, lora: Any = None
+                        ) -> Iterator[ForwardContext]:
     global _forward_context
     if _forward_context is not None:
         raise RuntimeError("set_forward_context does not nest: a forward pass is already running")
-    _forward_context = ForwardContext(attn, metadata)
+    _forward_context = ForwardContext(attn, metadata, lora)
     try:
         yield _forward_context
     finally:
@@ -63,3 +66,9 @@ def get_forward_context() -> ForwardContext:
     if _forward_context is None:
         raise RuntimeError("no forward context: call the model inside set_forward_context()")
     return _forward_context
+
+
+def current_lora() -> Any:
+    """The running step's LoRA adapters, or None (also outside a forward pass)."""
+    ctx = _forward_context
+    return None if ctx is None else ctx.lora

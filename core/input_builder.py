@@ -23,8 +23,11 @@ def build_model_input(plan, get_block_table,
     prompt_lp = _PromptLogprobRows()
     pool_rows: list[tuple[int, int]] = []
     pool_spans: list[tuple[int, int, int]] = []
+    loras: dict[int, str] = {}
     for i, sr in enumerate(plan.scheduled):
         req = sr.request
+        if req.lora_request is not None:
+            loras[req.lora_request.lora_int_id] = req.lora_request.lora_path
         start = req.num_computed_tokens
         end = start + sr.num_new_tokens
         if req.needs_prompt_logprobs:
@@ -57,6 +60,10 @@ def build_model_input(plan, get_block_table,
         mi.num_prompt_logprobs, mi.prompt_logprob_spans = prompt_lp.k, prompt_lp.spans
     if pool_rows:
         mi.pool_rows, mi.pool_spans = pool_rows, pool_spans
+    if loras:
+        mi.lora_paths = loras
+        mi.lora_ids = [0 if sr.request.lora_request is None
+                       else sr.request.lora_request.lora_int_id for sr in plan.scheduled]
     return mi
 
 

@@ -21,6 +21,7 @@ from cadence.chat import render_chat, split_conversations
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
+from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.outputs import (
     EmbeddingRequestOutput,
@@ -72,13 +73,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
         ``sampling_params``: one for all prompts, or one per prompt; None means
         ``get_default_sampling_params()`` (the model's generation_config.json defaults).
+        ``lora_request``: a LoRA adapter for all prompts, or one (or None) per prompt; the
+        engine must serve adapters (``enable_lora=True``; docs/semantics.md).
         Invalid input raises ValueError before anything is queued. A request the engine
         failed on (docs/reliability.md) comes back with ``finish_reason="error"`` and the
         reason in ``RequestOutput.error``; the others are unaffected.
@@ -91,11 +95,13 @@ class LLM:
                                      or len(priority) != len(prompts)):
             raise FieldError(f"priority must be None or a list of integers with one entry "
                              f"per prompt ({len(prompts)}), got {priority!r:.60}", "priority")
-        return self._run_all(prompts, params, priority, use_tqdm)
+        return self._run_all(prompts, params, priority, use_tqdm,
+                             _per_lora(lora_request, len(prompts)))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
               ) -> list[EmbeddingRequestOutput]:
         """Embed every prompt (vLLM's ``LLM.embed``); results come back in prompt order,
         each vector in ``output.outputs.embedding``.
@@ -113,7 +119,8 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]
-        return self._run_all(prompts, params, None, use_tqdm)
+        return self._run_all(prompts, params, None, use_tqdm,
+                             _per_lora(lora_request, len(prompts)))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -164,14 +171,15 @@ class LLM:
         return out
 
     def _run_all(self, prompts: list, params: list, priority: Sequence[int] | None,
-                 use_tqdm: bool) -> list:
+                 use_tqdm: bool, loras: list | None = None) -> list:
         ids = [str(next(self._counter)) for _ in prompts]
         added = []
         try:
             for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
                 self.engine.add_request(rid, prompt, sp,
                                         priority=priority[i] if priority else 0,
-                                        output_kind=OutputKind.FINAL_ONLY)
+                                        output_kind=OutputKind.FINAL_ONLY,
+                                        lora_request=loras[i] if loras else None)
                 added.append(rid)
         except ValueError:
             for rid in added:
@@ -185,7 +193,9 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: Sequence[dict] | None = None) -> list[RequestOutput]:
+             tools: Sequence[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         to a list of conversations; results come back in conversation order (vLLM's
         ``LLM.chat``).
@@ -202,7 +212,7 @@ class LLM:
                                continue_final_message, chat_template_kwargs,
                                tools).as_engine_prompt()
                    for conversation in split_conversations(messages)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run_until_done(self, ids: list[str] | None, use_tqdm: bool = False
                         ) -> list[RequestOutput]:
@@ -256,4 +266,14 @@ def _per_prompt(given: Any, cls: type, name: str, n: int) -> list:
     if len(given) != n:
         raise FieldError(f"{name} has {len(given)} entries for {n} prompts; pass one, or one "
                          "per prompt", name)
+    return list(given)
+
+
+def _per_lora(given: Any, n: int) -> list | None:
+    """One LoRA request (or None) per prompt, from one for all or a list of them."""
+    if given is None or isinstance(given, LoRARequest):
+        return None if given is None else [given] * n
+    if not isinstance(given, (list, tuple)) or len(given) != n:
+        raise FieldError(f"lora_request must be a LoRARequest, None, or a list with one "
+                         f"entry per prompt ({n}), got {given!r:.80}", "lora_request")
     return list(given)

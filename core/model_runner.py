@@ -50,6 +50,8 @@ class PreparedInput:
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, int] | None = None
     # (first row, row count) of each span whose hidden states to sum (embeddings).
     pool_rows: list[tuple[int, int]] | None = None
+    # The step's LoRA adapters (cadence.lora.runtime.LoRAStep), or None.
+    lora: object = None
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
@@ -90,6 +92,9 @@ class ModelRunner:
         self.model = None
         self.hf_config = None
         self.attn = None
+        # Wraps the model's projections and serves each step's adapters; None unless the
+        # engine serves LoRA adapters.
+        self.lora = None
         # Turns a ModelInput into the attention metadata ``self.attn`` expects; a backend
         # with its own attention sets its own.
         self.metadata_builder = paged_attention.build_metadata
@@ -113,6 +118,12 @@ class ModelRunner:
 
         model, self.hf_config = load_model(self.config.model_config)
         self.model = model.to(self.device)
+        if self.config.lora_config is not None:
+            from cadence.lora.runtime import LoRAManager
+
+            # Before a backend swaps the linears for its own GEMMs: it swaps the wrapped
+            # ones' ``base`` and the wrappers stay.
+            self.lora = LoRAManager(self.config, self.model, self.dtype, self.device)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         m = self.model
@@ -168,7 +179,8 @@ class ModelRunner:
                                   device=self.device)
         return PreparedInput(input_ids, positions, sample_idx,
                              build(mi, self.block_size, self.device),
-                             prompt_logprob_tensors(mi, self.device), mi.pool_rows or None)
+                             prompt_logprob_tensors(mi, self.device), mi.pool_rows or None,
+                             self.lora.step(mi) if self.lora is not None else None)
 
     @torch.inference_mode()
     def run_model(self, prepared: PreparedInput) -> torch.Tensor | None:
@@ -177,7 +189,7 @@ class ModelRunner:
         and pooled sums, if it asks for any, are computed here too, and ``sample`` returns
         them."""
         self._prompt_logprobs = self._pooled = None
-        with set_forward_context(self.attn, prepared.metadata):
+        with set_forward_context(self.attn, prepared.metadata, prepared.lora):
             hidden = self.model(prepared.input_ids, prepared.positions)
         if hidden is None:
             return None

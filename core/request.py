@@ -99,6 +99,9 @@ class Request:
     pooling: object = field(default=None, repr=False)
     # SamplingParams.bad_words as token sequences (request_intake.bad_words_token_ids).
     bad_words_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # The LoRA adapter it runs with (cadence.lora.LoRARequest), None for the base model.
+    # Its prefix-cache blocks are its adapter's own (``cache_namespace``).
+    lora_request: object = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -113,6 +116,13 @@ class Request:
         logprobs, or for pooling that reads more than the last row."""
         return self.needs_prompt_logprobs or (self.pooling is not None
                                                and self.pooling.needs_every_row)
+
+    @property
+    def cache_namespace(self) -> int:
+        """Whose prefix-cache blocks this request may share: the same tokens computed under
+        another adapter are other K/V. 0 for the base model."""
+        lora = self.lora_request
+        return 0 if lora is None else lora.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

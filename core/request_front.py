@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 from cadence.beam_search import BeamSearchOutput, BeamSearchParams
+from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput, RequestOutput
 from cadence.pooling import PoolingParams
@@ -18,20 +19,23 @@ class RequestFront:
 
     async def generate(self, prompt: str | Sequence[int] | dict,
                        params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA
+                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs as they become ready."""
-        stream = await self.add_request(prompt, params, request_id, priority, output_kind)
+        stream = await self.add_request(prompt, params, request_id, priority, output_kind,
+                                        lora_request)
         async for out in stream:
             yield out
 
     async def encode(self, prompt: str | Sequence[int] | dict,
                      pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, priority: int = 0
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None
                      ) -> AsyncIterator[EmbeddingRequestOutput]:
         """Queue one embedding request and yield its one output (vLLM's ``encode``)."""
         stream = await self.add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                        priority, OutputKind.FINAL_ONLY)
+                                        priority, OutputKind.FINAL_ONLY, lora_request)
         async for out in stream:
             yield out
 

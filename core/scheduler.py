@@ -18,15 +18,33 @@ import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cadence.block_manager import BlockManager
 from cadence.config import SchedulerConfig
 from cadence.request import Request, RequestStatus
 from cadence.sched_policy import SchedulingPolicy, WaitingQueue, make_policy
 
-
 # What commit sets on the sampled token itself; anything else finished elsewhere.
 _FINISHED_AT_COMMIT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
+class AdmissionRule(Protocol):
+    """A limit on which waiting requests may join the batch beside the running ones (LoRA's
+    distinct adapters per step: cadence/lora/admission.py). A request it turns away waits,
+    and those behind it may go first."""
+
+    def start(self, running: list[Request]) -> None:
+        """Called once per step before admission, with the running batch."""
+
+    def admits(self, request: Request) -> bool: ...
+
+    def admitted(self, request: Request) -> None: ...
+
+
+# How many waiting requests an admission rule may turn away in one step before the rest
+# wait for the next: bounds the step's cost with a long queue.
+_MAX_SKIPPED = 256
 
 
 class RequestTooLargeError(RuntimeError):
@@ -88,8 +106,11 @@ class Scheduler:
         block_manager: BlockManager,
         settle: Callable[[Request], None] | None = None,
         policy: SchedulingPolicy | None = None,
+        admission: AdmissionRule | None = None,
     ):
         self.config = scheduler_config
+        # A capacity rule beyond blocks and budget (LoRA's max_loras), or None.
+        self.admission = admission
         self.block_manager = block_manager
         self.settle = settle
         self.policy = policy if policy is not None else make_policy(scheduler_config.policy)
@@ -279,12 +300,31 @@ class Scheduler:
         preempted.append(victim)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        rule = self.admission
+        if rule is None:
+            self._admit_waiting(budget, scheduled, None, [])
+            return
+        rule.start(self.running)
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(budget, scheduled, rule, skipped)
+        finally:
+            for request in skipped:
+                self.waiting.push(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+                       rule: AdmissionRule | None, skipped: list[Request]) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not self._batch_full(scheduled):
             request = self.waiting.peek()
             if request.is_finished:
                 self.waiting.pop()
+                continue
+            if rule is not None and not rule.admits(request):
+                if len(skipped) >= _MAX_SKIPPED:
+                    break
+                skipped.append(self.waiting.pop())
                 continue
             num_cached = bm.get_computed_blocks(request)
             request.num_computed_tokens = num_cached
@@ -305,6 +345,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()  # the queue-time metric
             request.status = RequestStatus.RUNNING
+            if rule is not None:
+                rule.admitted(request)
             bisect.insort(self.running, request, key=self.policy.key)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

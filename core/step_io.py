@@ -107,6 +107,11 @@ class ModelInput:
     # first prompt position, count) per span. Empty when no embedding request computes.
     pool_rows: list[tuple[int, int]] = field(default_factory=list)
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # LoRA adapters (cadence/lora): per sequence, the adapter id its rows run with (0: the
+    # base model), and each id's adapter folder. Both empty when no sequence of the step
+    # has an adapter; the backend's runner applies them (``ModelRunner.prepare``).
+    lora_ids: list[int] = field(default_factory=list)
+    lora_paths: dict[int, str] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

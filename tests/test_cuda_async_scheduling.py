@@ -223,3 +223,30 @@ def test_bad_words_with_async_scheduling_equal_the_cpu_backend(model) -> None:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].token_ids for o in want] != [o.outputs[0].token_ids for o in free]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda_gpu.py covers it on a GPU")
+def test_lora_steps_run_eagerly(model, tmp_path) -> None:
+    """Decode steps with LoRA adapters run eagerly: the captured graphs hold no adapter
+    updates, so a replay would drop them. Tokens equal the CPU backend's, adapters and the
+    base model in one batch, with async scheduling."""
+    from engine_helpers import make_llm
+    from test_lora import make_adapters
+
+    loras = [None, *make_adapters(model, tmp_path)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cpu = make_llm(model, max_model_len=64, enable_lora=True, max_loras=2)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in cpu.generate(
+            PROMPTS, params, use_tqdm=False, lora_request=loras)]
+    finally:
+        cpu.shutdown()
+    assert len({tuple(w) for w in want}) == 3
+    llm = _llm(model, async_scheduling=True, enable_lora=True, max_loras=2)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(
+            PROMPTS, params, use_tqdm=False, lora_request=loras)]
+        assert got == want
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()

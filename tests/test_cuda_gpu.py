@@ -9,6 +9,7 @@ CPU backend is a fair demand (no TF32: torch leaves it off for matmuls by defaul
 from __future__ import annotations
 
 import pytest
+
 from cadence.backends.cuda.backend import OVERLAP_ORDER, CudaBackend
 
 _PROBE = CudaBackend.probe()
@@ -223,3 +224,28 @@ def test_bad_words_with_async_scheduling_equal_sync(tiny_model_dir) -> None:
     want = _run(model, params, disable_async_output_proc=True, backend_options=opts)
     assert _run(model, params, async_scheduling=True, backend_options=opts) == want
     assert want != _run(model, _greedy(12), disable_async_output_proc=True)
+
+
+def test_lora_adapters_match_cpu(tiny_model_dir, tmp_path) -> None:
+    """LoRA adapters and the base model in one batch on the GPU (steps with adapters run
+    eagerly, the others replay graphs) give the CPU backend's tokens, with async
+    scheduling."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_lora import make_adapters
+
+    model = tiny_model_dir("llama")
+    loras = [None, *make_adapters(model, tmp_path)] * 2
+    got = {}
+    for backend in ("cpu", "cuda"):
+        llm = _llm(model, backend, enable_lora=True, max_loras=2,
+                   async_scheduling=backend == "cuda")
+        try:
+            got[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(
+                PROMPTS, _greedy(16), use_tqdm=False, lora_request=loras)]
+        finally:
+            llm.shutdown()
+    assert got["cuda"] == got["cpu"]
+    assert len({tuple(t) for t in got["cpu"][:3]}) == 3

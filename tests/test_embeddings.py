@@ -235,7 +235,7 @@ def test_bad_input_is_refused_and_nothing_leaks(model) -> None:
                            truncate_prompt_tokens=20)
         assert out.prompt_token_ids == list(range(80, 100))
         eng.backend.supports_pooling = False
-        eng._pooling.supported = False
+        eng.requests.pooling.supported = False
         with pytest.raises(ValueError, match="embeddings are not supported") as e:
             eng.add_request("r", "the cat", PoolingParams())
         assert not eng.has_unfinished_requests()

@@ -59,6 +59,7 @@ class CpuBackend(Backend):
     # ModelRunner computes them after the forward, in every strategy.
     supports_prompt_logprobs = True
     supports_pooling = True
+    supports_lora = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

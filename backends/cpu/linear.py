@@ -33,7 +33,7 @@ passes.
 
 from __future__ import annotations
 
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 from torch import nn
@@ -226,6 +226,23 @@ class TiledLinear(_KernelLinear):
 
 KINDS = {"packed": PackedLinear, "tiled": TiledLinear, "brgemm": BrgemmLinear,
           "amx": AmxLinear}
+
+
+def row_independent_gemm(kind: str):
+    """A factory of GEMMs on weights packed for ``kind``'s kernel, for LoRA's updates
+    (cadence.lora.runtime), where that kernel's rows never read each other at any count
+    (the fp32 tiled GEMM, the AMX tile loop); None elsewhere (the updates then take torch's
+    GEMM)."""
+    cls = KINDS.get(kind)
+    if cls is None or cls.row_align:
+        return None
+
+    def make(weight: torch.Tensor):
+        shell = SimpleNamespace(in_features=weight.shape[1], out_features=weight.shape[0],
+                                weight=weight, bias=None)
+        return cls(shell)
+
+    return make
 
 
 def pack_linears(model: nn.Module, keep_weight_of: tuple[str, ...] = (),

@@ -100,6 +100,12 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
+        if runner.lora is not None:
+            from cadence.backends.cpu.linear import row_independent_gemm
+
+            # Adapters' updates on the same kernel, so a row's update does not depend on
+            # the batch either (async on == off with adapters).
+            runner.lora.make_gemm = row_independent_gemm(linear) or runner.lora.make_gemm
     if huge_pages != "off":
         move_weights_to_huge_pages(runner.model)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)

@@ -205,6 +205,8 @@ class CudaBackend(Backend):
     # copier brings them to the host with the samples.
     supports_prompt_logprobs = True
     supports_pooling = True
+    # LoRA steps run eagerly too (launch): the graphs hold no adapter updates.
+    supports_lora = True
     distributed_backend = "nccl"
     # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
     # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).

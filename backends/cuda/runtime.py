@@ -172,8 +172,10 @@ def launch(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
     be.runner.attach_prompt_outputs(sampler.DeviceSample(None))
     bucket = None
     # A pooled row is a hidden state the captured graphs do not return: such a step (a
-    # one-token remainder of an embedding prompt counts as a decode) runs eagerly.
-    if be.graphs is not None and mi.is_decode_only and mi.num_seqs and not mi.pool_rows:
+    # one-token remainder of an embedding prompt counts as a decode) runs eagerly. So does
+    # a step with LoRA adapters: the graphs were captured without their updates.
+    if be.graphs is not None and mi.is_decode_only and mi.num_seqs and not mi.pool_rows \
+            and not mi.lora_ids:
         bucket = bucket_for(mi.num_seqs, be.graphs.sizes)
         if bucket is not None and max(map(len, mi.block_tables)) > be.width:
             bucket = None  # a table wider than the static buffer: run eagerly
@@ -204,10 +206,11 @@ def launch_eager(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None 
     views = layout.split(flat)
     fill_placeholders(be, views.input_ids, mi, previous)
     md = build_metadata(mi, views, be.block_size)
+    lora = be.runner.lora.step(mi) if be.runner.lora is not None else None
     return be.runner.run_model(PreparedInput(views.input_ids, views.positions,
                                              views.sample_idx, md,
                                              prompt_logprob_tensors(mi, be.device),
-                                             mi.pool_rows or None))
+                                             mi.pool_rows or None, lora))
 
 
 def fill_placeholders(be: CudaBackend, input_ids: torch.Tensor, mi: ModelInput,

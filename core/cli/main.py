@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                    help="return a reasoning model's <think> ... </think> as "
                         "reasoning_content beside content (default: none)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under their names: a body's "
+                        "model field picks one; name=path or vLLM's JSON form "
+                        "'{\"name\": ..., \"path\": ...}' (implies --enable-lora)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(implies --enable-lora)")
     add_limit_args(serve)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),

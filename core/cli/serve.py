@@ -77,7 +77,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if not ns.header_timeout >= 0:
         raise ValueError(f"--header-timeout must be >= 0 (0: no limit), got "
                          f"{ns.header_timeout}")
+    from cadence.server.lora_routes import parse_lora_modules
+
+    lora_modules = parse_lora_modules(ns.lora_modules)
     args, extra = EngineArgs.from_cli_args(ns)
+    if lora_modules or ns.allow_runtime_lora_updating:
+        args.enable_lora = True
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
     # Bound before the model loads, so that a taken port is reported at once.
     sock = bind_socket(ns.host, ns.port)
@@ -95,7 +100,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         name = ns.served_model_name or os.path.basename(
             os.path.normpath(engine.engine.config.model_config.model))
         app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits,
-                        ns.metrics_prefix, ns.tool_call_parser, ns.reasoning_parser)
+                        ns.metrics_prefix, ns.tool_call_parser, ns.reasoning_parser,
+                        _checked_loras(lora_modules, engine),
+                        ns.allow_runtime_lora_updating)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
         if ns.data_parallel_size > 1:
@@ -109,6 +116,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _checked_loras(loras: list, engine) -> list:
+    """``--lora-modules`` checked against the model at start-up: a bad adapter stops the
+    server here, naming it, not at its first request."""
+    from cadence.lora.adapter import read_adapter
+
+    config = engine.engine.config if loras else None
+    for lr in loras:
+        read_adapter(lr.lora_path, config.model_config.model,
+                     config.lora_config.max_lora_rank)
+    return loras
 
 
 def _protocol_options(header_timeout: float) -> dict:

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from cadence.async_engine import AsyncLLM, EngineDeadError
 from cadence.async_stream import RequestStream
@@ -124,7 +125,8 @@ class DataParallelAsyncLLM(RequestFront):
     async def add_request(self, prompt: str | Sequence[int] | dict,
                           params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
-                          output_kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+                          output_kind: OutputKind = OutputKind.DELTA,
+                          lora_request: Any = None) -> RequestStream:
         """``AsyncLLM.add_request`` on the least-loaded replica."""
         if request_id is not None and any(r.has_request(request_id) for r in self.replicas):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -135,7 +137,7 @@ class DataParallelAsyncLLM(RequestFront):
         # No await between the id check and the replica registering the id: another
         # request with the same id cannot slip in between.
         return await self.replicas[i].add_request(prompt, params, request_id, priority,
-                                                  output_kind)
+                                                  output_kind, lora_request)
 
     async def abort(self, request_id: str) -> None:
         for r in self.replicas:

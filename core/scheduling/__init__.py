@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.block_manager import BlockManager
 from cadence.config import EngineConfig
+from cadence.lora.admission import LoRAAdmission
 from cadence.request import Request
 from cadence.scheduler import Scheduler
 from cadence.scheduling.async_scheduler import AsyncScheduler
@@ -34,11 +35,15 @@ def make_scheduler(config: EngineConfig, block_manager: BlockManager,
                    settle: Callable[[Request], None]) -> Scheduler:
     """The scheduler the configured step strategy plans with."""
     sc = config.scheduler_config
+    # At most max_loras adapters in the running batch (cadence/lora).
+    admission = None if config.lora_config is None else \
+        LoRAAdmission(config.lora_config.max_loras)
     stages = config.parallel_config.pipeline_parallel_size
     if stages > 1:
-        return PipelineScheduler(sc, block_manager, settle=settle, num_stages=stages)
+        return PipelineScheduler(sc, block_manager, settle=settle, num_stages=stages,
+                                 admission=admission)
     cls = AsyncScheduler if config.plans_with_placeholders else Scheduler
-    return cls(sc, block_manager, settle=settle)
+    return cls(sc, block_manager, settle=settle, admission=admission)
 
 
 def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | None:

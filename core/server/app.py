@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from cadence.async_engine import (
     EngineOverloadedError,
     RequestFailedError,
 )
+from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
@@ -41,6 +42,7 @@ from cadence.server.limits import (
     ServerLimits,
     check_api_key,
 )
+from cadence.server.lora_routes import LORA_BODIES, install_lora_routes, model_cards
 from cadence.server.metrics import make_registry
 from cadence.server.pooling_routes import POOLING_BODIES, install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
@@ -51,14 +53,16 @@ from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-           **POOLING_BODIES}
+           **POOLING_BODIES, **LORA_BODIES}
 
 
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
               max_logprobs: int = 20, api_key: str | None = None,
               limits: ServerLimits | None = None, metrics_prefix: str = "vllm",
               tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              lora_modules: Sequence[LoRARequest] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The ASGI app serving ``engine`` under ``model_name``; run it with any ASGI server.
 
     ``/metrics`` names its metrics ``vllm:*`` (vLLM's names, for existing dashboards) or,
@@ -68,13 +72,15 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
     ``limits`` defaults to ``ServerLimits()`` (docs/server.md, "Limits").
     ``tool_call_parser`` (``server.tool_parsers.TOOL_PARSERS``) serves tool_choice "auto";
     ``reasoning_parser`` (``server.reasoning.REASONING_PARSERS``) splits a reasoning model's
-    thinking into ``reasoning_content``.
+    thinking into ``reasoning_content``. ``lora_modules``: LoRA adapters served under their
+    names (the engine must serve adapters); ``allow_runtime_lora_updating`` adds vLLM's
+    load/unload routes (lora_routes.py).
     """
     limits = limits or ServerLimits()
     if api_key is not None:
         check_api_key(api_key)  # here, not at the first request, where it would be too late
     serving = OpenAIServing(engine, model_name, max_logprobs, limits, tool_call_parser,
-                            reasoning_parser)
+                            reasoning_parser, lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,9 +113,15 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "cadence",
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": model_cards(serving, engine.max_model_len)}
+
+    if allow_runtime_lora_updating:
+        config = _engine_config(engine)
+        if config.lora_config is None:
+            raise ValueError("runtime LoRA updating needs an engine that serves adapters "
+                             "(--enable-lora)")
+        install_lora_routes(app, serving, config.model_config.model,
+                            config.lora_config.max_lora_rank)
 
     registry = make_registry(lambda: engine.replica_stats(), model_name,
                              lambda: _backend_name(engine), metrics_prefix)
@@ -160,6 +172,12 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         return detokenize(serving.tokenizer, serving.vocab_size, req)
 
     return app
+
+
+def _engine_config(engine: Any) -> Any:
+    """The engine configuration behind an ``AsyncLLM`` or data-parallel replicas."""
+    inner = engine.replicas[0] if hasattr(engine, "replicas") else engine
+    return inner.engine.config
 
 
 async def _unless_disconnected(raw: Request, body: Coroutine[Any, Any, dict]) -> Any:

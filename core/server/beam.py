@@ -78,12 +78,12 @@ class BeamServing:
             raise RequestError(str(e), {"beam_width": "n"}.get(e.param, e.param)) from None
 
     async def _search(self, prompts: list[list[int]], params: BeamSearchParams,
-                      priority: int, skip_special: bool) -> list[BeamSearchOutput]:
+                      req: Any, skip_special: bool) -> list[BeamSearchOutput]:
         check_request_count(self.engine, params.beam_width * len(prompts), "n")
         return await beam_search_async(self.engine, prompts, params, self.engine.eos_token_ids,
                                        self.serving.max_model_len,
                                        detokenizer(self.serving.tokenizer, skip_special),
-                                       priority)
+                                       req.priority, self.serving.check_model(req.model))
 
     def _admit(self, req: Any) -> Any:
         """The checks of either endpoint's body; returns the ``OpenAIServing``."""
@@ -98,7 +98,7 @@ class BeamServing:
         s = self._admit(req)
         prompts = [p["prompt_token_ids"] for p in s.completion_prompts(req)]
         params = self._params(req, max(map(len, prompts)), req.max_tokens, "prompt")
-        outs = await self._search(prompts, params, req.priority, req.skip_special_tokens)
+        outs = await self._search(prompts, params, req, req.skip_special_tokens)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, out in enumerate(outs):
             usage["prompt_tokens"] += len(out.prompt_token_ids)
@@ -107,14 +107,14 @@ class BeamServing:
                 choices.append(formats.completion_choice(i * req.n + j, seq.text, None,
                                                          seq.finish_reason, None))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return formats.envelope("cmpl", "text_completion", s.model_name, choices, usage)
+        return formats.envelope("cmpl", "text_completion", s.response_model(req), choices, usage)
 
     async def chat_body(self, req: Any) -> dict:
         s = self._admit(req)
         prompt = s.chat_prompt(req)["prompt_token_ids"]
         params = self._params(req, len(prompt), req.requested_max_tokens, "messages",
                               req.max_tokens_field)
-        (out,) = await self._search([prompt], params, req.priority, req.skip_special_tokens)
+        (out,) = await self._search([prompt], params, req, req.skip_special_tokens)
         reply = s._reply(req)
         choices = []
         for j, seq in enumerate(out.sequences):
@@ -124,4 +124,5 @@ class BeamServing:
         n_out = sum(len(q.output_token_ids) for q in out.sequences)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                  "total_tokens": len(prompt) + n_out}
-        return formats.envelope("chatcmpl", "chat.completion", s.model_name, choices, usage)
+        return formats.envelope("chatcmpl", "chat.completion", s.response_model(req), choices,
+                                usage)

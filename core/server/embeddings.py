@@ -127,13 +127,13 @@ class EmbeddingServing:
         return prompts
 
     async def embed(self, prompts: list[dict], params: PoolingParams, priority: int,
-                    field: str) -> list[EmbeddingRequestOutput]:
+                    field: str, lora: Any = None) -> list[EmbeddingRequestOutput]:
         """Embed every prompt, or none: a refused one aborts those already queued."""
         check_request_count(self.engine, len(prompts), field)
         base = uuid.uuid4().hex
         try:
             streams = await add_all(self.engine, [
-                (prompt, params, f"embd-{base}-{i}", priority, OutputKind.FINAL_ONLY)
+                (prompt, params, f"embd-{base}-{i}", priority, OutputKind.FINAL_ONLY, lora)
                 for i, prompt in enumerate(prompts)])
         except FieldError as e:
             name = {"prompt": field, "pooling_params": None}.get(e.param, e.param)
@@ -145,7 +145,7 @@ class EmbeddingServing:
         return finals
 
     async def body(self, req: EmbeddingRequest, check_model: Any) -> dict:
-        check_model(req.model)
+        lora = check_model(req.model)
         req.check_form()
         params = req.pooling_params()
         if req.messages is not None:
@@ -157,13 +157,14 @@ class EmbeddingServing:
             field, texts = "input", req.inputs()
             special = req.add_special_tokens is not False
         prompts = self.prompts(texts, special, req.truncate_prompt_tokens, field)
-        finals = await self.embed(prompts, params, req.priority, field)
+        finals = await self.embed(prompts, params, req.priority, field, lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": encode(out.outputs.embedding, req.encoding_format)}
                 for i, out in enumerate(finals)]
         tokens = sum(len(out.prompt_token_ids) for out in finals)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list",
-                "created": int(time.time()), "model": self.model_name, "data": data,
+                "created": int(time.time()), "model": req.model if lora else self.model_name,
+                "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -66,7 +67,7 @@ class ScoringServing:
         self.embeddings = embeddings
 
     async def _vectors(self, texts: list[str], fields: list[str], req: ScoreRequest |
-                       RerankRequest) -> tuple[list[list[float]], int]:
+                       RerankRequest, lora: Any = None) -> tuple[list[list[float]], int]:
         emb = self.embeddings
         prompts = []
         for text, field in zip(texts, fields, strict=True):
@@ -76,26 +77,27 @@ class ScoringServing:
             params = PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
         except FieldError as e:
             raise RequestError(str(e), e.param) from None
-        outs = await emb.embed(prompts, params, req.priority, fields[0])
+        outs = await emb.embed(prompts, params, req.priority, fields[0], lora)
         return [o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs)
 
     async def score_body(self, req: ScoreRequest, check_model) -> dict:
-        check_model(req.model)
+        lora = check_model(req.model)
         one, two = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
         try:
             pairs = score_pairs(len(one), len(two))
         except FieldError as e:
             raise RequestError(str(e), e.param) from None
         vecs, tokens = await self._vectors(one + two, ["text_1"] * len(one)
-                                           + ["text_2"] * len(two), req)
+                                           + ["text_2"] * len(two), req, lora)
         data = [{"index": k, "object": "score", "score": cosine(vecs[i], vecs[len(one) + j])}
                 for k, (i, j) in enumerate(pairs)]
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list",
-                "created": int(time.time()), "model": self.embeddings.model_name,
-                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "created": int(time.time()),
+                "model": req.model if lora else self.embeddings.model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def rerank_body(self, req: RerankRequest, check_model) -> dict:
-        check_model(req.model)
+        lora = check_model(req.model)
         if not req.query:
             raise RequestError("query must not be empty", "query")
         docs = _texts(req.documents, "documents")
@@ -105,7 +107,7 @@ class ScoringServing:
             raise RequestError(f"top_n must be >= 0 (0: every document), got {req.top_n}",
                                "top_n")
         vecs, tokens = await self._vectors([req.query, *docs],
-                                           ["query"] + ["documents"] * len(docs), req)
+                                           ["query"] + ["documents"] * len(docs), req, lora)
         scores = [cosine(vecs[0], v) for v in vecs[1:]]
         order = sorted(range(len(docs)), key=lambda i: (-scores[i], i))
         if req.top_n:
@@ -113,5 +115,6 @@ class ScoringServing:
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": docs[i]}} if req.return_documents else {})}
                    for i in order]
-        return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.embeddings.model_name,
+        return {"id": f"rerank-{uuid.uuid4().hex}",
+                "model": req.model if lora else self.embeddings.model_name,
                 "results": results, "usage": {"total_tokens": tokens}}

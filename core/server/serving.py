@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, RequestStream
 from cadence.async_stream import add_all, final_outputs, merge
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
+from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.request_intake import truncate_prompt
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
@@ -27,8 +28,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, max_logprobs: int = 20,
                  limits: ServerLimits | None = None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 lora_modules: Sequence[LoRARequest] = ()) -> None:
         self.engine = engine
+        # The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): a
+        # body's ``model`` picks one.
+        self.loras: dict[str, LoRARequest] = {lr.lora_name: lr for lr in lora_modules}
         # Splits a reasoning model's thinking from its answer (reasoning_content).
         self.reasoning_parser = None if reasoning_parser is None else \
             reasoning.REASONING_PARSERS[reasoning_parser]()
@@ -44,10 +49,20 @@ class OpenAIServing:
         self.generation_defaults = dict(engine.generation_defaults)
 
     # ---- request preparation ----------------------------------------------------------
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
+    def check_model(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a body's ``model`` names, None for the base model; 404 if unknown."""
+        if requested is None or requested == self.model_name:
+            return None
+        lora = self.loras.get(requested)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.loras])
             raise RequestError(f"the model {requested!r} does not exist; this server serves "
-                               f"{self.model_name!r}", "model", 404, "model_not_found")
+                               f"{served}", "model", 404, "model_not_found")
+        return lora
+
+    def response_model(self, req: Any) -> str:
+        """The ``model`` a response names: the adapter asked for, else the served model."""
+        return req.model if req.model in self.loras else self.model_name
 
     def _make_params(self, req: CompletionRequest | ChatCompletionRequest
                      ) -> Callable[[int], SamplingParams]:
@@ -134,8 +149,9 @@ class OpenAIServing:
         """Queue every prompt at once, or none: one prompt's error aborts the others."""
         base = uuid.uuid4().hex
         try:
+            lora = self.check_model(req.model)
             streams = await add_all(self.engine, [
-                (prompt, params, f"{base}-{i}", req.priority, kind)
+                (prompt, params, f"{base}-{i}", req.priority, kind, lora)
                 for i, (prompt, params) in enumerate(inputs)])
         except BaseException as e:
             # The engine parses the grammar and names it structured_outputs.<kind>; the
@@ -166,7 +182,7 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = formats.prompt_logprobs_json(
                         out.prompt_logprobs)
                 choices.append(choice)
-        return formats.envelope("cmpl", "text_completion", self.model_name, choices,
+        return formats.envelope("cmpl", "text_completion", self.response_model(req), choices,
                                 usage.as_dict())
 
     async def chat_body(self, streams: list[RequestStream], req: ChatCompletionRequest
@@ -180,8 +196,8 @@ class OpenAIServing:
         for choice, c in zip(choices, out.outputs):
             fields, choice["finish_reason"] = reply.whole(c.text, c.finish_reason)
             choice["message"].update(fields)
-        body = formats.envelope("chatcmpl", "chat.completion", self.model_name, choices,
-                                usage.as_dict())
+        body = formats.envelope("chatcmpl", "chat.completion", self.response_model(req),
+                                choices, usage.as_dict())
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = formats.prompt_logprobs_json(out.prompt_logprobs)
         return body
@@ -189,7 +205,7 @@ class OpenAIServing:
     # ---- streams -----------------------------------------------------------------------
     async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
                                 ) -> AsyncIterator[str]:
-        head = formats.Head("cmpl", "text_completion", self.model_name)
+        head = formats.Head("cmpl", "text_completion", self.response_model(req))
         offsets: dict[int, int] = {}
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
@@ -219,7 +235,7 @@ class OpenAIServing:
 
     async def chat_events(self, streams: list[RequestStream], req: ChatCompletionRequest
                           ) -> AsyncIterator[str]:
-        head = formats.Head("chatcmpl", "chat.completion.chunk", self.model_name)
+        head = formats.Head("chatcmpl", "chat.completion.chunk", self.response_model(req))
         k = (req.top_logprobs or 0) if req.logprobs else None
         for index in range(req.n):
             yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",

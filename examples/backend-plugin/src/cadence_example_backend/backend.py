@@ -28,6 +28,7 @@ class ExampleBackend(Backend):
     # prepare/run_model/sample below are ModelRunner's, which compute them.
     supports_prompt_logprobs = True
     supports_pooling = True
+    supports_lora = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
