@@ -110,7 +110,7 @@ class BlockManager:
         self._next_gen = _ROOT_GEN + 1
         # Per cache namespace (a LoRA adapter's blocks are its own), the generation its
         # chains start from: a block is reachable only from the root it was computed under.
-        self._roots: dict[int, int] = {}
+        self._roots: dict[object, int] = {}
 
     @property
     def num_free_blocks(self) -> int:

@@ -22,6 +22,7 @@ from cadence.executor import create_executor
 from cadence.faults import StepGuard
 from cadence.input_builder import build_model_input
 from cadence.lora import LoRARequest
+from cadence.lora.admission import adapter_names
 from cadence.metrics import EngineStats
 from cadence.output_processor import OutputProcessor
 from cadence.output_state import OutputKind, ParentRequest
@@ -81,8 +82,7 @@ class LLMEngine:
         # Structured output; compiles nothing and imports no xgrammar until a request asks.
         self.structured = StructuredOutputManager(
             tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))
-        self.requests = RequestFactory(config, tokenizer, self.vocab_size, self.eos_token_ids,
-                                       self.backend, self.structured)
+        self.requests = RequestFactory(self)
         hook = registry.hook.cadence_post_sample if registry.has_impl(
             "cadence_post_sample") else None
         self.output_processor = OutputProcessor(
@@ -302,6 +302,11 @@ class LLMEngine:
         self.stats.num_running = self.scheduler.num_running
         self.stats.num_waiting = self.scheduler.num_waiting
         self.stats.kv_cache_usage = self.block_manager.usage
+        if self.config.lora_config is not None:
+            # vLLM's lora_requests_info; only with adapters (the waiting scan is O(queue)).
+            self.stats.max_loras = self.config.lora_config.max_loras
+            self.stats.running_loras = adapter_names(self.scheduler.running)
+            self.stats.waiting_loras = adapter_names(self.scheduler.waiting.requests())
         return self.output_processor.take_ready()
 
     def shutdown(self) -> None:

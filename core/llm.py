@@ -123,11 +123,13 @@ class LLM:
                              _per_lora(lora_request, len(prompts)))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_request: LoRARequest | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``); one
         ``BeamSearchOutput`` per prompt, its ``sequences`` best first (core/beam_search.py;
         docs/semantics.md, "Beam search"). Each round runs every live beam as a one-token
-        request through the engine, all prompts' beams in one batch."""
+        request through the engine, all prompts' beams in one batch; ``lora_request``
+        runs them all with that adapter."""
         if not isinstance(params, BeamSearchParams):
             raise FieldError(f"params must be BeamSearchParams, got {type(params).__name__}",
                              "params")
@@ -140,7 +142,7 @@ class LLM:
 
         def run_round(ids: list[list[int]]) -> list[RequestOutput]:
             return self._run_all([{"prompt_token_ids": p} for p in ids], [step] * len(ids),
-                                 None, False)
+                                 None, False, _per_lora(lora_request, len(ids)))
 
         search(searches, run_round)
         decode = detokenizer(engine.tokenizer)
@@ -148,8 +150,8 @@ class LLM:
 
     def score(self, data_1: PromptType | Sequence[PromptType],
               data_2: PromptType | Sequence[PromptType],
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
-              ) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """Similarity scores of text pairs (vLLM's ``LLM.score`` with an embedding model):
         the cosine similarity of their embeddings, for ``data_1`` against each of
         ``data_2`` (one and N), or pair by pair (N and N)."""
@@ -161,7 +163,7 @@ class LLM:
                              e.param.replace("text_", "data_")) from None
         vecs = [o.outputs.embedding if o.outputs is not None else None for o in self.embed(
             one + two, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
-            use_tqdm)]
+            use_tqdm, lora_request=lora_request)]
         out = []
         for k, (i, j) in enumerate(pairs):
             a, b = vecs[i], vecs[len(one) + j]

@@ -79,6 +79,11 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # LoRA adapters (vLLM's lora_requests_info): the most per step (0: the engine serves
+    # none), and the names of those the running and the waiting requests ask for.
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     # Arrival to first scheduled (Request.first_scheduled_time, set by the scheduler).

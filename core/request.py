@@ -118,11 +118,12 @@ class Request:
                                                and self.pooling.needs_every_row)
 
     @property
-    def cache_namespace(self) -> int:
+    def cache_namespace(self) -> object:
         """Whose prefix-cache blocks this request may share: the same tokens computed under
-        another adapter are other K/V. 0 for the base model."""
+        another adapter are other K/V. 0 for the base model, else the adapter's id and
+        folder (an id removed and given to another folder starts a namespace of its own)."""
         lora = self.lora_request
-        return 0 if lora is None else lora.lora_int_id
+        return 0 if lora is None else (lora.lora_int_id, lora.lora_path)
 
     @property
     def num_prompt_tokens(self) -> int:

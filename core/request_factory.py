@@ -26,23 +26,23 @@ class RequestFactory:
     """Validates a request and builds its samples (``n`` > 1 makes ``n`` requests sharing
     the prompt); a ``FieldError`` (a ValueError) naming the argument or field otherwise."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int | None,
-                 eos_token_ids: tuple[int, ...], backend: Any, structured: Any) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.backend = backend
-        self.structured = structured
+    def __init__(self, engine: Any) -> None:
+        # The engine's tokenizer, vocabulary, EOS ids, backend and structured-output
+        # manager are read from it at each request, never copied: they may be replaced.
+        self.engine = engine
+        self.config: EngineConfig = engine.config
         # Embedding requests' admission (cadence/pooling).
-        self.pooling = PoolingIntake(config, backend.name, backend.supports_pooling)
+        self.pooling = PoolingIntake(self.config, engine.backend.name,
+                                     engine.backend.supports_pooling)
         # LoRA adapters checked against the model (cadence/lora).
-        self.loras = LoRARegistry(config.lora_config, config.model_config.model)
+        self.loras = LoRARegistry(self.config.lora_config, self.config.model_config.model)
 
     def build(self, request_id: str, prompt: str | Sequence[int] | dict,
               params: SamplingParams | PoolingParams | None, priority: int,
               lora_request: Any, arrival: Any) -> tuple[str | None, list[int], list[Request]]:
         """(prompt text or None, prompt ids, the request's samples)."""
+        engine = self.engine
+        tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
         if params is None:
             params = default_sampling_params(self.config.model_config)
         pooling = None
@@ -60,25 +60,25 @@ class RequestFactory:
                              f"{type(params).__name__}", "params")
         priority = self._priority(priority)
         if lora_request is not None:
-            self.loras.check(lora_request)
-        text, ids = tokenize_prompt(self.tokenizer, prompt)
+            lora_request = self.loras.check(lora_request)
+        text, ids = tokenize_prompt(tokenizer, prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept  # the text would no longer be the prompt's
         if pooling is not None:
             self.pooling.check(ids, pooling)
-        validate_request(ids, params, self.config.scheduler_config, self.vocab_size)
+        validate_request(ids, params, self.config.scheduler_config, vocab_size)
         if params.structured_outputs is not None:
-            self.structured.check(params)
-        if params.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
+            engine.structured.check(params)
+        if params.prompt_logprobs is not None and not engine.backend.supports_prompt_logprobs:
             raise FieldError(f"prompt_logprobs is not supported by the "
-                             f"{self.backend.name!r} backend", "prompt_logprobs")
+                             f"{engine.backend.name!r} backend", "prompt_logprobs")
         children = []
         for i in range(params.n):
             sp = params.for_sample(i) if params.n > 1 else params
             children.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt_token_ids=ids, sampling_params=sp, eos_token_ids=self.eos_token_ids,
+                prompt_token_ids=ids, sampling_params=sp, eos_token_ids=engine.eos_token_ids,
                 prompt=text, parent_id=request_id, index=i, priority=priority,
                 arrival_seq=next(arrival), lora_request=lora_request))
         if params.prompt_logprobs is not None:
@@ -87,7 +87,7 @@ class RequestFactory:
         if pooling is not None:
             children[0].pooling = self.pooling.state(pooling, len(ids))
         if params.bad_words:
-            bad = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
+            bad = bad_words_token_ids(tokenizer, params.bad_words, vocab_size)
             for child in children:
                 child.bad_words_ids = bad
         return text, ids, children

@@ -40,7 +40,8 @@ class RequestFront:
             yield out
 
     async def beam_search(self, prompt: str | Sequence[int] | dict, params: BeamSearchParams,
-                          priority: int = 0) -> BeamSearchOutput:
+                          priority: int = 0, lora_request: LoRARequest | None = None
+                          ) -> BeamSearchOutput:
         """Beam search for one prompt (vLLM's ``beam_search``; core/beam_search.py): its
         beams best first, each round's requests through this front end."""
         from cadence.beam_search import beam_search_async, detokenizer
@@ -50,5 +51,5 @@ class RequestFront:
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         (out,) = await beam_search_async(self, [tokenize_prompt(self.tokenizer, prompt)[1]],
                                          params, self.eos_token_ids, self.max_model_len,
-                                         detokenizer(self.tokenizer), priority)
+                                         detokenizer(self.tokenizer), priority, lora_request)
         return out

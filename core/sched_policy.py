@@ -100,6 +100,10 @@ class WaitingQueue:
         del self._entries[request.request_id]
         return request
 
+    def requests(self) -> list[Request]:
+        """The waiting requests, in no particular order."""
+        return [entry[2] for entry in self._entries.values()]
+
     def remove(self, request_id: str) -> Request | None:
         entry = self._entries.pop(request_id, None)
         if entry is None:

@@ -234,6 +234,19 @@ def test_compare_without_hf(tiny_model_dir, tmp_path):
             assert r["breakdown"]["device_slowdown_vs_floor"] > 0
 
 
+def test_compare_lora_run(tiny_model_dir, tmp_path):
+    """The lora run: every request under one of --max-loras random adapters, against the
+    async run on the same prompts."""
+    data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                 "--runs", "async,lora", "--max-loras", "2", "--max-lora-rank", "8",
+                 "--cpu-overlap", "sync",
+                 *WORKLOAD], tmp_path / "cmp.json")
+    runs = {r["name"]: r for r in data["runs"]}
+    assert runs["async"]["lora_adapters"] == 0 and runs["lora"]["lora_adapters"] == 2
+    assert runs["lora"]["num_output_tokens"] == runs["async"]["num_output_tokens"] == 24
+    assert runs["lora"]["ratio_to_async"] > 0
+
+
 def test_compare_with_hf_generate(tiny_model_dir, tmp_path):
     data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "3",
                  "--runs", "floor,hf_generate,hf_generate_batch", *WORKLOAD],

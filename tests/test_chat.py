@@ -91,17 +91,17 @@ def test_render_chat_needs_a_template():
 
 @pytest.fixture
 def cli_prompt_ids(monkeypatch) -> list[list[int]]:
-    import cadence.engine
+    import cadence.request_factory
 
     seen: list[list[int]] = []
-    original = cadence.engine.tokenize_prompt
+    original = cadence.request_factory.tokenize_prompt
 
     def tokenize(tokenizer, prompt):
         text, ids = original(tokenizer, prompt)
         seen.append(ids)
         return text, ids
 
-    monkeypatch.setattr(cadence.engine, "tokenize_prompt", tokenize)
+    monkeypatch.setattr(cadence.request_factory, "tokenize_prompt", tokenize)
     return seen
 
 

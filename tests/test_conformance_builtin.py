@@ -30,6 +30,7 @@ from cadence.testing.pytest_plugin import (  # noqa: F401
     cadence_logprob_atol,
     cadence_model_dir,
     cadence_reference,
+    cadence_lora_reference,
     cadence_reference_embeddings,
 )
 

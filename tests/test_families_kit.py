@@ -21,6 +21,7 @@ from cadence.testing.pytest_plugin import (  # noqa: F401
     cadence_llm_sync,
     cadence_logprob_atol,
     cadence_reference,
+    cadence_lora_reference,
     cadence_reference_embeddings,
 )
 

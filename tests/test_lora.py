@@ -155,9 +155,13 @@ def test_max_loras_bounds_each_step(model, adapters, solo) -> None:
     seen = []
     build = llm.engine._build_input
 
+    gauges = []
+
     def spy(plan):
         mi = build(plan)
         seen.append({i for i in mi.lora_ids if i})
+        stats = llm.engine.stats  # as the previous step left them (lora_requests_info)
+        gauges.append((stats.max_loras, stats.running_loras, stats.waiting_loras))
         return mi
 
     llm.engine._build_input = spy
@@ -167,9 +171,53 @@ def test_max_loras_bounds_each_step(model, adapters, solo) -> None:
     finally:
         llm.shutdown()
     assert max(map(len, seen)) == 1 and {1, 2} <= set().union(*seen)
+    assert (1, ("qvd",), ("all",)) in gauges
     # The base model's requests were not held back behind the second adapter.
     first_step = {rid for rid, _, _ in spy_plans.steps[0]}
     assert len(first_step) == 6
+
+
+def test_a_turned_away_adapter_is_not_overtaken_by_a_running_one(model, adapters) -> None:
+    """With one adapter per step, a request for another adapter waits for the running one
+    to drain, and later requests for the running adapter wait behind it instead of keeping
+    it running for ever; the base model's requests are never held back."""
+    llm = make_llm(model, enable_lora=True, max_loras=1)
+    spy = PlanSpy(llm)
+    eng = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        eng.add_request("a1", PROMPTS[0], long, lora_request=adapters[0])
+        eng.step()
+        eng.add_request("b1", PROMPTS[1], long, lora_request=adapters[1])
+        eng.add_request("a2", PROMPTS[2], long, lora_request=adapters[0])
+        eng.add_request("base", PROMPTS[1], long)
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        llm.shutdown()
+    first = {rid: next(i for i, step in enumerate(spy.steps) if any(r == rid for r, _, _ in step))
+             for rid in ("a1", "b1", "a2", "base")}
+    assert first["a1"] < first["base"] < first["b1"] < first["a2"], first
+
+
+def test_an_id_given_to_another_folder_gets_its_own_cache(model, adapters) -> None:
+    """vLLM's remove_lora then add_lora of another folder under the same id: its prompts
+    never hit blocks computed under the old folder."""
+    llm = make_llm(model, enable_lora=True, max_loras=1)
+    eng = llm.engine
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    try:
+        (old,) = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters[0])
+        assert eng.remove_lora(1) and eng.list_loras() == []
+        other = LoRARequest("other", 1, adapters[1].lora_path)
+        assert eng.add_lora(other) and [lr.lora_name for lr in eng.list_loras()] == ["other"]
+        (new,) = llm.generate([prompt], params, use_tqdm=False, lora_request=other)
+        (alone,) = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters[1])
+    finally:
+        llm.shutdown()
+    assert new.num_cached_tokens == 0 and alone.num_cached_tokens == 0
+    assert new.outputs[0].token_ids == alone.outputs[0].token_ids != old.outputs[0].token_ids
 
 
 def test_prefix_cache_is_per_adapter(model, adapters) -> None:
@@ -205,6 +253,22 @@ def test_two_ranks_apply_the_adapters(model, adapters, solo, split) -> None:
     """Two tensor-parallel ranks (q/k/v and gate/up split by rows, o and down by columns
     with the shrink summed over the ranks), or two pipeline stages (each its layers'
     updates), give one process's tokens and logprobs."""
+    _check_two_ranks(model, adapters, solo, split)
+
+
+def test_tensor_parallel_with_replicated_kv_heads(tiny_model_dir, tmp_path) -> None:
+    """One KV head on two ranks: each rank holds it whole, and the adapter's k/v rows too."""
+    model = tiny_model_dir("llama-mqa")
+    adapters = make_adapters(model, tmp_path)
+    llm = make_llm(model, enable_lora=True, max_loras=2)
+    try:
+        solo = _mixed(llm, adapters)
+    finally:
+        llm.shutdown()
+    _check_two_ranks(model, adapters, solo, "tensor_parallel_size")
+
+
+def _check_two_ranks(model, adapters, solo, split) -> None:
     llm = make_llm(model, enable_lora=True, max_loras=2, num_kv_blocks=64, **{split: 2})
     try:
         got = _mixed(llm, adapters)
@@ -244,6 +308,7 @@ def test_bad_adapters_are_refused(model, adapters, tmp_path, tiny_model_dir) -> 
         (LoRARequest("x", 9, variant("prefix", peft_type="PREFIX_TUNING")), "peft_type"),
         (LoRARequest("x", 9, other), "another model"),
         (LoRARequest("other-path", 1, adapters[1].lora_path), "one id names one folder"),
+        (LoRARequest("x", 9, variant("array", rank_pattern={"(": 3})), "could not be read"),
         ("qvd", "must be a LoRARequest"),
     ]
     llm = make_llm(model, enable_lora=True, max_lora_rank=4)

@@ -75,6 +75,8 @@ def test_model_field_picks_the_adapter(model, adapters) -> None:
         assert [(c["id"], c["parent"]) for c in cards] == \
             [("tiny", None), ("qvd", "tiny"), ("all", "tiny")]
         assert cards[1]["root"] == adapters[0].lora_path
+        metrics = (await client.get("/metrics")).text
+        assert 'vllm:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
         assert all_blocks_free(engine)
 
     serve(model, adapters, body)
@@ -110,6 +112,14 @@ def test_routes_stay_off_without_runtime_updating(model, adapters) -> None:
         assert r.status_code == 404
 
     serve(model, adapters[:1], body)
+
+
+def test_an_adapter_may_not_take_the_served_name(model, adapters) -> None:
+    async def body(client, engine):
+        raise AssertionError("built")
+
+    with pytest.raises(ValueError, match="served model's name 'tiny'"):
+        serve(model, [LoRARequest("tiny", 1, adapters[0].lora_path)], body)
 
 
 def test_lora_modules_flag() -> None:

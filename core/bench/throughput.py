@@ -168,6 +168,28 @@ def release_engine(engine: Any) -> None:
 WARMUP_TOKENS = 4
 
 
+def bench_loras(engine: Any, count: int) -> list[Any] | None:
+    """On an engine that serves LoRA adapters, one per request: ``max_loras`` random
+    adapters of rank ``max_lora_rank`` on every projection, written for the engine's model
+    once (cadence.testing.adapters), taken in turn. None on an engine without LoRA."""
+    cfg = engine.config.lora_config
+    if cfg is None:
+        return None
+    adapters = getattr(engine, "bench_adapters", None)
+    if adapters is None:
+        import tempfile
+
+        from cadence.lora import LoRARequest
+        from cadence.testing.adapters import write_random_lora
+
+        folder = tempfile.TemporaryDirectory(prefix="cadence-bench-lora-")
+        model = engine.config.model_config.model
+        adapters = [LoRARequest(f"bench-{i}", i + 1, write_random_lora(
+            model, f"{folder.name}/{i}", i, cfg.max_lora_rank)) for i in range(cfg.max_loras)]
+        engine.bench_adapters, engine.bench_adapter_dir = adapters, folder
+    return [adapters[i % len(adapters)] for i in range(count)]
+
+
 def warmup_prompt(prompt: list[int]) -> list[int]:
     """``prompt`` reversed: the measured prompt's length, and no prefix they share."""
     return list(reversed(prompt))
@@ -183,10 +205,12 @@ def warm_up(engine: Any, workload: Workload, prompts: list[list[int]], count: in
     """
     from cadence.output_state import OutputKind
 
-    for i, ids in enumerate(prompts[:max(1, count)]):
+    prompts = prompts[:max(1, count)]
+    loras = bench_loras(engine, len(prompts)) or [None] * len(prompts)
+    for i, ids in enumerate(prompts):
         engine.add_request(f"warmup-{i}", {"prompt_token_ids": warmup_prompt(ids)},
                            workload.sampling_params(WARMUP_TOKENS),
-                           output_kind=OutputKind.FINAL_ONLY)
+                           output_kind=OutputKind.FINAL_ONLY, lora_request=loras[i])
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -209,11 +233,13 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
     if so is not None:  # xgrammar's import and the one compilation stay out of the timing
         engine.structured.compiler.submit(so).result()
     num_out = 0
+    loras = bench_loras(engine, len(prompts)) or [None] * len(prompts)
     start = time.perf_counter()
     try:
         for i, (ids, n) in enumerate(zip(prompts, out_lens)):
             engine.add_request(f"bench-{i}", {"prompt_token_ids": ids},
-                               workload.sampling_params(n), output_kind=OutputKind.FINAL_ONLY)
+                               workload.sampling_params(n), output_kind=OutputKind.FINAL_ONLY,
+                               lora_request=loras[i])
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
@@ -233,6 +259,8 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
         "host_work": workload.host_work,
         "async_output": engine.async_output,
         "async_scheduling": engine.config.async_scheduling,
+        "lora_adapters": 0 if engine.config.lora_config is None else
+        engine.config.lora_config.max_loras,
         "num_prompts": len(prompts),
         "num_input_tokens": num_in,
         "num_output_tokens": num_out,

@@ -66,7 +66,7 @@ def check_lora_architecture(model_dir: str) -> None:
                          f"this model is {arch} (start without --enable-lora)")
 
 
-def _expected_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+def expected_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection of the model ``cfg`` (config.json) describes."""
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
@@ -128,7 +128,7 @@ def read_adapter(path: str, model_dir: str, max_rank: int) -> AdapterSpec:
                          + (f" (found {found}; save it with safe_serialization=True)"
                             if found else ""))
     header = _read_header(weights_file)
-    expected = _expected_shapes(mcfg)
+    expected = expected_shapes(mcfg)
     pairs: dict[str, dict[str, tuple[str, list[int]]]] = {}
     for name, meta in header.items():
         m = _WEIGHT.match(name)

@@ -15,23 +15,38 @@ def lora_id(request: Request) -> int:
 class LoRAAdmission:
     """The scheduler's admission rule for adapters (``cadence.scheduler.AdmissionRule``).
 
-    A waiting request whose adapter is already running, or that runs the base model, is
-    always admitted; one with another adapter only while fewer than ``max_loras`` run. The
-    others wait and requests behind them may go first, as in vLLM; the running ones keep
-    their adapters until they finish, so a turned-away adapter gets its turn."""
+    A waiting request for the base model is always admitted; one for an adapter while its
+    adapter runs or fewer than ``max_loras`` do. Once a request is turned away, no adapter
+    request behind it is admitted in that step, not even for a running adapter: otherwise
+    steady traffic for the running adapters would keep the turned-away one waiting for
+    ever (vLLM admits them). The running adapters then drain, and it gets its turn; the base
+    model's requests go ahead meanwhile."""
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._active: set[int] = set()
+        self._closed = False
 
     def start(self, running: list[Request]) -> None:
         self._active = {i for i in map(lora_id, running) if i}
+        self._closed = False
 
     def admits(self, request: Request) -> bool:
         i = lora_id(request)
-        return not i or i in self._active or len(self._active) < self.max_loras
+        if not i:
+            return True
+        if self._closed or (i not in self._active and len(self._active) >= self.max_loras):
+            self._closed = True
+            return False
+        return True
 
     def admitted(self, request: Request) -> None:
         i = lora_id(request)
         if i:
             self._active.add(i)
+
+
+def adapter_names(requests: list[Request]) -> tuple[str, ...]:
+    """The names of the adapters ``requests`` run with, sorted, each once."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests
+                         if r.lora_request is not None and not r.is_finished}))

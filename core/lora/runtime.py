@@ -12,6 +12,7 @@ from torch import nn
 from cadence.backend import ModelInput
 from cadence.config import EngineConfig
 from cadence.distributed import all_reduce
+from cadence.layers import sampler
 from cadence.layers.linear import linear
 from cadence.lora.adapter import read_adapter
 from cadence.lora.layers import LoRALinear, wrap_model
@@ -103,7 +104,8 @@ class LoRAManager:
         groups = []
         for lora_id, ids in rows.items():
             updates = self._updates(lora_id, mi.lora_paths[lora_id], keep)
+            # Through pinned memory on a GPU: the host never waits for the stream.
             index = None if len(ids) == start else \
-                torch.tensor(ids, dtype=torch.int64, device=self.device)
+                sampler.host_tensor(ids, torch.int64, self.device)
             groups.append((updates, index))
         return LoRAStep(groups) if groups else None

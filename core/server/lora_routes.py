@@ -84,6 +84,9 @@ def install_lora_routes(app: FastAPI, serving: Any, model_dir: str, max_rank: in
                 None, read_adapter, req.lora_path, model_dir, max_rank)
         except (ValueError, OSError) as e:
             raise RequestError(str(e), "lora_path") from None
+        if req.lora_name in serving.loras:  # another load of the name won the race
+            raise RequestError(f"the adapter {req.lora_name!r} is already loaded; unload it "
+                               "first", "lora_name")
         serving.loras[req.lora_name] = LoRARequest(req.lora_name, next(ids), req.lora_path)
         return f"Success: LoRA adapter '{req.lora_name}' added successfully."
 

@@ -12,6 +12,7 @@ needed. Serving one engine from several processes would need it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -87,6 +88,17 @@ class EngineStatsCollector(Collector):
             g = GaugeMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
             for labels, s in rows:
                 g.add_metric(labels, getattr(s, attr))
+            yield g
+        if any(s.max_loras for _, s in rows):
+            g = GaugeMetricFamily(
+                f"{self.prefix}:lora_requests_info",
+                "LoRA adapters of the running and the waiting requests (vLLM's labels; the "
+                "value is the time of the scrape).",
+                labels=[*LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            now = time.time()
+            for labels, s in rows:
+                g.add_metric([*labels, str(s.max_loras), ",".join(s.running_loras),
+                              ",".join(s.waiting_loras)], now)
             yield g
         c = CounterMetricFamily(f"{self.prefix}:request_success", "Finished requests by reason.",
                                 labels=[*LABELS, "finished_reason"])

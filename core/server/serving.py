@@ -34,6 +34,9 @@ class OpenAIServing:
         # The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): a
         # body's ``model`` picks one.
         self.loras: dict[str, LoRARequest] = {lr.lora_name: lr for lr in lora_modules}
+        if model_name in self.loras:
+            raise ValueError(f"a LoRA adapter may not take the served model's name "
+                             f"{model_name!r}; rename it in --lora-modules")
         # Splits a reasoning model's thinking from its answer (reasoning_content).
         self.reasoning_parser = None if reasoning_parser is None else \
             reasoning.REASONING_PARSERS[reasoning_parser]()
@@ -61,8 +64,10 @@ class OpenAIServing:
         return lora
 
     def response_model(self, req: Any) -> str:
-        """The ``model`` a response names: the adapter asked for, else the served model."""
-        return req.model if req.model in self.loras else self.model_name
+        """The ``model`` a response names: the one the body asked for (checked when it was
+        queued: an adapter unloaded since still answers under its name), else the served
+        model."""
+        return req.model or self.model_name
 
     def _make_params(self, req: CompletionRequest | ChatCompletionRequest
                      ) -> Callable[[int], SamplingParams]:

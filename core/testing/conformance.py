@@ -38,6 +38,7 @@ __all__ = [
     "test_every_kv_block_is_free_after_requests",
     "test_greedy_matches_cpu_reference",
     "test_logit_bias_and_allowed_ids_steer_only_their_rows",
+    "test_lora_adapters_match_cpu_reference_or_are_refused",
     "test_overlap_on_equals_off",
     "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
@@ -288,6 +289,36 @@ def test_embeddings_match_cpu_reference_or_are_refused(
             assert worst <= cadence_logprob_atol, \
                 f"prompt {i} {how}: the vector differs from the CPU reference by {worst}"
     assert_all_blocks_free(cadence_llm)
+
+
+def test_lora_adapters_match_cpu_reference_or_are_refused(
+        cadence_model_dir: str, cadence_backend: str, cadence_backend_options: dict[str, Any],
+        cadence_lora_reference: tuple[list[Any], list[Any] | None],
+        cadence_logprob_atol: float) -> None:
+    """A backend that declares ``supports_lora`` gives the CPU backend's greedy tokens for
+    the base model and two adapters (some projections at rank 8, all at rank 4) in one
+    batch (near-ties excepted); one that does not refuses ``enable_lora`` at start-up,
+    naming LoRA. A model whose family takes no adapters is refused either way."""
+    from cadence.testing.helpers import LORA_PARAMS, lora_workload
+    from cadence.testing.pytest_plugin import _make_llm
+
+    adapters, want = cadence_lora_reference
+    try:
+        llm = _make_llm(cadence_model_dir, cadence_backend,
+                        backend_options=cadence_backend_options, enable_lora=True,
+                        max_loras=2)
+    except ValueError as e:
+        family = want is None and "LoRA adapters are supported for" in str(e)
+        assert family or "LoRA adapters are not supported by backend" in str(e), str(e)
+        return
+    try:
+        assert want is not None, "enable_lora was accepted for a family that takes none"
+        prompts, loras = lora_workload(adapters)
+        got = llm.generate(prompts, LORA_PARAMS, use_tqdm=False, lora_request=loras)
+        assert_same_tokens(got, want, cadence_logprob_atol, "LoRA adapters")
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_every_kv_block_is_free_after_requests(cadence_llm: Any) -> None:

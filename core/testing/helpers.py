@@ -39,6 +39,18 @@ def workload_params(name: str) -> list[SamplingParams]:
     raise ValueError(f"unknown workload {name!r}; valid: {WORKLOADS}")
 
 
+# Greedy, with the top logprobs the near-tie rule reads (``assert_same_tokens``).
+LORA_PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+
+
+def lora_workload(adapters: list[Any]) -> tuple[list[str], list[Any]]:
+    """The kit's first three prompts under no adapter and under each of ``adapters``, all
+    in one batch: (prompts, their LoRA requests)."""
+    loras = [None, *adapters]
+    return ([p for _ in loras for p in PROMPTS[:3]],
+            [lr for lr in loras for _ in PROMPTS[:3]])
+
+
 def run_workload(llm: Any, name: str, order: list[int] | None = None) -> list[Any]:
     """Generate the workload (optionally a subset/ordering of the prompts), in prompt order."""
     order = list(range(len(PROMPTS))) if order is None else order

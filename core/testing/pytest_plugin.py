@@ -231,3 +231,34 @@ def cadence_reference_embeddings(cadence_model_dir: str) -> list[list[float]]:
         return [o.outputs.embedding for o in llm.embed(PROMPTS[:3], use_tqdm=False)]
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cadence_lora_reference(cadence_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+                           ) -> tuple[list[Any], list[Any] | None]:
+    """Two random LoRA adapters for the kit's model and the CPU backend's sync greedy
+    outputs of the kit's LoRA workload (``helpers.lora_workload``); None for the outputs
+    when the model's family takes no adapters."""
+    from cadence import LoRARequest
+    from cadence.lora.adapter import check_lora_architecture
+    from cadence.testing.adapters import write_random_lora
+    from cadence.testing.helpers import LORA_PARAMS, lora_workload
+
+    try:
+        check_lora_architecture(cadence_model_dir)
+    except ValueError:
+        return [], None
+    folder = tmp_path_factory.mktemp("cadence-kit-lora")
+    adapters = [
+        LoRARequest("kit-qvd", 1, write_random_lora(cadence_model_dir, str(folder / "qvd"), 1,
+                                                    8, ("q_proj", "v_proj", "down_proj"))),
+        LoRARequest("kit-all", 2, write_random_lora(cadence_model_dir, str(folder / "all"), 2,
+                                                    4))]
+    llm = _make_llm(cadence_model_dir, REFERENCE_BACKEND, disable_async_output_proc=True,
+                    backend_options={"overlap": "sync"}, enable_lora=True, max_loras=2)
+    try:
+        prompts, loras = lora_workload(adapters)
+        return adapters, llm.generate(prompts, LORA_PARAMS, use_tqdm=False,
+                                      lora_request=loras)
+    finally:
+        llm.shutdown()
