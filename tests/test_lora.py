@@ -15,7 +15,6 @@ import shutil
 import pytest
 import torch
 from engine_helpers import PlanSpy, make_llm
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from cadence import LoRARequest, SamplingParams
@@ -31,6 +30,10 @@ def save_adapter(model: str, out: str, seed: int, targets: list[str], r: int, al
                  rslora: bool = False) -> str:
     """A PEFT adapter with random A and B (PEFT zeroes B by default), big enough to change
     the tokens, saved as PEFT saves it."""
+    # Imported here: peft imports triton, which the CUDA backend's CPU-mode tests need
+    # imported under TRITON_INTERPRET=1 (they set it when their module loads).
+    from peft import LoraConfig, get_peft_model
+
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     peft = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
@@ -63,6 +66,8 @@ def adapters(model, tmp_path_factory) -> list[LoRARequest]:
 def peft_reference(model: str, lora: LoRARequest | None, prompt: list[int], steps: int
                    ) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from transformers with PEFT's adapter."""
+    from peft import PeftModel
+
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     if lora is not None:
         m = PeftModel.from_pretrained(m, lora.lora_path)
@@ -144,6 +149,19 @@ def test_batch_and_strategy_change_nothing(model, adapters, solo, options) -> No
     try:
         assert _mixed(llm, adapters) == solo
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_bf16_rows_do_not_depend_on_the_batch(model, adapters) -> None:
+    """In bfloat16 too (the CPU backend's updates in the model's dtype), each request's
+    tokens and logprobs are those it gets alone."""
+    llm = make_llm(model, enable_lora=True, max_loras=2, dtype="bfloat16")
+    try:
+        alone = {(i, j): summarize(llm.generate([p], _params(), use_tqdm=False,
+                                                lora_request=lr))[0][2:]
+                 for i, p in enumerate(PROMPTS) for j, lr in enumerate([None, *adapters])}
+        assert _mixed(llm, adapters) == alone
     finally:
         llm.shutdown()
 
@@ -372,3 +390,37 @@ def test_update_gemms_do_not_read_other_rows(ops, kind) -> None:
     want = expand(shrink(x))
     for m in (1, 2, 3, 5, 8, 13, 64):
         assert torch.equal(expand(shrink(x[:m])), want[:m]), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_add_kernel(ops, dtype) -> None:
+    """csrc/lora.cpp: each row adds its own columns' update in place, close to torch's
+    product, the same bits whatever the other rows and columns hold; rows with no columns
+    are left alone."""
+    gen = torch.Generator().manual_seed(0)
+    m, n, c = 37, 1000, 48  # n not a multiple of the vector blocks: the tail columns too
+    t = torch.randn(m, c, generator=gen).to(dtype)
+    bt = torch.randn(c, n, generator=gen).to(dtype).float()  # weights of the model's dtype
+    y0 = torch.randn(m, n, generator=gen).to(dtype)
+    # Runs of rows with one adapter (grouped by the kernel) and rows that change adapter.
+    first = torch.tensor([((r // 6) % 3) * 16 if r < 24 else (r % 3) * 16 for r in range(m)])
+    count = torch.tensor([0 if r % 7 == 0 else 16 - (first[r] // 16).item()
+                          for r in range(m)])
+    y = y0.clone()
+    ops.lora_expand_add(y, t, bt, first, count, torch.arange(m))
+    for r in range(m):
+        f, k = int(first[r]), int(count[r])
+        want = y0[r].float() + t[r, f:f + k].float() @ bt[f:f + k].float()
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        assert torch.allclose(y[r].float(), want, atol=tol, rtol=tol / 10), r
+        if k == 0:
+            assert torch.equal(y[r], y0[r])
+    # Other rows and the other adapters' columns change nothing in a row: row 9 ran in a
+    # block of four rows of one adapter (rows 8-11), here beside rows of other adapters.
+    assert len({(int(first[r]), int(count[r])) for r in range(8, 12)}) == 1
+    noise = torch.randn(5, c, generator=gen).to(dtype)
+    rows = [9, 0, 1, 2, 30, 31]
+    y2 = torch.cat([y0[9:10], torch.randn(5, n, generator=gen).to(dtype)])
+    ops.lora_expand_add(y2, torch.cat([t[9:10], noise]), bt, first[rows], count[rows],
+                        torch.tensor([3, 1, 0, 5, 2, 4]))
+    assert torch.equal(y2[0], y[9])

@@ -24,7 +24,8 @@ from cadence.cpuinfo import cpu_info
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "ops.cpp",
-            "logits.cpp", "brgemm_linear.cpp", "amx_linear.cpp", "tiled_linear.cpp")
+            "logits.cpp", "brgemm_linear.cpp", "amx_linear.cpp", "tiled_linear.cpp",
+            "lora.cpp")
 _HEADERS = ("vec.h", "attention_common.h", "gemm_chunks.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the loop runs on one thread.
 # The extension then shares torch's own libgomp (same soname, already loaded).

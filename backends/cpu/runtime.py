@@ -122,6 +122,11 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         runner.metadata_builder = build_metadata
         install_fused_ops(runner.model, kernels)
         runner.draw = KernelDraw(kernels)
+        if runner.lora is not None:
+            from cadence.backends.cpu.lora import lora_kernels
+
+            # LoRA's expand added in place into the base layer's output (lora.py).
+            runner.lora.kernels = lora_kernels(kernels, runner.dtype)
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
     check_supported(runner.attn, runner.model)

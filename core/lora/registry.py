@@ -48,7 +48,7 @@ class LoRARegistry:
             spec = read_adapter(path, self.model_dir, self.config.max_lora_rank)
         except ValueError as e:
             raise FieldError(str(e), "lora_request") from e
-        except Exception as e:  # noqa: BLE001  # a malformed file of any kind is the caller's
+        except Exception as e:  # a malformed file of any kind is the caller's
             raise FieldError(f"LoRA adapter {request.lora_path!r} could not be read: "
                              f"{type(e).__name__}: {e}", "lora_request") from e
         self._known[request.lora_int_id] = (request, spec)

@@ -4,12 +4,18 @@ Per wrapped layer the adapter becomes one shrink and one expand: A stacks the ra
 fused part it changes ([sum of ranks, in]), B places each part's rows, scaled, in that
 part's output rows and its own rank columns (block diagonal, zeros elsewhere), so q/k/v or
 gate/up take two GEMMs, not two per part. A part the adapter leaves alone has zero rows.
+
+A step's adapters are then stacked the same way (``stack_updates``): every adapter's A
+rows one after the other, their B columns side by side, so that a layer runs two GEMMs
+per step whatever the number of adapters; each row keeps only its own adapter's columns of
+the shrink (``LoRAStep``'s mask), so the others add exact zeros.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,17 +35,17 @@ _TARGET = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
 
 @dataclass(slots=True)
 class LayerUpdate:
-    """One wrapped layer's update under one adapter: ``expand(shrink(x))``."""
+    """One wrapped layer's update under one adapter, in the model's dtype on its device:
+    ``x @ a.T @ b.T`` with a [rank, in] and b [out, rank] (the scale folded into b)."""
 
-    shrink: Gemm
-    expand: Gemm
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 def load_adapter(spec: AdapterSpec, layers: dict[str, LoRALinear], body: str,
-                 dtype: torch.dtype, device: torch.device, make_gemm: GemmFactory
-                 ) -> dict[str, LayerUpdate]:
-    """The adapter's updates by wrapped layer name, in ``dtype`` on ``device``; layers this
-    rank or stage does not hold are skipped."""
+                 dtype: torch.dtype, device: torch.device) -> dict[str, LayerUpdate]:
+    """The adapter's updates by wrapped layer name; layers this rank or stage does not
+    hold are skipped."""
     from safetensors.torch import load_file
 
     tensors = load_file(spec.weights_file)
@@ -52,13 +58,12 @@ def load_adapter(spec: AdapterSpec, layers: dict[str, LoRALinear], body: str,
         a = tensors[m.a_name].to(torch.float32)
         b = tensors[m.b_name].to(torch.float32) * m.scale
         grouped.setdefault(key, []).append((part, a, b))
-    return {key: _layer_update(layers[key], parts, dtype, device, make_gemm)
+    return {key: _layer_update(layers[key], parts, dtype, device)
             for key, parts in grouped.items()}
 
 
 def _layer_update(layer: LoRALinear, parts: list[tuple[int, torch.Tensor, torch.Tensor]],
-                  dtype: torch.dtype, device: torch.device, make_gemm: GemmFactory
-                  ) -> LayerUpdate:
+                  dtype: torch.dtype, device: torch.device) -> LayerUpdate:
     parts.sort(key=lambda p: p[0])
     rank = sum(a.shape[0] for _, a, _ in parts)
     a_all = torch.cat([a for _, a, _ in parts])
@@ -74,6 +79,54 @@ def _layer_update(layer: LoRALinear, parts: list[tuple[int, torch.Tensor, torch.
         block = b[first:first + rows]  # this rank's rows (all of them on one rank)
         b_all[row0[part]:row0[part] + block.shape[0], col:col + a.shape[0]] = block
         col += a.shape[0]
-    a_all = a_all.to(dtype=dtype, device=device).contiguous()
-    b_all = b_all.to(dtype=dtype, device=device).contiguous()
-    return LayerUpdate(make_gemm(a_all), make_gemm(b_all))
+    return LayerUpdate(a_all.to(dtype=dtype, device=device).contiguous(),
+                       b_all.to(dtype=dtype, device=device).contiguous())
+
+
+# Each adapter's columns in a stacked update start at a multiple of this: the GEMMs then see
+# every adapter's terms at the offsets they have alone (and zeros elsewhere), so a row's
+# update has the same bits whichever adapters share its step.
+STACK_ALIGN = 16
+
+
+@dataclass(slots=True)
+class StackedUpdate:
+    """One wrapped layer's updates under a step's adapters: ``shrink`` (every adapter's A,
+    stacked) gives each row every adapter's columns; adapter ``i``'s are
+    ``spans[i] = (first, count)`` (count 0: it leaves this layer alone), and ``owner[c]``
+    names the adapter of column ``c``. The expand is ``expand`` (their B side by side, a
+    GEMM over masked columns), or ``prepared``: the same B as the backend's own kernels
+    took it (``UpdateKernels.prepare``)."""
+
+    shrink: Gemm
+    expand: Gemm | None
+    prepared: Any
+    spans: tuple[tuple[int, int], ...]
+    owner: tuple[int, ...]
+
+
+def stack_updates(adapters: list[dict[str, LayerUpdate]], make_gemm: GemmFactory,
+                  prepare: Callable[[torch.Tensor], Any] | None = None
+                  ) -> dict[str, StackedUpdate]:
+    """Per wrapped layer, the stacked update of ``adapters`` (a step's, in order); a layer
+    no adapter changes has none. ``prepare``: the backend's kernels take B (instead of a
+    GEMM on it)."""
+    out = {}
+    for key in sorted({k for updates in adapters for k in updates}):
+        a_parts, b_parts, owner, spans = [], [], [], []
+        for i, updates in enumerate(adapters):
+            u = updates.get(key)
+            if u is None:
+                spans.append((0, 0))
+                continue
+            rank = u.a.shape[0]
+            width = -(-rank // STACK_ALIGN) * STACK_ALIGN
+            spans.append((len(owner), rank))
+            a_parts.append(torch.cat([u.a, u.a.new_zeros(width - rank, u.a.shape[1])]))
+            b_parts.append(torch.cat([u.b, u.b.new_zeros(u.b.shape[0], width - rank)], 1))
+            owner += [i] * width
+        b = torch.cat(b_parts, 1).contiguous()
+        out[key] = StackedUpdate(make_gemm(torch.cat(a_parts).contiguous()),
+                                 None if prepare else make_gemm(b),
+                                 prepare(b) if prepare else None, tuple(spans), tuple(owner))
+    return out

@@ -35,6 +35,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 torch::Tensor amx_pack_gated(torch::Tensor w);
 torch::Tensor amx_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
                                c10::optional<torch::Tensor> bias);
+void lora_expand_add(torch::Tensor y, torch::Tensor t, torch::Tensor bt, torch::Tensor starts,
+                     torch::Tensor widths, torch::Tensor order);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -81,4 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_gated", &amx_linear_gated,
         "silu(x @ gate.T + b) * (x @ up.T + b) on an amx_pack_gated weight", py::arg("x"),
         py::arg("packed"), py::arg("h"), py::arg("bias") = py::none());
+  m.def("lora_expand_add", &lora_expand_add,
+        "y[m] += t[m, s:s+w] @ bt[s:s+w] per row, in place (LoRA's expand); rows visited in "
+        "order, those of one adapter four at a time");
 }
