@@ -95,7 +95,8 @@ def _build() -> ModuleType | None:
         target = "this CPU" if cpu_info().isa_limit is None else \
             f"ATEN_CPU_CAPABILITY={cpu_info().isa_limit}"
         print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits, "
-              f"GEMM) for {target} (once, ~30-60 s); cached in {build_dir}", file=sys.stderr,
+              f"GEMM, LoRA) for {target} (once, ~30-60 s); cached in {build_dir}",
+              file=sys.stderr,
               flush=True)
     try:
         from torch.utils.cpp_extension import load
