@@ -100,8 +100,14 @@ class BlockManager:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks come into being when first handed out: ids from ``_fresh`` on were never
+        # used, hold nothing and are free. A cache of small blocks for a small model has
+        # millions of them, and building them all up front took seconds of every start.
+        self._blocks: dict[int, KVBlock] = {}
+        self._fresh = 0
+        # Blocks used before and free now, eviction-ordered: empty ones first, then cached
+        # ones, least recently freed first. The never-used ones come between the two.
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, _Chain] = {}
@@ -115,12 +121,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now, evictable cached blocks included."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -154,21 +160,28 @@ class BlockManager:
                      ) -> bool:
         """Whether the table can grow by ``num_new_tokens``, with ``num_also_free`` more
         blocks than the pool holds now (blocks about to be freed)."""
-        return self._num_missing(request, num_new_tokens) <= len(self._free) + num_also_free
+        return self._num_missing(request, num_new_tokens) <= self.num_free_blocks + num_also_free
 
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Grow the table to hold ``num_computed_tokens + num_new_tokens`` tokens."""
         missing = self._num_missing(request, num_new_tokens)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             raise RuntimeError(
                 f"allocate({request.request_id!r}) needs {missing} blocks, "
-                f"{len(self._free)} free; call can_allocate first"
+                f"{self.num_free_blocks} free; call can_allocate first"
             )
         table = self._tables.setdefault(request.request_id, [])
         for _ in range(missing):
             table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
+        head = next(iter(self._free), None)
+        if self._fresh < self.num_blocks and (
+                head is None or self._blocks[head].block_hash is not None):
+            # Before any cached block: a never-used one.
+            block_id, self._fresh = self._fresh, self._fresh + 1
+            self._blocks[block_id] = KVBlock(block_id, ref_count=1)
+            return block_id
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
         if block.block_hash is not None:
@@ -343,13 +356,15 @@ class BlockManager:
             assert len(set(table)) == len(table), f"block repeated in a table: {table}"
             refs.update(table)
         num_used = 0
-        for block in self._blocks:
+        assert set(self._blocks) == set(range(self._fresh)), "a block id skipped or reused"
+        assert set(refs) <= set(self._blocks), "a table names a block never handed out"
+        for block in self._blocks.values():
             assert block.ref_count == refs.get(block.block_id, 0), block
             assert (block.block_id in self._free) == (block.ref_count == 0), block
             num_used += block.ref_count > 0
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, block
         assert all(b.block_hash == h for h, b in self._cached.items())
-        assert num_used + len(self._free) == self.num_blocks
+        assert num_used + self.num_free_blocks == self.num_blocks
         assert set(self._chains) <= set(self._tables)
         assert set(self._num_freed) <= set(self._tables)

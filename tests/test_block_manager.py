@@ -215,3 +215,23 @@ def test_holds_is_exactly_nothing_to_allocate(prompt_len, computed, new) -> None
     if held:
         bm.allocate(req, new)
         assert bm.num_free_blocks == free_before
+
+
+def test_blocks_come_into_being_when_first_handed_out() -> None:
+    """A cache of 10**8 blocks (small blocks of a small model) costs nothing up front, and
+    the hand-out order is the eager pool's: blocks freed empty first (the latest first),
+    then never-used ones in id order, then cached ones, least recently freed first."""
+    bm = BlockManager(10**8, 4)
+    assert bm.num_free_blocks == 10**8 and bm.usage == 0.0 and len(bm._blocks) == 0
+    small = BlockManager(6, 4)
+    a, b, c = (make_request(n, list(range(k, k + 8))) for n, k in
+               (("a", 0), ("b", 100), ("c", 200)))
+    compute_all(small, a)  # a's two blocks are cached when freed; b's are not
+    small.allocate(b, 8)
+    assert small.get_block_table("a") == [0, 1] and small.get_block_table("b") == [2, 3]
+    small.free(a)
+    small.free(b)
+    c.prompt_token_ids = list(range(200, 224))
+    small.allocate(c, 24)
+    assert small.get_block_table("c") == [2, 3, 4, 5, 1, 0]
+    small.check_invariants()

@@ -172,7 +172,7 @@ def bench_loras(engine: Any, count: int) -> list[Any] | None:
     """On an engine that serves LoRA adapters, one per request: ``max_loras`` random
     adapters of rank ``max_lora_rank`` on every projection, written for the engine's model
     once (cadence.testing.adapters), taken in turn. None on an engine without LoRA."""
-    cfg = engine.config.lora_config
+    cfg = getattr(getattr(engine, "config", None), "lora_config", None)
     if cfg is None:
         return None
     adapters = getattr(engine, "bench_adapters", None)
@@ -206,11 +206,12 @@ def warm_up(engine: Any, workload: Workload, prompts: list[list[int]], count: in
     from cadence.output_state import OutputKind
 
     prompts = prompts[:max(1, count)]
-    loras = bench_loras(engine, len(prompts)) or [None] * len(prompts)
+    loras = bench_loras(engine, len(prompts))
     for i, ids in enumerate(prompts):
         engine.add_request(f"warmup-{i}", {"prompt_token_ids": warmup_prompt(ids)},
                            workload.sampling_params(WARMUP_TOKENS),
-                           output_kind=OutputKind.FINAL_ONLY, lora_request=loras[i])
+                           output_kind=OutputKind.FINAL_ONLY,
+                           **({"lora_request": loras[i]} if loras else {}))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -233,13 +234,13 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
     if so is not None:  # xgrammar's import and the one compilation stay out of the timing
         engine.structured.compiler.submit(so).result()
     num_out = 0
-    loras = bench_loras(engine, len(prompts)) or [None] * len(prompts)
+    loras = bench_loras(engine, len(prompts))
     start = time.perf_counter()
     try:
         for i, (ids, n) in enumerate(zip(prompts, out_lens)):
             engine.add_request(f"bench-{i}", {"prompt_token_ids": ids},
                                workload.sampling_params(n), output_kind=OutputKind.FINAL_ONLY,
-                               lora_request=loras[i])
+                               **({"lora_request": loras[i]} if loras else {}))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
@@ -259,8 +260,7 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
         "host_work": workload.host_work,
         "async_output": engine.async_output,
         "async_scheduling": engine.config.async_scheduling,
-        "lora_adapters": 0 if engine.config.lora_config is None else
-        engine.config.lora_config.max_loras,
+        "lora_adapters": len(set(loras or ())),
         "num_prompts": len(prompts),
         "num_input_tokens": num_in,
         "num_output_tokens": num_out,

@@ -61,7 +61,7 @@ class LoRAStep:
     __slots__ = ("cache", "kernels", "order", "row_owner", "updates")
 
     def __init__(self, updates: dict[str, StackedUpdate], row_owner: torch.Tensor,
-                 order: torch.Tensor, kernels: UpdateKernels | None) -> None:
+                 order: torch.Tensor | None, kernels: UpdateKernels | None) -> None:
         self.updates = updates
         self.row_owner = row_owner
         self.order = order
@@ -72,7 +72,8 @@ class LoRAStep:
         """[rows, columns]: 1 where the column belongs to the row's adapter."""
         mask = self.cache.get(owner)
         if mask is None:
-            cols = torch.tensor(owner, dtype=torch.int64, device=self.row_owner.device)
+            # Through pinned memory on a GPU (built mid-forward: never wait for the stream).
+            cols = sampler.host_tensor(list(owner), torch.int64, self.row_owner.device)
             mask = self.cache[owner] = (self.row_owner[:, None] == cols[None, :]).to(dtype)
         return mask
 
@@ -151,6 +152,8 @@ class LoRAManager:
         stacked = self._stacks.get(combo)
         if stacked is not None:
             self._stacks.move_to_end(combo)
+            for key in combo:  # they ran: least recently used is by step, not by load
+                self._loaded.move_to_end(key)
             return stacked
         keep = set(combo)
         stacked = stack_updates([self._updates(key, keep) for key in combo], self.make_gemm,
@@ -175,10 +178,13 @@ class LoRAManager:
         # Through pinned memory on a GPU: the host never waits for the stream. The base
         # model's rows (-1) index the last entry of each per-adapter table.
         owners = [o % (len(combo) + 1) for o in owners]
-        order = sorted(range(len(owners)), key=owners.__getitem__)
+        order = None
+        if self.kernels is not None:  # only the kernels read it
+            order = sampler.host_tensor(sorted(range(len(owners)), key=owners.__getitem__),
+                                        torch.int64, self.device)
         return LoRAStep(self._stacked(combo),
-                        sampler.host_tensor(owners, torch.int64, self.device),
-                        sampler.host_tensor(order, torch.int64, self.device), self.kernels)
+                        sampler.host_tensor(owners, torch.int64, self.device), order,
+                        self.kernels)
 
 
 _MAX_STACKS = 8

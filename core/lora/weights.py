@@ -83,9 +83,9 @@ def _layer_update(layer: LoRALinear, parts: list[tuple[int, torch.Tensor, torch.
                        b_all.to(dtype=dtype, device=device).contiguous())
 
 
-# Each adapter's columns in a stacked update start at a multiple of this: the GEMMs then see
-# every adapter's terms at the offsets they have alone (and zeros elsewhere), so a row's
-# update has the same bits whichever adapters share its step.
+# Each adapter's columns in a stacked update start at a multiple of this. A row takes only
+# its own adapter's columns (the kernels read just those; the masked GEMM adds exact zeros
+# for the others), so its update has the same bits whichever adapters share its step.
 STACK_ALIGN = 16
 
 

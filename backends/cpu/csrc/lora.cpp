@@ -4,14 +4,17 @@
 // and add it replaces wrote and read the [tokens, out] update twice more, and cost more
 // than the layer's own GEMM.
 //
-// NOTE exactness: a row reads only its own adapter's columns, in order, into one FMA
-// chain per output (fp32), so its update has the same bits whatever else is in the batch
-// and whichever adapters share the step. The update is rounded to y's dtype before the
-// add, and the sum again, as torch's y.add_(d) rounds a bf16 d.
+// NOTE exactness: a row reads only its own adapter's columns, in order, into one chain of
+// explicit FMAs per output (fp32; vec.h fma, std::fma in the tail: never left to the
+// compiler's contraction), so its update has the same bits whatever else is in the batch,
+// whichever adapters share the step, and whether its rows are served four at a time or
+// one. The update is rounded to y's dtype before the add, and the sum again, as torch's
+// y.add_(d) rounds a bf16 d (a NaN is kept a NaN only up to its payload).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "vec.h"
@@ -38,7 +41,7 @@ void expand_add_group(T* y, const T* t, const float* bt, const int64_t* rows, in
       for (int64_t q = 0; q < kBlocks; ++q) b[q] = load(bk + q * kVec);
       for (int64_t i = 0; i < R; ++i) {
         const vfloat tk = splat(static_cast<float>(t[rows[i] * c + first + k]));
-        for (int64_t q = 0; q < kBlocks; ++q) acc[i][q] += tk * b[q];
+        for (int64_t q = 0; q < kBlocks; ++q) acc[i][q] = fma(tk, b[q], acc[i][q]);
       }
     }
     for (int64_t i = 0; i < R; ++i) {
@@ -53,7 +56,8 @@ void expand_add_group(T* y, const T* t, const float* bt, const int64_t* rows, in
     T* yr = y + rows[i] * n;
     for (int64_t jj = j; jj < n; ++jj) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < w; ++k) acc += static_cast<float>(tr[k]) * b0[k * n + jj];
+      for (int64_t k = 0; k < w; ++k)
+        acc = std::fma(static_cast<float>(tr[k]), b0[k * n + jj], acc);
       const float d = static_cast<float>(static_cast<T>(acc));
       yr[jj] = static_cast<T>(static_cast<float>(yr[jj]) + d);
     }

@@ -44,25 +44,6 @@ constexpr int kMR = kVec >= 16 ? 12 : 6;
 constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
 constexpr int64_t kMC = 128;       // most rows per chunk, before the even split
 
-// a * b + c as one fused operation in every instantiation (the compiler's contraction is a
-// choice it may make differently per function; the bits must not depend on it).
-inline vfloat fma(vfloat a, vfloat b, vfloat c) {
-#if defined(__AVX512F__)
-  __m512 x, y, z;
-  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
-  z = _mm512_fmadd_ps(x, y, z);
-#elif defined(__FMA__)
-  __m256 x, y, z;
-  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
-  z = _mm256_fmadd_ps(x, y, z);
-#else
-  const vfloat z = a * b + c;  // no FMA unit: one rounding per step, the same in every tile
-#endif
-  vfloat r;
-  std::memcpy(&r, &z, sizeof(r));
-  return r;
-}
-
 // How a tile prefetches the block its thread reads next (into L2; it never changes a bit):
 //   kBurst: one row of kNR floats (two lines on AVX-512) per K step from the start of the
 //     tile, for `lines` lines; the block comes from cache, so a burst keeps enough misses in

@@ -47,6 +47,25 @@ inline vfloat swap_lanes(vfloat v, std::index_sequence<I...>) {
 // A broadcast (vfloat{} + x would keep an add: 0 + x is not x for x = -0).
 inline vfloat splat(float x) { return detail::splat(x, std::make_index_sequence<kVec>{}); }
 
+// a * b + c as one fused operation in every instantiation (the compiler's contraction is a
+// choice it may make differently per function; the bits must not depend on it).
+inline vfloat fma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  __m512 x, y, z;
+  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
+  z = _mm512_fmadd_ps(x, y, z);
+#elif defined(__FMA__)
+  __m256 x, y, z;
+  std::memcpy(&x, &a, sizeof(x)); std::memcpy(&y, &b, sizeof(y)); std::memcpy(&z, &c, sizeof(z));
+  z = _mm256_fmadd_ps(x, y, z);
+#else
+  const vfloat z = a * b + c;  // no FMA unit: one rounding per step, the same in every tile
+#endif
+  vfloat r;
+  std::memcpy(&r, &z, sizeof(r));
+  return r;
+}
+
 inline vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));
