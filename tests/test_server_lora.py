@@ -134,15 +134,10 @@ def test_lora_modules_flag() -> None:
 
 
 def test_serve_checks_lora_modules_at_start_up(model, adapters, tmp_path) -> None:
-    from types import SimpleNamespace
-
     from cadence.cli.serve import _checked_loras
-    from cadence.engine_args import EngineArgs
 
-    config = EngineArgs(model=model, enable_lora=True, max_lora_rank=4).create_engine_config()
-    engine = SimpleNamespace(engine=SimpleNamespace(config=config))
-    assert _checked_loras([adapters[1]], engine) == [adapters[1]]
+    assert _checked_loras([adapters[1]], model, 4) == [adapters[1]]
     with pytest.raises(ValueError, match="above --max-lora-rank 4"):
-        _checked_loras([adapters[0]], engine)
+        _checked_loras([adapters[0]], model, 4)
     with pytest.raises(ValueError, match="no adapter_config.json"):
-        _checked_loras([LoRARequest("x", 3, str(tmp_path))], engine)
+        _checked_loras([LoRARequest("x", 3, str(tmp_path))], model, 16)

@@ -83,6 +83,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     args, extra = EngineArgs.from_cli_args(ns)
     if lora_modules or ns.allow_runtime_lora_updating:
         args.enable_lora = True
+        # Before the model loads: a bad adapter should not cost a minute of start-up.
+        _checked_loras(lora_modules, args.resolve_model(), args.max_lora_rank)
     pending = ns.max_pending_requests or 4 * args.max_num_seqs
     # Bound before the model loads, so that a taken port is reported at once.
     sock = bind_socket(ns.host, ns.port)
@@ -101,8 +103,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             os.path.normpath(engine.engine.config.model_config.model))
         app = build_app(engine, name, ns.max_request_bytes, ns.max_logprobs, api_key, limits,
                         ns.metrics_prefix, ns.tool_call_parser, ns.reasoning_parser,
-                        _checked_loras(lora_modules, engine),
-                        ns.allow_runtime_lora_updating)
+                        lora_modules, ns.allow_runtime_lora_updating)
         backend = describe_backend(
             ns.backend, engine.engine.backend_reason if ns.backend == "auto" else "")
         if ns.data_parallel_size > 1:
@@ -118,15 +119,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _checked_loras(loras: list, engine) -> list:
-    """``--lora-modules`` checked against the model at start-up: a bad adapter stops the
-    server here, naming it, not at its first request."""
-    from cadence.lora.adapter import read_adapter
+def _checked_loras(loras: list, model_dir: str, max_rank: int) -> list:
+    """``--lora-modules`` checked against the model in ``model_dir`` at start-up: a bad
+    adapter stops the server, naming it, not at its first request."""
+    from cadence.lora.adapter import check_lora_architecture, read_adapter
 
-    config = engine.engine.config if loras else None
+    if loras:
+        check_lora_architecture(model_dir)
     for lr in loras:
-        read_adapter(lr.lora_path, config.model_config.model,
-                     config.lora_config.max_lora_rank)
+        read_adapter(lr.lora_path, model_dir, max_rank)
     return loras
 
 
