@@ -301,11 +301,9 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         rule = self.admission
-        if rule is None:
-            self._admit_waiting(budget, scheduled, None, [])
-            return
-        rule.start(self.running)
-        skipped: list[Request] = []
+        if rule is not None:
+            rule.start(self.running)
+        skipped: list[Request] = []  # turned away by the rule; back in the queue after
         try:
             self._admit_waiting(budget, scheduled, rule, skipped)
         finally:

@@ -171,20 +171,22 @@ class LoRAManager:
         combo = tuple(sorted((i, mi.lora_paths[i]) for i in set(mi.lora_ids) if i))
         if not combo:
             return None
+        # Per token row, its adapter's index in the combo; the base model's rows take the
+        # last entry of each per-adapter table (one past the adapters).
         index = {key[0]: n for n, key in enumerate(combo)}
         owners: list[int] = []
+        runs: list[list[range]] = [[] for _ in range(len(combo) + 1)]
         for lora_id, q in zip(mi.lora_ids, mi.query_lens):
-            owners += [index.get(lora_id, -1)] * q
-        # Through pinned memory on a GPU: the host never waits for the stream. The base
-        # model's rows (-1) index the last entry of each per-adapter table.
-        owners = [o % (len(combo) + 1) for o in owners]
+            n = index.get(lora_id, len(combo))
+            runs[n].append(range(len(owners), len(owners) + q))
+            owners += [n] * q
         order = None
-        if self.kernels is not None:  # only the kernels read it
-            order = sampler.host_tensor(sorted(range(len(owners)), key=owners.__getitem__),
-                                        torch.int64, self.device)
+        if self.kernels is not None:  # only the kernels read it: the rows by adapter
+            order = [r for per_adapter in runs for run in per_adapter for r in run]
+        # Through pinned memory on a GPU: the host never waits for the stream.
         return LoRAStep(self._stacked(combo),
-                        sampler.host_tensor(owners, torch.int64, self.device), order,
-                        self.kernels)
-
+                        sampler.host_tensor(owners, torch.int64, self.device),
+                        None if order is None else
+                        sampler.host_tensor(order, torch.int64, self.device), self.kernels)
 
 _MAX_STACKS = 8
