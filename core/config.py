@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cadence.distributed import EXPERT_PLACEMENTS
 from cadence.lora.config import LoRAConfig
 from cadence.pooling.config import PoolerConfig
+from cadence.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
@@ -233,6 +234,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     # LoRA adapters (cadence/lora): None when the engine serves none.
     lora_config: LoRAConfig | None = None
+    # Speculative decoding (cadence/spec_decode): None when off.
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def plans_with_placeholders(self) -> bool:

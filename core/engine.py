@@ -34,7 +34,12 @@ from cadence.request_factory import RequestFactory
 from cadence.request_intake import eos_token_ids, vocab_size_from_config
 from cadence.sampling_params import FieldError, SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
-from cadence.scheduling import check_backend_supports, make_scheduler, make_step_loop
+from cadence.scheduling import (
+    check_backend_supports,
+    check_speculation_support,
+    make_scheduler,
+    make_step_loop,
+)
 from cadence.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,8 @@ class LLMEngine:
             raise ValueError(f"LoRA adapters are not supported by backend {backend_cls.name!r}"
                              f"; backends that serve them: {', '.join(able) or '(none)'} "
                              "(or start without enable_lora)")
+        if config.speculative_config is not None:
+            check_speculation_support(backend_cls, registry)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         self.backend.load_model()
@@ -78,7 +85,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.sliding_window)
         self.scheduler = make_scheduler(config, self.block_manager, self._settle)
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative=config.speculative_config is not None)
         # Structured output; compiles nothing and imports no xgrammar until a request asks.
         self.structured = StructuredOutputManager(
             tokenizer, self.vocab_size or len(tokenizer), list(self.eos_token_ids))

@@ -33,6 +33,7 @@ from cadence.model_limits import (
     model_kv_window,
 )
 from cadence.pooling.config import POOLING_TYPES, load_pooler_config
+from cadence.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -75,6 +76,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (cadence/spec_decode): a dict or JSON object with vLLM's keys,
+    # e.g. {"method": "ngram", "num_speculative_tokens": 3}; None: off.
+    speculative_config: dict | str | None = None
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -90,6 +94,12 @@ class EngineArgs:
         args["model"] = self.resolve_model()
         args["backend_options"] = dict(self.backend_options)
         args.update(extra or {})
+        spec = SpeculativeConfig.parse(args["speculative_config"])
+        if spec is not None:
+            _check_speculation(args)
+            # Speculation plans each step on the tokens the last one kept: its own strategy,
+            # not async scheduling's placeholders (a backend's default gives way to it).
+            args["async_scheduling"] = False
         get_registry().hook.cadence_configure(config=args)
         model = args["model"]
         if not os.path.isdir(model):
@@ -146,6 +156,7 @@ class EngineArgs:
                 expert_placement_strategy=args["expert_placement_strategy"],
                 ray_placement_strategy=args["ray_placement_strategy"]),
             lora_config=lora,
+            speculative_config=spec,
         )
 
     @staticmethod
@@ -263,6 +274,10 @@ class EngineArgs:
         p.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept loaded, least recently used dropped first "
                             "(default: --max-loras)")
+        p.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 3}' (docs/speculative_decoding.md; "
+                            "outputs are identical; default: off)")
         from cadence.plugins import get_registry
 
         get_registry().hook.cadence_add_cli_options(parser=parser)
@@ -319,3 +334,13 @@ def _max_position_embeddings(model: str) -> int | None:
         raise ValueError(f"model folder {model!r} has an unreadable config.json: {e}") from e
     # GPT-2's config.json names it n_positions (transformers maps the two).
     return cfg.get("max_position_embeddings") or cfg.get("n_positions")
+
+
+def _check_speculation(args: dict) -> None:
+    """Refuse what speculative decoding does not run with, naming it."""
+    if args["async_scheduling"]:
+        raise ValueError("speculative_config cannot be combined with async_scheduling: each "
+                         "step is planned on the tokens the step before it kept (turn one off)")
+    if int(args["pipeline_parallel_size"]) > 1:
+        raise ValueError("speculative_config runs with pipeline_parallel_size=1 only, got "
+                         f"{args['pipeline_parallel_size']}")

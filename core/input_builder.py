@@ -24,6 +24,10 @@ def build_model_input(plan, get_block_table,
     pool_rows: list[tuple[int, int]] = []
     pool_spans: list[tuple[int, int, int]] = []
     loras: dict[int, str] = {}
+    # Per sampled row, its token row, and (speculative decoding) the drafts computed before
+    # it; None while no sequence of the step has drafts.
+    rows: list[int] = []
+    drafts_before: list[list[int]] | None = None
     for i, sr in enumerate(plan.scheduled):
         req = sr.request
         if req.lora_request is not None:
@@ -36,6 +40,26 @@ def build_model_input(plan, get_block_table,
             pool_rows.append((len(input_ids) + span[0] - start, span[1]))
             pool_spans.append((i, span[0], span[1]))
         table = get_block_table(req.request_id)
+        if sr.spec_token_ids:
+            if drafts_before is None:
+                drafts_before = [[] for _ in sample_idx]
+            drafts = sr.spec_token_ids
+            first = len(input_ids)
+            input_ids.append(req.token_at(start))
+            input_ids.extend(drafts)
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
+                                for p in range(start, end))
+            query_lens.append(sr.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+            request_ids.append(req.request_id)
+            for j in range(len(drafts) + 1):
+                sample_idx.append(i)
+                sampled.append(req)
+                rows.append(first + j)
+                drafts_before.append(drafts[:j])
+            continue
         if sr.num_new_tokens == 1:
             input_ids.append(req.token_at(start))
             positions.append(start)
@@ -52,9 +76,14 @@ def build_model_input(plan, get_block_table,
         if end == req.num_tokens:
             sample_idx.append(i)
             sampled.append(req)
+            rows.append(len(input_ids) - 1)
+            if drafts_before is not None:
+                drafts_before.append([])
     mi = ModelInput(input_ids, positions, slot_mapping, query_lens, seq_lens, tables,
-                    plan.num_decodes, sample_idx, build_sampling_metadata(sampled),
-                    request_ids)
+                    plan.num_decodes, sample_idx,
+                    build_sampling_metadata(sampled, drafts_before), request_ids)
+    if drafts_before is not None:
+        mi.sample_token_rows = rows
     if prompt_lp.spans:
         mi.prompt_logprob_rows, mi.prompt_logprob_targets = prompt_lp.rows, prompt_lp.targets
         mi.num_prompt_logprobs, mi.prompt_logprob_spans = prompt_lp.k, prompt_lp.spans
@@ -90,8 +119,13 @@ class _PromptLogprobRows:
         self.k = max(self.k, req.sampling_params.prompt_logprobs)
 
 
-def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
+def build_sampling_metadata(reqs: list[Request], drafts_before: list[list[int]] | None = None
+                            ) -> SamplingMetadata:
+    """One row per entry of ``reqs``. ``drafts_before[i]``: the draft tokens row ``i`` was
+    computed after (speculative decoding), which count as its output for the seeded draw,
+    penalties and min_tokens; None when no row has any."""
     params = [r.sampling_params for r in reqs]
+    ahead = [0] * len(reqs) if drafts_before is None else [len(d) for d in drafts_before]
     meta = SamplingMetadata(
         temperature=[p.temperature for p in params],
         top_k=[p.top_k for p in params],
@@ -100,7 +134,8 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         seeds=[p.seed for p in params],
         # Placeholders count: the seeded draw of step N+1 must not depend on whether step N's
         # token reached the host yet (async scheduling).
-        output_lens=[len(r.output_token_ids) + r.num_output_placeholders for r in reqs],
+        output_lens=[len(r.output_token_ids) + r.num_output_placeholders + a
+                     for r, a in zip(reqs, ahead)],
         all_greedy=all(p.is_greedy for p in params),
     )
     if any(p.has_penalties for p in params):
@@ -108,9 +143,10 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
         meta.frequency_penalty = [p.frequency_penalty for p in params]
         meta.repetition_penalty = [p.repetition_penalty for p in params]
         meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
-        meta.output_token_ids = [r.output_token_ids for r in reqs]
+        meta.output_token_ids = [r.output_token_ids for r in reqs] if drafts_before is None \
+            else [r.output_token_ids + d for r, d in zip(reqs, drafts_before)]
     if any(p.min_tokens for p in params):
-        meta.banned_token_ids = [_banned(r) for r in reqs]
+        meta.banned_token_ids = [_banned(r, a) for r, a in zip(reqs, ahead)]
     if any(r.bad_words_ids for r in reqs):
         bans = [_bad_word_bans(r) for r in reqs]
         if not meta.banned_token_ids:
@@ -129,9 +165,9 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
     return meta
 
 
-def _banned(req: Request) -> list[int]:
+def _banned(req: Request, ahead: int = 0) -> list[int]:
     sp = req.sampling_params
-    if len(req.output_token_ids) + req.num_output_placeholders >= sp.min_tokens:
+    if len(req.output_token_ids) + req.num_output_placeholders + ahead >= sp.min_tokens:
         return []
     if req.grammar is not None:
         # The grammar decides where a constrained output ends: banning EOS where it is the

@@ -73,6 +73,11 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_scheduled_tokens: int = 0
+    # Speculative decoding: draft tokens computed, and those kept (vLLM's
+    # spec_decode_num_draft_tokens and spec_decode_num_accepted_tokens).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    speculative: bool = False  # whether the engine speculates (the counters above apply)
     times: StepTimes = field(default_factory=StepTimes)
     started: float = field(default_factory=time.monotonic)
     # Gauges, refreshed every step by the engine.
@@ -102,7 +107,8 @@ class EngineStats:
         for p in parts:
             for name in ("num_prompt_tokens", "num_generation_tokens", "num_requests_added",
                          "num_requests_finished", "num_preemptions", "num_steps",
-                         "num_scheduled_tokens", "num_running", "num_waiting"):
+                         "num_scheduled_tokens", "num_running", "num_waiting",
+                         "num_draft_tokens", "num_accepted_tokens"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             for reason, n in p.finish_reasons.items():
                 out.finish_reasons[reason] = out.finish_reasons.get(reason, 0) + n
@@ -116,6 +122,7 @@ class EngineStats:
                 mine.total += theirs.total
                 mine.count += theirs.count
             out.started = min(out.started, p.started)
+            out.speculative = out.speculative or p.speculative
         if parts:
             out.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
         return out

@@ -171,12 +171,7 @@ class ModelRunner:
         build = build_metadata or self.metadata_builder
         input_ids = torch.tensor(mi.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(mi.positions, dtype=torch.int64, device=self.device)
-        ends, total = [], 0
-        for q in mi.query_lens:
-            total += q
-            ends.append(total - 1)
-        sample_idx = torch.tensor([ends[i] for i in mi.sample_seq_indices], dtype=torch.int64,
-                                  device=self.device)
+        sample_idx = torch.tensor(mi.sampled_rows(), dtype=torch.int64, device=self.device)
         return PreparedInput(input_ids, positions, sample_idx,
                              build(mi, self.block_size, self.device),
                              prompt_logprob_tensors(mi, self.device), mi.pool_rows or None,

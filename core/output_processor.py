@@ -26,6 +26,7 @@ from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
 from cadence.outputs import Logprob, RequestOutput
 from cadence.request import Request, RequestStatus
+from cadence.spec_decode.acceptance import accept_drafts
 from cadence.structured_output.manager import advance as advance_grammar
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,19 @@ class OutputProcessor:
         touched = []
         refused: list[Request] = []
         logprobs = out.logprobs
-        for k, seq_idx in enumerate(sample_seq_indices):
-            req: Request = scheduled[seq_idx].request
+        k, num_rows = 0, len(sample_seq_indices)
+        while k < num_rows:
+            entry = scheduled[sample_seq_indices[k]]
+            req: Request = entry.request
+            if entry.spec_token_ids:
+                k += self._commit_drafts(entry, out, k, touched)
+                continue
+            k += 1
             if req.is_finished:
                 continue  # finished by a stop string or an abort since it was scheduled
-            token = out.sampled_token_ids[k]
+            token = out.sampled_token_ids[k - 1]
             req.output_token_ids.append(token)
-            req.output_logprobs.append(logprobs[k] if logprobs is not None else None)
+            req.output_logprobs.append(logprobs[k - 1] if logprobs is not None else None)
             touched.append(req)
             if req.grammar is not None and self._advance_grammar(req, token, refused):
                 continue
@@ -84,6 +91,29 @@ class OutputProcessor:
             self.fail(req.parent_id, f"structured output: the grammar refused token "
                       f"{req.output_token_ids[-1]} (an engine bug, please report it)")
         return touched
+
+    def _commit_drafts(self, entry: Any, out: SamplerOutput, first: int,
+                       touched: list[Request]) -> int:
+        """Commit a request's rows with drafts (speculative decoding): its tokens up to the
+        first that differs from its draft, each stop-checked; returns the rows it had."""
+        drafts = entry.spec_token_ids
+        req: Request = entry.request
+        if req.is_finished:
+            return len(drafts) + 1
+        logprobs = out.logprobs
+
+        def take(j: int, token: int) -> bool:
+            req.output_token_ids.append(token)
+            req.output_logprobs.append(logprobs[first + j] if logprobs is not None else None)
+            self._check_stop(req, token)
+            return req.is_finished
+
+        entry.num_accepted = accept_drafts(
+            out.sampled_token_ids[first:first + len(drafts) + 1], drafts, take)
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_tokens += entry.num_accepted
+        touched.append(req)
+        return len(drafts) + 1
 
     @staticmethod
     def _advance_grammar(req: Request, token: int, refused: list[Request]) -> bool:

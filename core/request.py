@@ -102,6 +102,9 @@ class Request:
     # The LoRA adapter it runs with (cadence.lora.LoRARequest), None for the base model.
     # Its prefix-cache blocks are its adapter's own (``cache_namespace``).
     lora_request: object = None
+    # Speculative decoding: the proposer's per-request state (cadence.spec_decode's n-gram
+    # index); None until a draft is first asked for.
+    spec_state: object = field(default=None, repr=False)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

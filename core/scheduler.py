@@ -24,6 +24,7 @@ from cadence.block_manager import BlockManager
 from cadence.config import SchedulerConfig
 from cadence.request import Request, RequestStatus
 from cadence.sched_policy import SchedulingPolicy, WaitingQueue, make_policy
+from cadence.spec_decode import Speculator
 
 # What commit sets on the sampled token itself; anything else finished elsewhere.
 _FINISHED_AT_COMMIT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -61,10 +62,15 @@ class ScheduledRequest:
 
     ``samples`` and ``is_decode`` are fixed when the entry is built, so they stay right after
     the engine appends the sampled token and ``update_after_step`` advances the request.
+    ``spec_token_ids``: draft tokens computed after the request's own (speculative decoding,
+    cadence/spec_decode), counted in ``num_new_tokens``; commit sets ``num_accepted``, how
+    many of them were kept, and only those count as computed.
     """
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int = field(default=0, init=False)
     samples: bool = field(init=False)
     is_decode: bool = field(init=False)
     # Pipeline parallel counts an entry's tokens as computed when it is submitted; this is
@@ -72,7 +78,7 @@ class ScheduledRequest:
     counted_from: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
-        end = self.request.num_computed_tokens + self.num_new_tokens
+        end = self.request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
         # The chunk reaches the last token, so its logits are sampled.
         self.samples = end == self.request.num_tokens
         self.is_decode = self.samples and self.num_new_tokens == 1
@@ -107,8 +113,11 @@ class Scheduler:
         settle: Callable[[Request], None] | None = None,
         policy: SchedulingPolicy | None = None,
         admission: AdmissionRule | None = None,
+        speculator: Speculator | None = None,
     ):
         self.config = scheduler_config
+        # Drafts for running decodes (speculative decoding, cadence/spec_decode), or None.
+        self.speculator = speculator
         # A capacity rule beyond blocks and budget (LoRA's max_loras), or None.
         self.admission = admission
         self.block_manager = block_manager
@@ -200,8 +209,11 @@ class Scheduler:
                 self.free_request(request)
 
     def _account(self, entry: ScheduledRequest) -> None:
-        """Count a committed entry's tokens as computed and register its full blocks."""
-        entry.request.num_computed_tokens += entry.num_new_tokens
+        """Count a committed entry's tokens as computed and register its full blocks. Of
+        its drafts only the kept ones count: the K/V of the others, computed on tokens the
+        request does not have, is overwritten by the steps that reach their positions."""
+        entry.request.num_computed_tokens += entry.num_new_tokens - \
+            len(entry.spec_token_ids) + entry.num_accepted
         self.block_manager.cache_full_blocks(entry.request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -250,12 +262,21 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if not self._reserve(request, num_new, preempted):
+            drafts = self._drafts(request, budget) if self.speculator is not None else []
+            if not self._reserve(request, num_new + len(drafts), preempted):
                 break  # it was the last request and gave up its own place
-            scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        drafts = self.speculator.drafts(request, budget)
+        bm = self.block_manager
+        if drafts and not bm.holds(request, 1 + len(drafts)) and \
+                not bm.can_allocate(request, 1 + len(drafts)):
+            return []  # drafts are a bet: never preempt anyone to place them
+        return drafts
 
     def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Allocate for a running request, preempting from the tail; False if it lost its

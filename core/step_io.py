@@ -112,6 +112,22 @@ class ModelInput:
     # has an adapter; the backend's runner applies them (``ModelRunner.prepare``).
     lora_ids: list[int] = field(default_factory=list)
     lora_paths: dict[int, str] = field(default_factory=dict)
+    # Speculative decoding (cadence/spec_decode): the token row (index into ``input_ids``)
+    # of each sampled row, when some sequence samples more than its last row (its drafts'
+    # rows: ``sample_seq_indices`` then names that sequence once per row, in order). Empty
+    # otherwise: each sampled sequence's last row. ``sampled_rows()`` gives them either way;
+    # a backend declaring ``supports_speculative`` samples those.
+    sample_token_rows: list[int] = field(default_factory=list)
+
+    def sampled_rows(self) -> list[int]:
+        """The token row of every sampled row, in ``sample_seq_indices`` order."""
+        if self.sample_token_rows:
+            return self.sample_token_rows
+        ends, total = [], 0
+        for q in self.query_lens:
+            total += q
+            ends.append(total - 1)
+        return [ends[i] for i in self.sample_seq_indices]
 
     @property
     def num_tokens(self) -> int:

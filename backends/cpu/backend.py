@@ -60,6 +60,7 @@ class CpuBackend(Backend):
     supports_prompt_logprobs = True
     supports_pooling = True
     supports_lora = True
+    supports_speculative = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -207,6 +207,8 @@ class CudaBackend(Backend):
     supports_pooling = True
     # LoRA steps run eagerly too (launch): the graphs hold no adapter updates.
     supports_lora = True
+    # Drafts' rows are not decode-only steps: they run eagerly, never a graph replay.
+    supports_speculative = True
     distributed_backend = "nccl"
     # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
     # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).

@@ -8,17 +8,12 @@ probing the backend (``engine backends``, ``engine --help``) never imports torch
 from __future__ import annotations
 
 import os
-
 from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
 
-from cadence.backends.cuda.attention import (
-    TritonPagedAttention,
-    build_metadata,
-    sample_token_indices,
-)
+from cadence.backends.cuda.attention import TritonPagedAttention, build_metadata
 from cadence.backends.cuda.buffers import InputLayout, InputStager, OutputCopier, pack_inputs
 from cadence.backends.cuda.graphs import (
     CudaGraphRunner,
@@ -197,7 +192,7 @@ def launch(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
 
 def launch_eager(be: CudaBackend, mi: ModelInput, previous: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    sample_idx = sample_token_indices(mi.query_lens, mi.sample_seq_indices)
+    sample_idx = mi.sampled_rows()
     width = max(1, max(map(len, mi.block_tables), default=1))
     layout = InputLayout(mi.num_tokens, len(sample_idx), mi.num_seqs, width)
     flat = be.stager.stage(layout.size, lambda a: pack_inputs(

@@ -35,7 +35,7 @@ from cadence.bench.throughput import (
 
 # The ratios a comparison reports, numerator first, where both runs were made.
 PAIRS = (("async", "sync"), ("async_sched", "async"), ("async_sched", "sync"),
-         ("lora", "async"), ("async", "floor"), ("async_sched", "floor"), ("sync", "floor"))
+         ("lora", "async"), ("spec", "async"), ("async", "floor"), ("async_sched", "floor"), ("sync", "floor"))
 
 # Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom; beyond, the value
 # at the low end of each range (a slightly wider interval, never a narrower one).
@@ -78,6 +78,8 @@ def build_mode_engine(ns: argparse.Namespace, mode: str, overrides: dict, bs: in
                       num_prompts: int) -> tuple[Any, dict | None]:
     """The engine of one run (``mode``), or None and the run's ``skipped`` record when the
     backend refuses async scheduling (the other runs go on)."""
+    if overrides.get("speculative_config") and getattr(ns, "speculative_config", None):
+        overrides = {**overrides, "speculative_config": ns.speculative_config}
     try:
         return build_engine(ns, max_num_seqs=bs, **overrides), None
     except ValueError as e:

@@ -166,6 +166,8 @@ def release_engine(engine: Any) -> None:
 
 
 WARMUP_TOKENS = 4
+# The speculative decoding run's drafts where --speculative-config does not say.
+BENCH_SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def bench_loras(engine: Any, count: int) -> list[Any] | None:
@@ -225,6 +227,8 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
     timer = StepTimer(engine) if breakdown else None
     phases0 = dict(engine.stats.times.phases)
     steps0 = engine.stats.num_steps
+    spec = getattr(getattr(engine, "config", None), "speculative_config", None)
+    drafts0 = (engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens) if spec else 0
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -268,7 +272,11 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
         "requests_per_s": len(prompts) / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         "output_tokens_per_s": num_out / elapsed,
+        "num_steps": engine.stats.num_steps - steps0,
     }
+    if spec is not None:
+        rec["draft_tokens"] = engine.stats.num_draft_tokens - drafts0[0]
+        rec["accepted_tokens"] = engine.stats.num_accepted_tokens - drafts0[1]
     if timer is not None:
         phases = {k: v - phases0.get(k, 0.0) for k, v in engine.stats.times.phases.items()}
         rec["breakdown"] = breakdown_from(phases, engine.stats.num_steps - steps0, elapsed,

@@ -23,12 +23,14 @@ from cadence.scheduler import Scheduler
 from cadence.scheduling.async_scheduler import AsyncScheduler
 from cadence.scheduling.loop import AsyncSchedulingLoop
 from cadence.scheduling.pipeline import PipelineLoop, PipelineScheduler
+from cadence.spec_decode import Speculator
 
 if TYPE_CHECKING:
     from cadence.engine import LLMEngine
 
 __all__ = ["AsyncScheduler", "AsyncSchedulingLoop", "PipelineLoop", "PipelineScheduler",
-           "check_backend_supports", "make_scheduler", "make_step_loop"]
+           "check_backend_supports", "check_speculation_support", "make_scheduler",
+           "make_step_loop"]
 
 
 def make_scheduler(config: EngineConfig, block_manager: BlockManager,
@@ -42,8 +44,12 @@ def make_scheduler(config: EngineConfig, block_manager: BlockManager,
     if stages > 1:
         return PipelineScheduler(sc, block_manager, settle=settle, num_stages=stages,
                                  admission=admission)
-    cls = AsyncScheduler if config.plans_with_placeholders else Scheduler
-    return cls(sc, block_manager, settle=settle, admission=admission)
+    if config.plans_with_placeholders:
+        return AsyncScheduler(sc, block_manager, settle=settle, admission=admission)
+    spec = config.speculative_config
+    speculator = None if spec is None else Speculator(spec, sc.max_model_len)
+    return Scheduler(sc, block_manager, settle=settle, admission=admission,
+                     speculator=speculator)
 
 
 def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | None:
@@ -65,3 +71,16 @@ def check_backend_supports(backend_cls: type, registry: Any) -> None:
     raise ValueError(
         f"async_scheduling is not supported by backend {backend_cls.name!r}; backends that "
         f"support it: {', '.join(able) or '(none)'} (or turn async_scheduling off)")
+
+
+def check_speculation_support(backend_cls: type, registry: Any) -> None:
+    """Refuse speculative decoding on a backend that does not sample the rows of a
+    sequence's drafts (``Backend.supports_speculative``), naming those that do."""
+    if getattr(backend_cls, "supports_speculative", False):
+        return
+    able = sorted(name for name, info in registry.backends.items()
+                  if getattr(info.cls, "supports_speculative", False))
+    raise ValueError(
+        f"speculative decoding is not supported by backend {backend_cls.name!r}; backends "
+        f"that support it: {', '.join(able) or '(none)'} (or start without "
+        "speculative_config)")

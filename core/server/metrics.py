@@ -42,6 +42,13 @@ _COUNTERS = (
     ("num_preemptions", "Preemptions, counted when the preempted request finishes.",
      "num_preemptions"),
 )
+# Only where the engine speculates (vLLM's spec_decode_* families).
+_SPEC_COUNTERS = (
+    ("spec_decode_num_draft_tokens", "Draft tokens computed (speculative decoding).",
+     "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens kept (speculative decoding).",
+     "num_accepted_tokens"),
+)
 _GAUGES = (
     ("num_requests_running", "Requests running.", "num_running"),
     ("num_requests_waiting", "Requests waiting.", "num_waiting"),
@@ -79,7 +86,8 @@ class EngineStatsCollector(Collector):
         replicas = self.stats()
         base = [self.model_name, self.backend()]
         rows = [([*base, str(rank)], s) for rank, s in enumerate(replicas)]
-        for name, help_, attr in _COUNTERS:
+        speculates = any(s.speculative for _, s in rows)
+        for name, help_, attr in _COUNTERS + (_SPEC_COUNTERS if speculates else ()):
             c = CounterMetricFamily(f"{self.prefix}:{name}", help_, labels=LABELS)
             for labels, s in rows:
                 c.add_metric(labels, getattr(s, attr))

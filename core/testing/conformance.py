@@ -44,6 +44,7 @@ __all__ = [
     "test_probe_never_initialises_the_device",
     "test_prompt_logprobs_equal_the_decode_or_are_refused",
     "test_registration_is_idempotent",
+    "test_speculative_decoding_equals_plain_or_is_refused",
     "test_structured_output_follows_its_constraint",
 ]
 
@@ -319,6 +320,34 @@ def test_lora_adapters_match_cpu_reference_or_are_refused(
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
+
+
+def test_speculative_decoding_equals_plain_or_is_refused(
+        cadence_model_dir: str, cadence_backend: str, cadence_backend_options: dict[str, Any],
+        cadence_llm: Any, cadence_logprob_atol: float) -> None:
+    """A backend that declares ``supports_speculative`` gives its own greedy tokens with
+    n-gram drafts (several rows sampled per sequence, most drafts turned down on the kit's
+    random weights), near-ties excepted, with every block free at the end; one that does
+    not refuses ``speculative_config`` at start-up, naming the backends that can."""
+    from cadence.plugins import get_registry
+    from cadence.testing.pytest_plugin import _make_llm
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    cls = get_registry().backends[cadence_backend].cls
+    if not getattr(cls, "supports_speculative", False):
+        with pytest.raises(ValueError, match="speculative decoding is not supported"):
+            _make_llm(cadence_model_dir, cadence_backend, speculative_config=spec,
+                      backend_options=cadence_backend_options)
+        return
+    llm = _make_llm(cadence_model_dir, cadence_backend, speculative_config=spec,
+                    backend_options=cadence_backend_options)
+    try:
+        got = run_workload(llm, "greedy")
+        assert llm.engine.stats.num_draft_tokens > 0, "no draft was ever computed"
+    finally:
+        llm.shutdown()
+    assert_same_tokens(got, cached_workload(cadence_llm, "greedy"), cadence_logprob_atol,
+                       "speculative decoding vs plain decoding")
 
 
 def test_every_kv_block_is_free_after_requests(cadence_llm: Any) -> None:
