@@ -64,7 +64,7 @@ class LLMEngine:
                              f"; backends that serve them: {', '.join(able) or '(none)'} "
                              "(or start without enable_lora)")
         if config.speculative_config is not None:
-            check_speculation_support(backend_cls, registry)
+            check_speculation_support(backend_cls, registry, config)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         self.backend.load_model()

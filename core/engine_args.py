@@ -95,10 +95,10 @@ class EngineArgs:
         args["backend_options"] = dict(self.backend_options)
         args.update(extra or {})
         spec = SpeculativeConfig.parse(args["speculative_config"])
-        if spec is not None:
-            _check_speculation(args)
-            # Speculation plans each step on the tokens the last one kept: its own strategy,
-            # not async scheduling's placeholders (a backend's default gives way to it).
+        if spec is not None and args["async_scheduling"] is None:
+            # Speculation plans each step on the tokens the last one kept, not on async
+            # scheduling's placeholders: a backend's default gives way to it (the engine
+            # refuses the two asked for together).
             args["async_scheduling"] = False
         get_registry().hook.cadence_configure(config=args)
         model = args["model"]
@@ -335,12 +335,3 @@ def _max_position_embeddings(model: str) -> int | None:
     # GPT-2's config.json names it n_positions (transformers maps the two).
     return cfg.get("max_position_embeddings") or cfg.get("n_positions")
 
-
-def _check_speculation(args: dict) -> None:
-    """Refuse what speculative decoding does not run with, naming it."""
-    if args["async_scheduling"]:
-        raise ValueError("speculative_config cannot be combined with async_scheduling: each "
-                         "step is planned on the tokens the step before it kept (turn one off)")
-    if int(args["pipeline_parallel_size"]) > 1:
-        raise ValueError("speculative_config runs with pipeline_parallel_size=1 only, got "
-                         f"{args['pipeline_parallel_size']}")

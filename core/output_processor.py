@@ -98,6 +98,11 @@ class OutputProcessor:
         first that differs from its draft, each stop-checked; returns the rows it had."""
         drafts = entry.spec_token_ids
         req: Request = entry.request
+        sampled = out.sampled_token_ids[first:first + len(drafts) + 1]
+        self.stats.num_draft_tokens += len(drafts)
+        # vLLM's count: drafts the model agreed with, whether or not a stop came first.
+        self.stats.num_accepted_tokens += next(
+            (j for j, d in enumerate(drafts) if sampled[j] != d), len(drafts))
         if req.is_finished:
             return len(drafts) + 1
         logprobs = out.logprobs
@@ -108,10 +113,7 @@ class OutputProcessor:
             self._check_stop(req, token)
             return req.is_finished
 
-        entry.num_accepted = accept_drafts(
-            out.sampled_token_ids[first:first + len(drafts) + 1], drafts, take)
-        self.stats.num_draft_tokens += len(drafts)
-        self.stats.num_accepted_tokens += entry.num_accepted
+        entry.num_accepted = accept_drafts(sampled, drafts, take)
         touched.append(req)
         return len(drafts) + 1
 

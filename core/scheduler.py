@@ -176,7 +176,9 @@ class Scheduler:
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         # After a preemption memory is tight: admitting new work would only thrash.
         if not preempted and not self._waiting_for_commit:
-            self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_waiting(budget, scheduled)
+        if self.speculator is not None and budget > 0:
+            self._add_drafts(scheduled, budget)
         decodes = [s for s in scheduled if s.is_decode]
         others = [s for s in scheduled if not s.is_decode]
         return StepPlan(
@@ -262,21 +264,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._drafts(request, budget) if self.speculator is not None else []
-            if not self._reserve(request, num_new + len(drafts), preempted):
+            if not self._reserve(request, num_new, preempted):
                 break  # it was the last request and gave up its own place
-            scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
-            budget -= num_new + len(drafts)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
             i += 1
         return budget
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        drafts = self.speculator.drafts(request, budget)
-        bm = self.block_manager
-        if drafts and not bm.holds(request, 1 + len(drafts)) and \
-                not bm.can_allocate(request, 1 + len(drafts)):
-            return []  # drafts are a bet: never preempt anyone to place them
-        return drafts
 
     def _reserve(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Allocate for a running request, preempting from the tail; False if it lost its
@@ -320,19 +313,38 @@ class Scheduler:
         self.waiting.push(victim)
         preempted.append(victim)
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Give decodes their drafts from what the step leaves over: every request has its
+        own tokens first, and drafts take only free blocks, never preempting anyone."""
+        bm = self.block_manager
+        for i, entry in enumerate(scheduled):
+            if budget <= 0:
+                return
+            if not entry.is_decode:
+                continue
+            request = entry.request
+            drafts = self.speculator.drafts(request, budget)
+            n = 1 + len(drafts)
+            if not drafts or not (bm.holds(request, n) or bm.can_allocate(request, n)):
+                continue
+            bm.allocate(request, n)
+            scheduled[i] = ScheduledRequest(request, n, drafts)
+            budget -= len(drafts)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests; returns the budget left."""
         rule = self.admission
         if rule is not None:
             rule.start(self.running)
         skipped: list[Request] = []  # turned away by the rule; back in the queue after
         try:
-            self._admit_waiting(budget, scheduled, rule, skipped)
+            return self._admit_waiting(budget, scheduled, rule, skipped)
         finally:
             for request in skipped:
                 self.waiting.push(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
-                       rule: AdmissionRule | None, skipped: list[Request]) -> None:
+                       rule: AdmissionRule | None, skipped: list[Request]) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not self._batch_full(scheduled):
@@ -369,3 +381,4 @@ class Scheduler:
             bisect.insort(self.running, request, key=self.policy.key)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        return budget

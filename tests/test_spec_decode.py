@@ -209,7 +209,7 @@ def test_drafts_respect_limits_and_skip_what_they_cannot_follow(model):
     assert first.finish_reason == second.finish_reason == "length"
     # max_model_len 64 with a 47-token prompt: 17 tokens fit, never a draft past them.
     assert len(first.token_ids) == 17
-    assert all(computed + new <= 64 for step in spy.steps for _, computed, new in step)
+    assert all(computed + new < 64 for step in spy.steps for _, computed, new in step)
     # bad words depend on the token before: that request never gets drafts.
     assert all(new == 1 or computed == 0 for step in spy.steps
                for rid, computed, new in step if rid == "1")
@@ -230,6 +230,16 @@ def test_bad_configs_are_refused(model, monkeypatch):
         SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="cannot be combined with async_scheduling"):
         make_llm(model, speculative_config=NGRAM, async_scheduling=True)
+    # Checked on the engine's own config, whoever built it.
+    from dataclasses import replace
+
+    from cadence.engine import LLMEngine
+    from cadence.engine_args import EngineArgs
+
+    config = EngineArgs(model=model, speculative_config=NGRAM,
+                        backend_options={"overlap": "sync"}).create_engine_config()
+    with pytest.raises(ValueError, match="cannot be combined with async_scheduling"):
+        LLMEngine(replace(config, async_scheduling=True))
     with pytest.raises(ValueError, match="pipeline_parallel_size=1 only"):
         make_llm(model, speculative_config=NGRAM, pipeline_parallel_size=2)
     monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no support
@@ -305,3 +315,34 @@ def test_lora_adapters(model, tmp_path):
     assert outs[0] == outs[1]
     assert len({row[2] for row in outs[0]}) == 3
     assert accepted > 0
+
+
+def test_drafts_take_only_what_the_step_leaves(model):
+    """Every running request gets its own token before anyone gets drafts: with a token
+    budget that cannot hold everyone's drafts, a step with drafts serves every running
+    request, and drafts never need a preemption the plain engine would not make."""
+    kw = {"max_num_batched_tokens": 8, "max_num_seqs": 6, "max_model_len": 128}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = make_llm(model, speculative_config=NGRAM, **kw)
+    sched = llm.engine.scheduler
+    schedule, seen = sched.schedule, []
+
+    def spy():
+        plan = schedule()
+        seen.append((any(e.spec_token_ids for e in plan.scheduled), len(plan.scheduled),
+                     len(sched.running)))
+        return plan
+
+    sched.schedule = spy
+    try:
+        got = summarize(generate(llm, PROMPTS, params))
+        stats = llm.engine.stats
+    finally:
+        llm.shutdown()
+    plain, plain_eng, _ = _run(model, PROMPTS, params, **kw)
+    assert got == plain
+    assert stats.num_accepted_tokens > 0
+    with_drafts = [(n, running) for drafted, n, running in seen if drafted]
+    assert any(running >= 4 for _, running in with_drafts)
+    assert all(n == running for n, running in with_drafts)
+    assert stats.num_preemptions == plain_eng.stats.num_preemptions == 0

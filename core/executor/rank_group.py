@@ -65,6 +65,7 @@ class RankGroup(Backend):
         self.supports_prompt_logprobs = backend_cls.supports_prompt_logprobs
         self.supports_pooling = getattr(backend_cls, "supports_pooling", False)
         self.supports_lora = getattr(backend_cls, "supports_lora", False)
+        self.supports_speculative = getattr(backend_cls, "supports_speculative", False)
         parallel = config.parallel_config
         self.world_size = parallel.world_size
         # The rank whose samples come back: rank 0, or the last stage's first rank (the

@@ -73,9 +73,18 @@ def check_backend_supports(backend_cls: type, registry: Any) -> None:
         f"support it: {', '.join(able) or '(none)'} (or turn async_scheduling off)")
 
 
-def check_speculation_support(backend_cls: type, registry: Any) -> None:
-    """Refuse speculative decoding on a backend that does not sample the rows of a
-    sequence's drafts (``Backend.supports_speculative``), naming those that do."""
+def check_speculation_support(backend_cls: type, registry: Any, config: EngineConfig) -> None:
+    """Refuse speculative decoding with what it does not run with: async scheduling and
+    pipeline parallel (the schedulers of those plan without drafts), and a backend that does
+    not sample the rows of a sequence's drafts (``Backend.supports_speculative``), naming
+    those that do."""
+    if config.async_scheduling:
+        raise ValueError("speculative_config cannot be combined with async_scheduling: each "
+                         "step is planned on the tokens the step before it kept (turn one off)")
+    stages = config.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        raise ValueError(f"speculative_config runs with pipeline_parallel_size=1 only, got "
+                         f"{stages}")
     if getattr(backend_cls, "supports_speculative", False):
         return
     able = sorted(name for name, info in registry.backends.items()

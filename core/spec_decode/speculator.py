@@ -20,18 +20,18 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def drafts(self, request: Request, budget: int) -> list[int]:
-        """Up to ``num_speculative_tokens`` drafts for ``request``'s next step, within a
-        token budget of ``budget`` (its own token included); [] for none."""
+    def drafts(self, request: Request, most: int) -> list[int]:
+        """Up to ``num_speculative_tokens`` drafts for ``request``'s next step, and at most
+        ``most`` (what the step's token budget leaves); [] for none."""
         if request.num_tokens - request.num_computed_tokens != 1 or \
                 request.num_output_placeholders or request.grammar is not None or \
                 request.bad_words_ids or request.pooling is not None:
             return []
         sp = request.sampling_params
-        k = min(self.config.num_speculative_tokens, budget - 1,
+        k = min(self.config.num_speculative_tokens, most,
                 # The step gains at most k + 1 tokens; drafts past max_tokens or the
                 # context would be computed only to be dropped.
-                self.max_model_len - request.num_tokens)
+                self.max_model_len - request.num_tokens - 1)
         if sp.max_tokens is not None:
             k = min(k, sp.max_tokens - len(request.output_token_ids) - 1)
         if k <= 0:
