@@ -323,10 +323,15 @@ class Scheduler:
             if not entry.is_decode:
                 continue
             request = entry.request
-            drafts = self.speculator.drafts(request, budget)
-            n = 1 + len(drafts)
-            if not drafts or not (bm.holds(request, n) or bm.can_allocate(request, n)):
+            # Blocks first, for the most drafts it could get: drafts proposed are drafts
+            # computed (the speculator learns from what the step keeps of them).
+            n = 1 + min(budget, self.speculator.config.num_speculative_tokens)
+            if not (bm.holds(request, n) or bm.can_allocate(request, n)):
                 continue
+            drafts = self.speculator.drafts(request, budget)
+            if not drafts:
+                continue
+            n = 1 + len(drafts)
             bm.allocate(request, n)
             scheduled[i] = ScheduledRequest(request, n, drafts)
             budget -= len(drafts)

@@ -385,3 +385,24 @@ def test_embed_reports_both_engines_and_checks_the_vectors(tiny_model_dir, tmp_p
     # fp32: cadence's vectors are transformers' (checked on every round).
     assert all(r["max_abs_diff_vs_hf"] < 1e-5 for r in res["runs"] if r["engine"] == "cadence")
     assert res["pooling"] == pooling and MACHINE_KEYS <= set(res["machine"])
+
+
+def test_edit_prompts_quote_a_passage_and_end_at_eos(tokenizer_dir):
+    """--prompt-kind edit: chat prompts asking for a passage back, the same for the same
+    seed, stopping at EOS (the answer's end) rather than running to max_tokens."""
+    from cadence.bench.texts import PASSAGES
+    from cadence.bench.throughput import Workload
+    from cadence.tokenizer_loader import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    wl = Workload(num_prompts=5, prompt_kind="edit", seed=3)
+    prompts = wl.prompts(1000, tok)
+    assert prompts == wl.prompts(1000, tok) and len(prompts) == 5
+    texts = [tok.decode(p) for p in prompts]
+    assert all(any(p[:40] in t for p in PASSAGES) for t in texts)
+    assert not wl.sampling_params(64).ignore_eos
+    assert Workload().sampling_params(64).ignore_eos
+    with pytest.raises(ValueError, match="prompt_kind must be one of"):
+        Workload(prompt_kind="chat")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        wl.prompts(1000)

@@ -168,11 +168,13 @@ def test_ngram_proposer():
     p = NgramProposer(1, 3)
     # The longest suffix seen before wins, and its latest occurrence.
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], None, 2)[0] == [4, 5]
-    assert p.propose([7, 8, 7, 9, 7], None, 3)[0] == [9, 7]
+    # A match close to the end continues with the period it implies: 9 7 9 ..., a a a ...
+    assert p.propose([7, 8, 7, 9, 7], None, 3)[0] == [9, 7, 9]
+    assert p.propose([4, 5, 5, 5], None, 3)[0] == [5, 5, 5]
     assert p.propose([1, 2, 3], None, 3)[0] == []
     # The index grows with the tokens and is rebuilt when they were cut back.
     drafts, state = p.propose([5, 6, 7, 8, 5, 6], None, 5)
-    assert drafts == [7, 8, 5, 6]
+    assert drafts == [7, 8, 5, 6, 7]
     assert p.propose([5, 6, 7, 8, 5, 6, 9], state, 5)[0] == []
     assert p.propose([5, 6, 7, 8, 5, 6, 9, 5], state, 2)[0] == [6, 9]
     assert p.propose([5, 6, 5], state, 2)[0] == [6, 5]
@@ -346,3 +348,31 @@ def test_drafts_take_only_what_the_step_leaves(model):
     assert any(running >= 4 for _, running in with_drafts)
     assert all(n == running for n, running in with_drafts)
     assert stats.num_preemptions == plain_eng.stats.num_preemptions == 0
+
+
+def test_drafts_back_off_while_they_are_turned_down_and_resume():
+    """A request whose drafts are turned down stops drafting but for a one-draft probe every
+    few steps; once its drafts are kept again it gets them all again."""
+    from cadence.request import Request
+    from cadence.spec_decode import Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=10_000)
+    req = Request("r", [1, 2, 3] * 4, SamplingParams(max_tokens=5000))
+
+    def step(keep: bool) -> list[int]:
+        req.num_computed_tokens = req.num_tokens - 1
+        drafts = spec.drafts(req, 100)
+        # The step keeps all drafts plus one token, or none of them and its own token.
+        req.output_token_ids.extend(drafts + [9] if keep and drafts else [1])
+        return drafts
+
+    assert len(step(keep=False)) == 3
+    counts = [len(step(keep=False)) for _ in range(30)]
+    assert counts[:4] == [3, 3, 3, 0]  # the running rate fell below the threshold
+    assert set(counts[4:]) == {0, 1}
+    assert 1 in counts[10:]  # the probes
+    req.output_token_ids.extend([1, 2, 3] * 3)  # the output repeats again
+    while not step(keep=True):
+        pass
+    counts = [len(step(keep=True)) for _ in range(12)]
+    assert counts[-1] == 3

@@ -39,6 +39,10 @@ def _add_workload_args(p: argparse.ArgumentParser, host_work_list: bool = False)
     g.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     g.add_argument("--output-len-range", default=None, metavar="A:B",
                    help="draw each output length uniformly from [A, B] (seeded) instead")
+    g.add_argument("--prompt-kind", default="random", choices=("random", "edit"),
+                   help="random: random token ids of --input-len (vLLM's benchmark); edit: "
+                        "requests to return a passage with its spelling corrected, whose "
+                        "answers repeat the prompt (--input-len is then the passage's)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (vLLM's benchmark uses 1.0; 0 is greedy)")
     g.add_argument("--host-work", default="light",

@@ -97,7 +97,7 @@ def _engine_runs(ns: argparse.Namespace, runs: list[str], workload: Workload, bs
             continue
         try:
             if prompts is None:
-                prompts = workload.prompts(vocab_size_of(engine))
+                prompts = workload.prompts(vocab_size_of(engine), engine.tokenizer)
             _record_env(engine, info)
             warm_up(engine, workload, prompts, bs)
             if mode in runs:

@@ -78,7 +78,7 @@ def cmd_embed(ns: argparse.Namespace) -> int:
     engine = build_engine(ns)
     records: list[dict[str, Any]] = []
     try:
-        prompts = workload.prompts(vocab_size_of(engine))
+        prompts = workload.prompts(vocab_size_of(engine), engine.tokenizer)
         cfg = engine.config.model_config
         pooler, dtype = cfg.pooler_config, cfg.dtype
         params = PoolingParams()

@@ -115,12 +115,12 @@ def interleaved_runs(ns: argparse.Namespace, runs: list[str], modes: dict[str, d
         first = next(iter(engines.values()))
         on_engine(first)
         vocab = vocab_size_of(first)
-        prompts0 = workload.prompts(vocab)
+        prompts0 = workload.prompts(vocab, first.tokenizer)
         for engine in engines.values():
             warm_up(engine, workload, prompts0, bs)
         for rnd in range(rounds):
             wl = round_workload(workload, rnd)
-            prompts, out_lens = wl.prompts(vocab), wl.output_lens()
+            prompts, out_lens = wl.prompts(vocab, first.tokenizer), wl.output_lens()
             k = rnd % len(names)
             for name in names[k:] + names[:k]:
                 if name == "floor":

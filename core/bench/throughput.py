@@ -17,6 +17,7 @@ from typing import Any
 
 from cadence.bench.floor import StepTimer, breakdown_from
 from cadence.bench.report import env_info, format_table, machine_info, write_json
+from cadence.bench.texts import PROMPT_KINDS, edit_prompts
 
 HOST_WORK = ("light", "heavy")
 # "heavy" host work: ten stop strings that never match (every token is checked against all
@@ -50,6 +51,9 @@ class Workload:
     detokenize: bool = True
     temperature: float = 1.0
     structured_output: str = "none"
+    # "random": random token ids of input_len; "edit": requests to return a passage with its
+    # spelling corrected (texts.py), whose answers repeat the prompt.
+    prompt_kind: str = "random"
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_prompts"):
@@ -63,11 +67,16 @@ class Workload:
         if self.structured_output not in STRUCTURED:
             raise ValueError(f"structured_output must be one of {STRUCTURED}, got "
                              f"{self.structured_output!r}")
+        if self.prompt_kind not in PROMPT_KINDS:
+            raise ValueError(f"prompt_kind must be one of {PROMPT_KINDS}, got "
+                             f"{self.prompt_kind!r}")
         r = self.output_len_range
         if r is not None and not 1 <= r[0] <= r[1]:
             raise ValueError(f"output_len_range must be A:B with 1 <= A <= B, got {r}")
 
-    def prompts(self, vocab_size: int) -> list[list[int]]:
+    def prompts(self, vocab_size: int, tokenizer: Any = None) -> list[list[int]]:
+        if self.prompt_kind == "edit":
+            return edit_prompts(tokenizer, self.num_prompts, self.seed)
         rng = random.Random(self.seed)
         return [[rng.randrange(vocab_size) for _ in range(self.input_len)]
                 for _ in range(self.num_prompts)]
@@ -89,8 +98,11 @@ class Workload:
             so = StructuredOutputsParams(json=BENCH_SCHEMA)
         elif self.structured_output == "regex":
             so = StructuredOutputsParams(regex=BENCH_REGEX)
+        # An edit's answer ends where the model ends it (max_tokens caps it): past its EOS a
+        # model writes a new turn of anything, which measures nothing the workload is about.
         return SamplingParams(
-            temperature=self.temperature, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
+            temperature=self.temperature, top_p=1.0, max_tokens=max_tokens,
+            ignore_eos=self.prompt_kind != "edit",
             detokenize=self.detokenize, stop=HEAVY_STOP if heavy else None,
             logprobs=HEAVY_LOGPROBS if heavy else None, structured_outputs=so)
 
@@ -115,7 +127,8 @@ def workload_from_args(ns: argparse.Namespace, num_prompts: int | None = None,
     return Workload(ns.input_len, ns.output_len, num_prompts or ns.num_prompts,
                     parse_len_range(ns.output_len_range), ns.seed,
                     host_work or ns.host_work, not ns.disable_detokenize, ns.temperature,
-                    getattr(ns, "structured_output", "none"))
+                    getattr(ns, "structured_output", "none"),
+                    getattr(ns, "prompt_kind", "random"))
 
 
 def workload_tokens(ns: argparse.Namespace, workload: Workload
@@ -127,9 +140,9 @@ def workload_tokens(ns: argparse.Namespace, workload: Workload
     from cadence.tokenizer_loader import load_tokenizer
 
     model = EngineArgs(model=ns.model).resolve_model()
-    vocab = prompt_vocab_size(vocab_size_from_config(model),
-                              load_tokenizer(ns.tokenizer or model))
-    return workload.prompts(vocab), workload.output_lens()
+    tokenizer = load_tokenizer(ns.tokenizer or model)
+    vocab = prompt_vocab_size(vocab_size_from_config(model), tokenizer)
+    return workload.prompts(vocab, tokenizer), workload.output_lens()
 
 
 def vocab_size_of(engine: Any) -> int:
@@ -310,7 +323,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns)
     engine = build_engine(ns)
     try:
-        prompts = workload.prompts(vocab_size_of(engine))
+        prompts = workload.prompts(vocab_size_of(engine), engine.tokenizer)
         name = "async_sched" if engine.config.async_scheduling else \
             "sync" if not engine.async_output else "async"
         warm_up(engine, workload, prompts, engine.config.scheduler_config.max_num_seqs)

@@ -1,5 +1,6 @@
 """Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of the
-n-gram that ends a request's tokens. No torch here.
+n-gram that ends a request's tokens, continued periodically where that occurrence overlaps
+the end. No torch here.
 
 Each request keeps an index from n-gram to where its latest occurrence ends, grown by the
 tokens added since the last proposal, so a proposal costs O(new tokens x n-gram sizes)
@@ -48,5 +49,17 @@ class NgramProposer:
         for n in range(min(self.high, last), self.low - 1, -1):
             end = latest.get(tuple(tokens[last - n + 1:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k], state
+                return _continuation(tokens, end, last, k), state
         return [], state
+
+
+def _continuation(tokens: list[int], end: int, last: int, k: int) -> list[int]:
+    """The ``k`` tokens that follow a match ending at ``end`` when the same n-gram ends at
+    ``last``. Past ``last`` the match's continuation is the drafts themselves: the tokens
+    repeat with period ``last - end``. A loop of one token ("a a a") then gets ``k`` drafts,
+    not the one token between the two occurrences."""
+    period = last - end
+    out = tokens[end + 1:end + 1 + min(k, period)]
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
