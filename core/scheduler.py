@@ -177,7 +177,8 @@ class Scheduler:
         # After a preemption memory is tight: admitting new work would only thrash.
         if not preempted and not self._waiting_for_commit:
             budget = self._schedule_waiting(budget, scheduled)
-        if self.speculator is not None and budget > 0:
+        if self.speculator is not None and budget > 0 and not preempted:
+            # Not after a preemption: the blocks it freed are for the requests it served.
             self._add_drafts(scheduled, budget)
         decodes = [s for s in scheduled if s.is_decode]
         others = [s for s in scheduled if not s.is_decode]
@@ -214,8 +215,10 @@ class Scheduler:
         """Count a committed entry's tokens as computed and register its full blocks. Of
         its drafts only the kept ones count: the K/V of the others, computed on tokens the
         request does not have, is overwritten by the steps that reach their positions."""
-        entry.request.num_computed_tokens += entry.num_new_tokens - \
-            len(entry.spec_token_ids) + entry.num_accepted
+        drafts = len(entry.spec_token_ids)
+        entry.request.num_computed_tokens += entry.num_new_tokens - drafts + entry.num_accepted
+        if drafts:
+            self.speculator.observe(entry.request, drafts, entry.num_accepted)
         self.block_manager.cache_full_blocks(entry.request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -323,15 +326,10 @@ class Scheduler:
             if not entry.is_decode:
                 continue
             request = entry.request
-            # Blocks first, for the most drafts it could get: drafts proposed are drafts
-            # computed (the speculator learns from what the step keeps of them).
-            n = 1 + min(budget, self.speculator.config.num_speculative_tokens)
-            if not (bm.holds(request, n) or bm.can_allocate(request, n)):
-                continue
             drafts = self.speculator.drafts(request, budget)
-            if not drafts:
-                continue
             n = 1 + len(drafts)
+            if not drafts or not (bm.holds(request, n) or bm.can_allocate(request, n)):
+                continue
             bm.allocate(request, n)
             scheduled[i] = ScheduledRequest(request, n, drafts)
             budget -= len(drafts)

@@ -406,3 +406,14 @@ def test_edit_prompts_quote_a_passage_and_end_at_eos(tokenizer_dir):
         Workload(prompt_kind="chat")
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         wl.prompts(1000)
+
+
+def test_edit_prompts_are_refused_where_runs_ignore_eos(tiny_model_dir, capsys):
+    """The floor, transformers and the peer run every request to its full length: an edit
+    comparison with them would compare other work."""
+    for extra in (["--runs", "async,floor"], ["--runs", "async,hf_generate"],
+                  ["--runs", "async", "--peer", "vllm", "--peer-python", "/nonexistent"]):
+        rc = main(["bench", "compare", "--model", tiny_model_dir("llama"), "--prompt-kind",
+                   "edit", *extra])
+        assert rc == 2 and "--prompt-kind edit compares cadence's engine" in \
+            capsys.readouterr().err

@@ -220,6 +220,13 @@ def test_profile_input_is_the_largest_step_and_writes_nothing() -> None:
     assert len(mi.sampling.temperature) == len(mi.sample_seq_indices) == 8
     small = profile_input(max_tokens=8192, max_seqs=2, max_model_len=16)
     assert small.num_tokens == 32 and small.query_lens == [16, 16]
+    # With speculative drafts a step samples up to 1 + k rows per sequence: so does the
+    # profile, or the sampler's buffers outgrow what the KV cache left them.
+    spec = profile_input(max_tokens=100, max_seqs=8, max_model_len=64, rows_per_seq=4)
+    assert len(spec.sampled_rows()) == len(spec.sampling.temperature) == 4 * 8
+    assert sum(spec.query_lens) == 100 and max(spec.query_lens) == 64
+    assert spec.sampled_rows()[:4] == [60, 61, 62, 63]
+    assert spec.sample_seq_indices[:5] == [0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize(("context_len", "fused_context", "dims"),

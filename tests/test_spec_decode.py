@@ -364,6 +364,7 @@ def test_drafts_back_off_while_they_are_turned_down_and_resume():
         drafts = spec.drafts(req, 100)
         # The step keeps all drafts plus one token, or none of them and its own token.
         req.output_token_ids.extend(drafts + [9] if keep and drafts else [1])
+        spec.observe(req, len(drafts), len(drafts) if keep else 0)
         return drafts
 
     assert len(step(keep=False)) == 3

@@ -108,9 +108,11 @@ def kv_cache_bytes(total: int, free: int, torch_peak: int, torch_reserved: int,
     return budget
 
 
-def profile_input(max_tokens: int, max_seqs: int, max_model_len: int) -> ModelInput:
+def profile_input(max_tokens: int, max_seqs: int, max_model_len: int,
+                  rows_per_seq: int = 1) -> ModelInput:
     """The largest step the scheduler can build: ``max_tokens`` prompt tokens over up to
-    ``max_seqs`` sequences, every one sampled with top-p (the sort is the sampler's peak).
+    ``max_seqs`` sequences, every one sampled with top-p (the sort is the sampler's peak),
+    each at its last ``rows_per_seq`` rows (1 + the speculative drafts a step may carry).
     Every slot is -1, so the forward writes no KV and needs no real cache.
 
     The tokens go to the first sequences first, each up to ``max_model_len``: attention
@@ -119,16 +121,29 @@ def profile_input(max_tokens: int, max_seqs: int, max_model_len: int) -> ModelIn
     """
     num_tokens = min(max_tokens, max_seqs * max_model_len)
     num_seqs = min(max_seqs, num_tokens)
-    lens, left = [], num_tokens - num_seqs  # every sequence has at least one token
+    # Every sequence has at least one token, and as many as it samples rows where the
+    # tokens suffice.
+    base = max(1, min(rows_per_seq, num_tokens // num_seqs, max_model_len))
+    lens, left = [], num_tokens - base * num_seqs
     for _ in range(num_seqs):
-        extra = min(left, max_model_len - 1)
-        lens.append(1 + extra)
+        extra = min(left, max_model_len - base)
+        lens.append(base + extra)
         left -= extra
     positions = [p for n in lens for p in range(n)]
-    sampling = SamplingMetadata([1.0] * num_seqs, [0] * num_seqs, [0.9] * num_seqs,
-                                [0.0] * num_seqs, [None] * num_seqs, [0] * num_seqs, False)
-    return ModelInput([0] * num_tokens, positions, [-1] * num_tokens, lens, list(lens),
-                      [[0]] * num_seqs, 0, list(range(num_seqs)), sampling)
+    seqs, rows, end = [], [], 0
+    for i, n in enumerate(lens):
+        end += n
+        take = min(n, rows_per_seq)
+        seqs += [i] * take
+        rows += range(end - take, end)
+    m = len(rows)
+    sampling = SamplingMetadata([1.0] * m, [0] * m, [0.9] * m, [0.0] * m, [None] * m,
+                                [0] * m, False)
+    mi = ModelInput([0] * num_tokens, positions, [-1] * num_tokens, lens, list(lens),
+                    [[0]] * num_seqs, 0, seqs, sampling)
+    if rows_per_seq > 1:
+        mi.sample_token_rows = rows
+    return mi
 
 
 def _torch_version_file() -> tuple[str | None, str | None] | str:

@@ -105,8 +105,10 @@ def profile_peak_bytes(be: CudaBackend) -> int:
                            device=be.device)  # all slots are -1: nothing is written
         be.runner.attn = attention(be, [tiny] * spec.num_layers, [tiny] * spec.num_layers)
         sched, model = be.config.scheduler_config, be.config.model_config
+        spec = be.config.speculative_config
         mi = profile_input(sched.max_num_batched_tokens, sched.max_num_seqs,
-                           model.max_model_len)
+                           model.max_model_len,
+                           1 + (spec.num_speculative_tokens if spec is not None else 0))
         be.to_host(be.sample(be.launch(mi), mi.sampling))
         torch.cuda.synchronize(be.device)
         be.runner.attn = None

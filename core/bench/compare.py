@@ -129,6 +129,16 @@ def _hf_runs(ns: argparse.Namespace, runs: list[str], hf_model: Any, workload: W
     return out
 
 
+def _check_edit_runs(runs: list[str], peer: Any) -> None:
+    """--prompt-kind edit ends each answer at EOS; the floor, transformers' baselines and the
+    peer run every request to its full length, so their ratios would compare other work."""
+    other = [r for r in runs if r == "floor" or r.startswith("hf_")]
+    if other or peer is not None:
+        raise ValueError(f"--prompt-kind edit compares cadence's engine runs "
+                         f"({', '.join(ENGINE_MODES)}), whose answers end at EOS; drop "
+                         f"{', '.join(other) or '--peer'}")
+
+
 def _check_peer_workload(runs: list[str], batch_sizes: list[int], host_works: list[str]
                          ) -> None:
     if "async" not in runs:
@@ -155,6 +165,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         # Checked now, not after the engine runs: the baselines run last.
         raise ValueError("hf runs need an engine run to pick the prompts: add one of "
                          f"{(*ENGINE_MODES, 'floor')} to --runs")
+    if getattr(ns, "prompt_kind", "random") == "edit":
+        _check_edit_runs(runs, peer)
     batch_sizes = parse_int_list(ns.batch_sizes or str(min(ns.num_prompts, ns.max_num_seqs)),
                                  "batch_sizes")
     host_works = [h.strip() for h in ns.host_work.split(",")]

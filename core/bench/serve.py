@@ -39,6 +39,9 @@ from cadence.bench.throughput import (
 
 def cmd_serve_bench(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns)
+    if workload.prompt_kind != "random":
+        raise ValueError("engine bench serve sends random prompts of --input-len that run to "
+                         "--output-len; --prompt-kind edit is for bench compare and throughput")
     prompts, out_lens = workload_tokens(ns, workload)
     server = None
     base = ns.base_url

@@ -19,21 +19,12 @@ _SMOOTHING = 0.3  # weight of the latest step in the running acceptance rate
 class SpecState:
     """One request's proposer index and how its drafts fared."""
 
-    __slots__ = ("index", "last_k", "last_len", "rate", "skipped")
+    __slots__ = ("index", "rate", "skipped")
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None
         self.rate = 1.0  # start as a fixed-k proposer would, and learn
-        self.last_len = 0  # tokens when drafts were last proposed
-        self.last_k = 0  # how many; 0 once accounted
         self.skipped = 0
-
-    def learn(self, num_tokens: int) -> None:
-        """Fold the outcome of the last drafts in: the step kept ``gained - 1`` of them."""
-        if self.last_k:
-            kept = min(max(num_tokens - self.last_len - 1, 0), self.last_k)
-            self.rate += _SMOOTHING * (kept / self.last_k - self.rate)
-            self.last_k = 0
 
 
 class Speculator:
@@ -67,14 +58,18 @@ class Speculator:
         state = request.spec_state
         if state is None:
             state = request.spec_state = SpecState()
-        tokens = request.all_token_ids
-        state.learn(len(tokens))
         if state.rate < _LOW_RATE:
             state.skipped += 1
             if state.skipped < _PROBE_EVERY:
                 return []
             state.skipped, k = 0, 1
-        drafts, state.index = self.proposer.propose(tokens, state.index, k)
-        if drafts:
-            state.last_len, state.last_k = len(tokens), len(drafts)
+        drafts, state.index = self.proposer.propose(request.all_token_ids, state.index, k)
         return drafts
+
+    @staticmethod
+    def observe(request: Request, num_drafts: int, num_kept: int) -> None:
+        """A committed step ran ``num_drafts`` of ``request``'s drafts and kept
+        ``num_kept``: fold that into its running rate."""
+        state = request.spec_state
+        if state is not None and num_drafts:
+            state.rate += _SMOOTHING * (num_kept / num_drafts - state.rate)
