@@ -356,7 +356,8 @@ def test_drafts_back_off_while_they_are_turned_down_and_resume():
     from cadence.request import Request
     from cadence.spec_decode import Speculator
 
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=10_000)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1),
+                      max_model_len=10_000)
     req = Request("r", [1, 2, 3] * 4, SamplingParams(max_tokens=5000))
 
     def step(keep: bool) -> list[int]:

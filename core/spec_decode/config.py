@@ -16,12 +16,16 @@ class SpeculativeConfig:
     """``method``: where drafts come from; ``"ngram"`` (prompt lookup) finds the longest
     n-gram, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, that ends the
     request's tokens and occurred before, and proposes the tokens that followed its latest
-    earlier occurrence. ``num_speculative_tokens``: the most drafts per request per step."""
+    earlier occurrence. ``num_speculative_tokens``: the most drafts per request per step.
+
+    ``prompt_lookup_min`` defaults to 2: one-token matches are mostly chance where the output
+    does not copy its context, and their drafts cost rows (docs/performance.md, "Speculative
+    decoding")."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
