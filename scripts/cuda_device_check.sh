@@ -19,11 +19,11 @@
 #   SMALL_MODEL=PATH    the host-heavy stage's model; default: `engine bench
 #                       make-small-model` (4 layers of width 128 with the default model's
 #                       49k vocabulary), built once into OUTPUT_DIR/small
-#   STAGES=env,install,model,tests,bench,hostheavy   run only some stages
+#   STAGES=env,install,model,tests,bench,hostheavy,spec   run only some stages
 #   BUDGET_S=SECONDS    a limit for the whole run: each stage is cut to what is left and
 #                       skipped with under 20 s to go, so the summary always gets written
 # Files in OUTPUT_DIR: env.txt install.log model.log pytest.log bench.log bench.json
-# hostheavy.log hostheavy.json summary.txt
+# hostheavy.log hostheavy.json spec.log spec.json summary.txt
 set -u -o pipefail
 
 dry=0
@@ -37,7 +37,7 @@ PY="${PYTHON:-python3}"
 INSTALL="${INSTALL:-1}"
 DTYPE="${DTYPE:-bfloat16}"
 BATCH_SIZES="${BATCH_SIZES:-1,8,32,64,128,256}"
-STAGES="${STAGES:-env,install,model,tests,bench,hostheavy}"
+STAGES="${STAGES:-env,install,model,tests,bench,hostheavy,spec}"
 MODEL="${MODEL:-}"
 SMALL_MODEL="${SMALL_MODEL:-}"
 # Paths the user gave are theirs, relative to where they ran this; the stages run from the
@@ -77,6 +77,8 @@ if (( dry )); then
   has hostheavy && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model" \
     "$small_dir --host-work light,heavy --batch-sizes 8,64 --runs async,async_sched,sync,floor" \
     "--rounds 2 ..."
+  has spec && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
+    "--runs async,spec --temperature 0 --batch-sizes 1,8 --rounds 2 ..."
   [[ -n "$problem" ]] && echo "(without a GPU the check stops here)"
   exit 0
 fi
@@ -213,5 +215,17 @@ if has hostheavy; then
   else
     say "skipped the host-heavy runs: no model at $small_dir"
   fi
+fi
+# Speculative decoding on the GPU: steps with drafts run eagerly through the prefill
+# attention (docs/speculative_decoding.md); greedy outputs of the model repeat or not, and
+# the JSON's draft_tokens / accepted_tokens say how many drafts were kept.
+if has spec; then
+  say "engine bench compare: speculative decoding (n-gram drafts) against none, 2 rounds"
+  limited spec "$PY" -m cadence.cli.main bench compare --backend cuda --model "$model_dir" \
+    --dtype "$DTYPE" --max-model-len 512 --input-len 128 --output-len 128 --temperature 0 \
+    --batch-sizes 1,8 --waves 1 --runs async,spec --rounds 2 --skip-hf --disable-tqdm \
+    --output-json "$results/spec.json" >"$results/spec.log" 2>&1
+  echo "spec exit $?" | tee -a "$results/summary.txt"
+  grep -E "^light +[0-9]+ +spec/async " "$results/spec.log" | tee -a "$results/summary.txt"
 fi
 say "done: $results/summary.txt"

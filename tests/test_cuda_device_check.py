@@ -130,3 +130,19 @@ def test_the_host_heavy_flags_it_passes_exist() -> None:
     from cadence.bench import rounds
 
     assert {("async_sched", "async"), ("async_sched", "floor")} <= set(rounds.PAIRS)
+
+
+def test_the_speculative_decoding_flags_it_passes_exist() -> None:
+    from cadence.cli.main import build_parser
+
+    text = SCRIPT.read_text()
+    cmd = re.search(r'limited spec "\$PY" -m cadence\.cli\.main (bench compare .*?) >"', text,
+                    re.DOTALL).group(1)
+    for name, value in {"$model_dir": "m", "$DTYPE": "bfloat16", "$results": "out"}.items():
+        cmd = cmd.replace(name, value)
+    ns = build_parser().parse_args(shlex.split(cmd.replace("\\\n", " ")))
+    assert ns.backend == "cuda" and ns.runs == "async,spec" and ns.temperature == 0
+    assert ns.rounds == 2 and ns.batch_sizes == "1,8"
+    from cadence.bench import rounds
+
+    assert ("spec", "async") in rounds.PAIRS  # the summary greps that pair's rows
