@@ -149,9 +149,10 @@ class Backend(ABC):
     supports_lora: ClassVar[bool] = False
     #: Whether the backend samples every row ``ModelInput.sampled_rows()`` names, several
     #: per sequence where a sequence carries draft tokens (speculative decoding,
-    #: cadence/spec_decode; ``sample_token_rows``), each with its own ``SamplingMetadata``
-    #: row. A backend whose sampling goes through ``ModelRunner.prepare`` gets it from
-    #: there. The engine refuses ``speculative_config`` otherwise.
+    #: cadence/spec_decode: a sequence named ``g`` times in ``sample_seq_indices`` samples
+    #: its last ``g`` rows), each with its own ``SamplingMetadata`` row. A backend whose
+    #: sampling goes through ``ModelRunner.prepare`` gets it from there. The engine refuses
+    #: ``speculative_config`` otherwise.
     supports_speculative: ClassVar[bool] = False
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among

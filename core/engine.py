@@ -39,6 +39,7 @@ from cadence.scheduling import (
     check_speculation_support,
     make_scheduler,
     make_step_loop,
+    require_backend_flag,
 )
 from cadence.structured_output.manager import StructuredOutputManager
 
@@ -57,12 +58,9 @@ class LLMEngine:
         logger.info("%s", self.backend_reason)
         if config.plans_with_placeholders:
             check_backend_supports(backend_cls, registry)
-        if config.lora_config is not None and not getattr(backend_cls, "supports_lora", False):
-            able = sorted(n for n, info in registry.backends.items()
-                          if getattr(info.cls, "supports_lora", False))
-            raise ValueError(f"LoRA adapters are not supported by backend {backend_cls.name!r}"
-                             f"; backends that serve them: {', '.join(able) or '(none)'} "
-                             "(or start without enable_lora)")
+        if config.lora_config is not None:
+            require_backend_flag(backend_cls, registry, "supports_lora", "LoRA adapters",
+                                 "or start without enable_lora")
         if config.speculative_config is not None:
             check_speculation_support(backend_cls, registry, config)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).

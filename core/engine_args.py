@@ -334,4 +334,3 @@ def _max_position_embeddings(model: str) -> int | None:
         raise ValueError(f"model folder {model!r} has an unreadable config.json: {e}") from e
     # GPT-2's config.json names it n_positions (transformers maps the two).
     return cfg.get("max_position_embeddings") or cfg.get("n_positions")
-

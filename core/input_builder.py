@@ -24,9 +24,8 @@ def build_model_input(plan, get_block_table,
     pool_rows: list[tuple[int, int]] = []
     pool_spans: list[tuple[int, int, int]] = []
     loras: dict[int, str] = {}
-    # Per sampled row, its token row, and (speculative decoding) the drafts computed before
-    # it; None while no sequence of the step has drafts.
-    rows: list[int] = []
+    # Speculative decoding: per sampled row, the drafts computed before it; None while no
+    # sequence of the step has drafts.
     drafts_before: list[list[int]] | None = None
     for i, sr in enumerate(plan.scheduled):
         req = sr.request
@@ -40,32 +39,14 @@ def build_model_input(plan, get_block_table,
             pool_rows.append((len(input_ids) + span[0] - start, span[1]))
             pool_spans.append((i, span[0], span[1]))
         table = get_block_table(req.request_id)
-        if sr.spec_token_ids:
-            if drafts_before is None:
-                drafts_before = [[] for _ in sample_idx]
-            drafts = sr.spec_token_ids
-            first = len(input_ids)
-            input_ids.append(req.token_at(start))
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
-                                for p in range(start, end))
-            query_lens.append(sr.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-            request_ids.append(req.request_id)
-            for j in range(len(drafts) + 1):
-                sample_idx.append(i)
-                sampled.append(req)
-                rows.append(first + j)
-                drafts_before.append(drafts[:j])
-            continue
+        drafts = sr.spec_token_ids
         if sr.num_new_tokens == 1:
             input_ids.append(req.token_at(start))
             positions.append(start)
             slot_mapping.append(table[start // block_size] * block_size + start % block_size)
         else:
-            input_ids.extend(req.token_slice(start, end))
+            input_ids.extend(req.token_slice(start, end - len(drafts)))
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size
                                 for p in range(start, end))
@@ -73,17 +54,22 @@ def build_model_input(plan, get_block_table,
         seq_lens.append(end)
         tables.append(table)
         request_ids.append(req.request_id)
-        if end == req.num_tokens:
+        if drafts:
+            # Every row of the chunk is sampled: the sequence is named once per row.
+            if drafts_before is None:
+                drafts_before = [[] for _ in sample_idx]
+            for j in range(len(drafts) + 1):
+                sample_idx.append(i)
+                sampled.append(req)
+                drafts_before.append(drafts[:j])
+        elif end == req.num_tokens:
             sample_idx.append(i)
             sampled.append(req)
-            rows.append(len(input_ids) - 1)
             if drafts_before is not None:
                 drafts_before.append([])
     mi = ModelInput(input_ids, positions, slot_mapping, query_lens, seq_lens, tables,
                     plan.num_decodes, sample_idx,
                     build_sampling_metadata(sampled, drafts_before), request_ids)
-    if drafts_before is not None:
-        mi.sample_token_rows = rows
     if prompt_lp.spans:
         mi.prompt_logprob_rows, mi.prompt_logprob_targets = prompt_lp.rows, prompt_lp.targets
         mi.num_prompt_logprobs, mi.prompt_logprob_spans = prompt_lp.k, prompt_lp.spans

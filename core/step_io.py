@@ -112,22 +112,21 @@ class ModelInput:
     # has an adapter; the backend's runner applies them (``ModelRunner.prepare``).
     lora_ids: list[int] = field(default_factory=list)
     lora_paths: dict[int, str] = field(default_factory=dict)
-    # Speculative decoding (cadence/spec_decode): the token row (index into ``input_ids``)
-    # of each sampled row, when some sequence samples more than its last row (its drafts'
-    # rows: ``sample_seq_indices`` then names that sequence once per row, in order). Empty
-    # otherwise: each sampled sequence's last row. ``sampled_rows()`` gives them either way;
-    # a backend declaring ``supports_speculative`` samples those.
-    sample_token_rows: list[int] = field(default_factory=list)
-
     def sampled_rows(self) -> list[int]:
-        """The token row of every sampled row, in ``sample_seq_indices`` order."""
-        if self.sample_token_rows:
-            return self.sample_token_rows
+        """The token row (index into ``input_ids``) of every sampled row, in
+        ``sample_seq_indices`` order. A sequence named ``g`` times in a row samples its last
+        ``g`` rows: its own token's and its drafts' (speculative decoding, cadence/spec_decode);
+        named once, its last row."""
         ends, total = [], 0
         for q in self.query_lens:
             total += q
             ends.append(total - 1)
-        return [ends[i] for i in self.sample_seq_indices]
+        seqs = self.sample_seq_indices
+        rows = [0] * len(seqs)
+        for k in range(len(seqs) - 1, -1, -1):
+            s = seqs[k]
+            rows[k] = rows[k + 1] - 1 if k + 1 < len(seqs) and seqs[k + 1] == s else ends[s]
+        return rows
 
     @property
     def num_tokens(self) -> int:

@@ -53,7 +53,8 @@ def test_cuda_speculative_decoding_equals_cpu(model) -> None:
     launch_eager, replay = runtime.launch_eager, llm.engine.backend.graphs.replay
 
     def spy_eager(be, mi, previous=None):
-        eager.append(bool(mi.sample_token_rows))  # a step with drafts
+        seqs = mi.sample_seq_indices
+        eager.append(len(set(seqs)) < len(seqs))  # a step with drafts
         return launch_eager(be, mi, previous)
 
     try:

@@ -378,3 +378,11 @@ def test_drafts_back_off_while_they_are_turned_down_and_resume():
         pass
     counts = [len(step(keep=True)) for _ in range(12)]
     assert counts[-1] == 3
+
+
+def test_a_sequence_named_g_times_samples_its_last_g_rows():
+    from cadence.backend import ModelInput
+
+    mi = ModelInput([0] * 9, list(range(9)), [0] * 9, [1, 4, 3, 1], [1, 4, 3, 1],
+                    [[0]] * 4, 1, [0, 1, 1, 1, 2, 3], None)
+    assert mi.sampled_rows() == [0, 2, 3, 4, 7, 8]

@@ -130,20 +130,13 @@ def profile_input(max_tokens: int, max_seqs: int, max_model_len: int,
         lens.append(base + extra)
         left -= extra
     positions = [p for n in lens for p in range(n)]
-    seqs, rows, end = [], [], 0
-    for i, n in enumerate(lens):
-        end += n
-        take = min(n, rows_per_seq)
-        seqs += [i] * take
-        rows += range(end - take, end)
-    m = len(rows)
+    # A sequence named g times samples its last g rows (ModelInput.sampled_rows).
+    seqs = [i for i, n in enumerate(lens) for _ in range(min(n, rows_per_seq))]
+    m = len(seqs)
     sampling = SamplingMetadata([1.0] * m, [0] * m, [0.9] * m, [0.0] * m, [None] * m,
                                 [0] * m, False)
-    mi = ModelInput([0] * num_tokens, positions, [-1] * num_tokens, lens, list(lens),
-                    [[0]] * num_seqs, 0, seqs, sampling)
-    if rows_per_seq > 1:
-        mi.sample_token_rows = rows
-    return mi
+    return ModelInput([0] * num_tokens, positions, [-1] * num_tokens, lens, list(lens),
+                      [[0]] * num_seqs, 0, seqs, sampling)
 
 
 def _torch_version_file() -> tuple[str | None, str | None] | str:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncScheduler", "AsyncSchedulingLoop", "PipelineLoop", "PipelineScheduler",
            "check_backend_supports", "check_speculation_support", "make_scheduler",
-           "make_step_loop"]
+           "make_step_loop", "require_backend_flag"]
 
 
 def make_scheduler(config: EngineConfig, block_manager: BlockManager,
@@ -61,16 +61,23 @@ def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | No
     return AsyncSchedulingLoop(engine) if config.plans_with_placeholders else None
 
 
+def require_backend_flag(backend_cls: type, registry: Any, flag: str, feature: str,
+                         remedy: str) -> None:
+    """Refuse ``feature`` on a backend that does not declare ``flag``, naming the installed
+    backends that do and ``remedy``."""
+    if getattr(backend_cls, flag, False):
+        return
+    able = sorted(name for name, info in registry.backends.items()
+                  if getattr(info.cls, flag, False))
+    raise ValueError(f"{feature} is not supported by backend {backend_cls.name!r}; backends "
+                     f"that support it: {', '.join(able) or '(none)'} ({remedy})")
+
+
 def check_backend_supports(backend_cls: type, registry: Any) -> None:
     """Refuse async scheduling on a backend that does not implement the placeholder protocol
     (``Backend.supports_async_scheduling``), naming those that do."""
-    if getattr(backend_cls, "supports_async_scheduling", False):
-        return
-    able = sorted(name for name, info in registry.backends.items()
-                  if getattr(info.cls, "supports_async_scheduling", False))
-    raise ValueError(
-        f"async_scheduling is not supported by backend {backend_cls.name!r}; backends that "
-        f"support it: {', '.join(able) or '(none)'} (or turn async_scheduling off)")
+    require_backend_flag(backend_cls, registry, "supports_async_scheduling",
+                         "async_scheduling", "or turn async_scheduling off")
 
 
 def check_speculation_support(backend_cls: type, registry: Any, config: EngineConfig) -> None:
@@ -85,11 +92,5 @@ def check_speculation_support(backend_cls: type, registry: Any, config: EngineCo
     if stages > 1:
         raise ValueError(f"speculative_config runs with pipeline_parallel_size=1 only, got "
                          f"{stages}")
-    if getattr(backend_cls, "supports_speculative", False):
-        return
-    able = sorted(name for name, info in registry.backends.items()
-                  if getattr(info.cls, "supports_speculative", False))
-    raise ValueError(
-        f"speculative decoding is not supported by backend {backend_cls.name!r}; backends "
-        f"that support it: {', '.join(able) or '(none)'} (or start without "
-        "speculative_config)")
+    require_backend_flag(backend_cls, registry, "supports_speculative", "speculative decoding",
+                         "or start without speculative_config")

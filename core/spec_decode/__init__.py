@@ -4,7 +4,7 @@ the model in one forward. No torch here.
 The data flow: before the scheduler plans a running decode, the ``Speculator``
 (speculator.py) asks the proposer (ngram.py) for up to ``num_speculative_tokens`` draft
 tokens; the step computes the decode's token and its drafts as one chunk, and the backend
-samples every row of that chunk (``ModelInput.sample_token_rows``). Commit
+samples every row of that chunk (``ModelInput.sampled_rows()``). Commit
 (``accept_drafts``, acceptance.py) keeps the sampled tokens while each one equals the
 draft it was computed on, plus the first one that does not, so a request gains 1 to
 ``k + 1`` tokens per step. The scheduler then counts only the accepted rows' K/V as
