@@ -59,7 +59,7 @@ class LLMEngine:
         if config.plans_with_placeholders:
             check_backend_supports(backend_cls, registry)
         if config.lora_config is not None:
-            require_backend_flag(backend_cls, registry, "supports_lora", "LoRA adapters",
+            require_backend_flag(backend_cls, registry, "supports_lora", "LoRA adapters are",
                                  "or start without enable_lora")
         if config.speculative_config is not None:
             check_speculation_support(backend_cls, registry, config)

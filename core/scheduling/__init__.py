@@ -63,13 +63,13 @@ def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | No
 
 def require_backend_flag(backend_cls: type, registry: Any, flag: str, feature: str,
                          remedy: str) -> None:
-    """Refuse ``feature`` on a backend that does not declare ``flag``, naming the installed
-    backends that do and ``remedy``."""
+    """Refuse ``feature`` (with its verb: "LoRA adapters are") on a backend that does not
+    declare ``flag``, naming the installed backends that do and ``remedy``."""
     if getattr(backend_cls, flag, False):
         return
     able = sorted(name for name, info in registry.backends.items()
                   if getattr(info.cls, flag, False))
-    raise ValueError(f"{feature} is not supported by backend {backend_cls.name!r}; backends "
+    raise ValueError(f"{feature} not supported by backend {backend_cls.name!r}; backends "
                      f"that support it: {', '.join(able) or '(none)'} ({remedy})")
 
 
@@ -77,7 +77,7 @@ def check_backend_supports(backend_cls: type, registry: Any) -> None:
     """Refuse async scheduling on a backend that does not implement the placeholder protocol
     (``Backend.supports_async_scheduling``), naming those that do."""
     require_backend_flag(backend_cls, registry, "supports_async_scheduling",
-                         "async_scheduling", "or turn async_scheduling off")
+                         "async_scheduling is", "or turn async_scheduling off")
 
 
 def check_speculation_support(backend_cls: type, registry: Any, config: EngineConfig) -> None:
@@ -92,5 +92,5 @@ def check_speculation_support(backend_cls: type, registry: Any, config: EngineCo
     if stages > 1:
         raise ValueError(f"speculative_config runs with pipeline_parallel_size=1 only, got "
                          f"{stages}")
-    require_backend_flag(backend_cls, registry, "supports_speculative", "speculative decoding",
+    require_backend_flag(backend_cls, registry, "supports_speculative", "speculative decoding is",
                          "or start without speculative_config")
