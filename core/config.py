@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cadence.distributed import EXPERT_PLACEMENTS
 from cadence.lora.config import LoRAConfig
 from cadence.pooling.config import PoolerConfig
+from cadence.quantization import check_quantization
 from cadence.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -38,8 +39,11 @@ class ModelConfig:
     # False for a base model saved without its LM head (an embedding model): it serves
     # embeddings only, and generation requests are refused.
     has_lm_head: bool = True
+    # How the weights are kept in memory (cadence/quantization); None: the checkpoint's dtype.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:

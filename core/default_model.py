@@ -53,6 +53,11 @@ def _gguf_folder() -> str:
     return folder
 
 
+def default_gguf_file() -> Path:
+    """The default model's GGUF file inside its package (ValueError when not installed)."""
+    return Path(_gguf_folder()) / _GGUF_FILE
+
+
 def default_model_path() -> str:
     """Return the folder of the converted default model, converting it on first use."""
     from cadence.gguf_model import convert_gguf, convert_once
@@ -60,6 +65,6 @@ def default_model_path() -> str:
     target = _cache_dir()
     if (target / "config.json").is_file():
         return str(target)
-    gguf_file = Path(_gguf_folder()) / _GGUF_FILE
+    gguf_file = default_gguf_file()
     # The instruct model ends its turns with <|im_end|>; the GGUF metadata may name another eos.
     return convert_once(target, lambda out: convert_gguf(gguf_file, out, eos_token="<|im_end|>"))

@@ -36,6 +36,7 @@ from cadence.sampling_params import FieldError, SamplingParams
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import (
     check_backend_supports,
+    check_quantization_support,
     check_speculation_support,
     make_scheduler,
     make_step_loop,
@@ -63,6 +64,7 @@ class LLMEngine:
                                  "or start without enable_lora")
         if config.speculative_config is not None:
             check_speculation_support(backend_cls, registry, config)
+        check_quantization_support(backend_cls, registry, config.model_config.quantization)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         self.backend.load_model()

@@ -33,6 +33,7 @@ from cadence.model_limits import (
     model_kv_window,
 )
 from cadence.pooling.config import POOLING_TYPES, load_pooler_config
+from cadence.quantization import QUANTIZATIONS, check_quantization
 from cadence.spec_decode.config import SpeculativeConfig
 
 
@@ -79,6 +80,8 @@ class EngineArgs:
     # Speculative decoding (cadence/spec_decode): a dict or JSON object with vLLM's keys,
     # e.g. {"method": "ngram", "num_speculative_tokens": 3}; None: off.
     speculative_config: dict | str | None = None
+    # Weights kept compressed (cadence/quantization): "gguf" runs a GGUF file's blocks.
+    quantization: str | None = None
 
     def resolve_model(self) -> str:
         """The local folder ``model`` names: a folder, a GGUF file, a Hub id or the default."""
@@ -100,6 +103,7 @@ class EngineArgs:
             # scheduling's placeholders: a backend's default gives way to it (the engine
             # refuses the two asked for together).
             args["async_scheduling"] = False
+        quantization = check_quantization(args["quantization"])
         get_registry().hook.cadence_configure(config=args)
         model = args["model"]
         if not os.path.isdir(model):
@@ -123,6 +127,16 @@ class EngineArgs:
             dtype = "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
+        if quantization == "gguf":
+            if args["enable_lora"]:
+                raise ValueError("quantization 'gguf' cannot be combined with enable_lora yet: "
+                                 "adapters wrap the fp32 linears the blocks replace (drop one)")
+            if int(args["tensor_parallel_size"]) > 1:
+                raise ValueError("quantization 'gguf' runs with tensor_parallel_size=1 only, "
+                                 f"got {args['tensor_parallel_size']}")
+            from cadence.quantization.gguf_export import ensure_blocks
+
+            ensure_blocks(model)
         defaults = load_generation_defaults(model, args["generation_config"])
         pooler = load_pooler_config(model, args["pooling_type"], args["pooling_normalize"])
         lora = None
@@ -134,7 +148,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
                                      generation_defaults=defaults, pooler_config=pooler,
-                                     has_lm_head=has_lm_head(model)),
+                                     has_lm_head=has_lm_head(model),
+                                     quantization=quantization),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
                                      args["enable_prefix_caching"],
                                      sliding_window=model_kv_window(model)),
@@ -174,6 +189,10 @@ class EngineArgs:
         p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
                        help="weights and activations dtype; auto: the backend's choice "
                             "(docs/backends/)")
+        p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                       help="keep the weights compressed in memory: 'gguf' runs a GGUF "
+                            "model's linear weights from their own blocks, with the outputs "
+                            "of its fp32 weights (docs/quantization.md; default: off)")
         p.add_argument("--seed", type=int, default=0,
                        help="the engine's random seed")
         p.add_argument("--max-model-len", type=int, default=None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -115,3 +116,7 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # Which file made the folder: --quantization gguf reads its blocks again (quantization/).
+    from cadence.quantization.gguf_export import SOURCE_FILE
+
+    (out / SOURCE_FILE).write_text(json.dumps({"file": str(gguf_file.resolve())}))

@@ -94,6 +94,10 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         def skip(name: str) -> bool:
             return model.stage_weight_name(model.body_weight_name(name)) is None
     model.load_weights(iterate_weights(model_config.model, skip))
+    if model_config.quantization == "gguf":
+        from cadence.quantization.weights import attach_gguf_blocks
+
+        attach_gguf_blocks(model, model_config.model)
     return model.eval(), hf_config
 
 

@@ -4,13 +4,13 @@ Hub cache is laid out in a temporary folder the way huggingface_hub writes it.""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
 import pytest
 from engine_helpers import generate, make_llm
+from gguf_helpers import write_llama_gguf
 
 from cadence import EngineArgs, SamplingParams
 from cadence.model_source import TOKENIZER_FILES, resolve_model_source
@@ -101,59 +101,6 @@ def test_folder_without_tokenizer_names_the_files(tmp_path, tiny_model_dir):
     # A separate tokenizer folder is what the message suggests, and it works.
     config = EngineArgs(model=str(folder), tokenizer=tiny_model_dir("llama")).create_engine_config()
     assert config.model_config.tokenizer == tiny_model_dir("llama")
-
-
-def _permute_rotary(w, num_heads: int):
-    # llama.cpp's converter reorders q/k rows from HF's rotate-half layout to interleaved
-    # pairs; transformers undoes it when reading a llama GGUF.
-    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def write_llama_gguf(model_dir: str, out_file: Path) -> None:
-    """Write a llama safetensors folder (fp32) as llama.cpp would: its tensor names, rotary
-    layout and metadata keys, with the byte-level BPE tokenizer as ``gpt2`` vocab + merges."""
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(out_file), "llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    vocab = {**tok["model"]["vocab"], **added}
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    assert len(tokens) == cfg["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in added else 1 for t in tokens])  # 3: control
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_pad_token_id(cfg["pad_token_id"])
-    w.add_add_bos_token(True)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
-    for name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
-        tensor = tensor.astype(np.float32)
-        if name.endswith("q_proj.weight"):
-            tensor = _permute_rotary(tensor, heads)
-        elif name.endswith("k_proj.weight"):
-            tensor = _permute_rotary(tensor, kv_heads)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture

@@ -71,7 +71,13 @@ def cadence_configure(config) -> None:
     if config.get("dtype") == "auto":
         from cadence.backends.cpu.dtype import resolve_auto_dtype
 
-        config["dtype"] = resolve_auto_dtype(config["model"])
+        # Quantized weights run with fp32 activations (quantized.py).
+        config["dtype"] = "float32" if config.get("quantization") else \
+            resolve_auto_dtype(config["model"])
+    if config.get("quantization"):
+        from cadence.backends.cpu.quantized import check_dtype
+
+        check_dtype(config["quantization"], config["dtype"])
     opts = config.setdefault("backend_options", {})
     if config.get("cpu_overlap"):
         opts["overlap"] = config["cpu_overlap"]

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "ops.cpp",
             "logits.cpp", "brgemm_linear.cpp", "amx_linear.cpp", "tiled_linear.cpp",
-            "lora.cpp")
-_HEADERS = ("vec.h", "attention_common.h", "gemm_chunks.h")
+            "quant_linear.cpp", "lora.cpp")
+_HEADERS = ("vec.h", "attention_common.h", "gemm_chunks.h", "tiled_core.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the loop runs on one thread.
 # The extension then shares torch's own libgomp (same soname, already loaded).
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")

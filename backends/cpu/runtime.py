@@ -15,6 +15,7 @@ import torch
 from cadence.config import EngineConfig
 from cadence.layers import paged_attention
 from cadence.layers.attention import attention_keywords, check_supported
+from cadence.layers.linear import Linear
 from cadence.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -27,16 +28,20 @@ class CpuRuntime:
     runner: ModelRunner
     num_blocks: int
     attention: str  # "kernel" or "torch"
-    linear: str  # "packed", "tiled", "brgemm", "amx" or "torch"
+    # "packed", "tiled", "brgemm", "amx" or "torch"; "none" when every linear is quantized.
+    linear: str
     # Gated MLPs run as one GEMM with their activation (gated.py), on this rank.
     fused_mlps: int = 0
     # What lives on transparent huge pages: "off", "weights" or "all" (memory.py).
     huge_pages: str = "off"
+    # Linears run from compressed weights (quantized.py), gated MLPs among them counted once.
+    quantized: int = 0
 
     def describe(self) -> dict[str, str]:
         return {"cpu_attention": self.attention, "cpu_linear": self.linear,
                 "cpu_fused_mlps": str(self.fused_mlps),
                 "cpu_huge_pages": self.huge_pages,
+                "cpu_quantized_linears": str(self.quantized),
                 "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "cpu_threads": str(torch.get_num_threads())}
 
@@ -82,14 +87,30 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     tune_allocator()
     runner = ModelRunner(config, "cpu")
     runner.load_model()
-    linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
-                           runner.dtype)
     spec = runner.kv_cache_spec()
     kernels, attention = _choose_attention(str(config.backend_option("attention", "auto")),
                                            spec.head_dim, runner.dtype,
                                            attention_keywords(runner.model))
+    quantized = 0
+    if config.model_config.quantization is not None:
+        from cadence.backends.cpu.kernels import load_kernels
+        from cadence.backends.cpu.quantized import run_quantized
+
+        ops = load_kernels()
+        if ops is None:
+            raise ValueError(f"quantization {config.model_config.quantization!r} runs on the "
+                             "compiled CPU kernels, which did not build here (see the warning "
+                             "above) or are turned off (CADENCE_CPU_KERNELS=0)")
+        # Gated MLPs fused as the fp32 tiled GEMM fuses them: beside the attention kernel.
+        quantized = run_quantized(runner.model, ops, fuse_gated=kernels is not None)
+    # The linears left in the checkpoint's dtype (all of them without quantization).
+    if any(isinstance(m, Linear) for m in runner.model.modules()):
+        linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
+                               runner.dtype)
+    else:
+        linear = "none"
     fused_mlps = 0
-    if linear != "torch":
+    if linear not in ("torch", "none"):
         if linear in ("tiled", "amx") and kernels is not None:
             from cadence.backends.cpu.gated import fuse_gated_mlps
 
@@ -130,6 +151,6 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     else:
         runner.attn = paged_attention.TorchPagedAttention(k, v, scale)
     check_supported(runner.attn, runner.model)
-    rt = CpuRuntime(runner, num_blocks, attention, linear, fused_mlps, huge_pages)
+    rt = CpuRuntime(runner, num_blocks, attention, linear, fused_mlps, huge_pages, quantized)
     logger.info("CPU backend: %s", ", ".join(f"{k}={v}" for k, v in rt.describe().items()))
     return rt

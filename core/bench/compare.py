@@ -41,12 +41,13 @@ from cadence.bench.throughput import (
     workload_tokens,
 )
 
-RUN_NAMES = ("async", "async_sched", "sync", "lora", "spec", "floor", "hf_generate",
+RUN_NAMES = ("async", "async_sched", "sync", "lora", "spec", "quant", "floor", "hf_generate",
              "hf_generate_batch")
 # The engine runs: EngineArgs overrides of each (async_sched: async output processing plus
 # async scheduling, docs/async_scheduling.md; lora: async with every request under one of
 # --max-loras random adapters of rank --max-lora-rank, throughput.bench_loras; spec: async
-# with speculative decoding, --speculative-config or BENCH_SPEC, docs/speculative_decoding.md).
+# with speculative decoding, --speculative-config or BENCH_SPEC, docs/speculative_decoding.md;
+# quant: async on the GGUF file's own blocks, docs/quantization.md).
 _PLAIN = {"enable_lora": False, "speculative_config": None}
 ENGINE_MODES = {"async": {"async_scheduling": False, **_PLAIN},
                 "async_sched": {"async_scheduling": True, "disable_async_output_proc": False,
@@ -55,7 +56,8 @@ ENGINE_MODES = {"async": {"async_scheduling": False, **_PLAIN},
                          **_PLAIN},
                 "lora": {"async_scheduling": False, **_PLAIN, "enable_lora": True},
                 "spec": {"async_scheduling": False, **_PLAIN,
-                         "speculative_config": BENCH_SPEC}}
+                         "speculative_config": BENCH_SPEC},
+                "quant": {"async_scheduling": False, **_PLAIN, "quantization": "gguf"}}
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -256,7 +258,7 @@ def _add_ratios(recs: list[dict]) -> None:
         r["ratio_to_floor"] = tps / floor["output_tokens_per_s"] if floor and tps else None
         if r["name"] in ("async", "async_sched") and sync and tps:
             r["ratio_to_sync"] = tps / sync["output_tokens_per_s"]
-        if r["name"] in ("async_sched", "lora", "spec") and tps and (a := next(
+        if r["name"] in ("async_sched", "lora", "spec", "quant") and tps and (a := next(
                 (x for x in recs if x["name"] == "async"), None)) and a["output_tokens_per_s"]:
             r["ratio_to_async"] = tps / a["output_tokens_per_s"]
         b = r.get("breakdown")

@@ -35,8 +35,8 @@ from cadence.bench.throughput import (
 
 # The ratios a comparison reports, numerator first, where both runs were made.
 PAIRS = (("async", "sync"), ("async_sched", "async"), ("async_sched", "sync"),
-         ("lora", "async"), ("spec", "async"), ("async", "floor"), ("async_sched", "floor"),
-         ("sync", "floor"))
+         ("lora", "async"), ("spec", "async"), ("quant", "async"), ("async", "floor"),
+         ("async_sched", "floor"), ("sync", "floor"))
 
 # Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom; beyond, the value
 # at the low end of each range (a slightly wider interval, never a narrower one).

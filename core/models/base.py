@@ -161,7 +161,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         owned = dict(self.named_parameters())  # a tied head's weight counts once
         shared = set(params) - set(owned)
-        fused_re = _fused_pattern(self.fused_parts)
+        fused_re = fused_pattern(self.fused_parts)
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -259,7 +259,7 @@ class CausalLM(nn.Module):
         return all(f"{name}#{i}" in loaded for i in range(len(self.fused_sizes(module))))
 
 
-def _fused_pattern(parts: dict[str, tuple[str, int]]) -> re.Pattern[str] | None:
+def fused_pattern(parts: dict[str, tuple[str, int]]) -> re.Pattern[str] | None:
     if not parts:
         return None
     names = "|".join(map(re.escape, parts))

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from cadence.engine import LLMEngine
 
 __all__ = ["AsyncScheduler", "AsyncSchedulingLoop", "PipelineLoop", "PipelineScheduler",
-           "check_backend_supports", "check_speculation_support", "make_scheduler",
+           "check_backend_supports", "check_quantization_support", "check_speculation_support",
+           "make_scheduler",
            "make_step_loop", "require_backend_flag"]
 
 
@@ -94,3 +95,15 @@ def check_speculation_support(backend_cls: type, registry: Any, config: EngineCo
                          f"{stages}")
     require_backend_flag(backend_cls, registry, "supports_speculative", "speculative decoding is",
                          "or start without speculative_config")
+
+
+def check_quantization_support(backend_cls: type, registry: Any, method: str | None) -> None:
+    """Refuse quantization ``method`` on a backend that does not run it
+    (``Backend.supports_quantization``), naming those that do."""
+    if method is None or method in backend_cls.supports_quantization:
+        return
+    able = sorted(name for name, info in registry.backends.items()
+                  if method in getattr(info.cls, "supports_quantization", ()))
+    raise ValueError(f"quantization {method!r} is not supported by backend "
+                     f"{backend_cls.name!r}; backends that run it: {', '.join(able) or '(none)'} "
+                     "(or drop --quantization)")

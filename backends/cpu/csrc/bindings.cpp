@@ -24,6 +24,14 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 torch::Tensor tiled_pack_gated(torch::Tensor w);
 torch::Tensor tiled_linear_gated(torch::Tensor x, torch::Tensor packed, int64_t h,
                                  c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> qtiled_pack(torch::Tensor q, torch::Tensor s,
+                                       c10::optional<torch::Tensor> o);
+std::vector<torch::Tensor> qtiled_pack_gated(torch::Tensor q, torch::Tensor s,
+                                             c10::optional<torch::Tensor> o);
+torch::Tensor qtiled_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t n,
+                            c10::optional<torch::Tensor> bias);
+torch::Tensor qtiled_linear_gated(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t h,
+                                  c10::optional<torch::Tensor> bias);
 bool brgemm_available();
 torch::Tensor brgemm_pack(torch::Tensor w);
 torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
@@ -67,6 +75,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an fp32 [2 * h, K] gate-then-up weight packed for tiled_linear_gated");
   m.def("tiled_linear_gated", &tiled_linear_gated,
         "silu(x @ gate.T + b) * (x @ up.T + b) on a tiled_pack_gated weight", py::arg("x"),
+        py::arg("packed"), py::arg("h"), py::arg("bias") = py::none());
+  m.def("qtiled_pack", &qtiled_pack,
+        "an int8 [N, K] weight with fp32 group scales (and offsets) packed for qtiled_linear",
+        py::arg("q"), py::arg("s"), py::arg("o") = py::none());
+  m.def("qtiled_pack_gated", &qtiled_pack_gated,
+        "the same for a [2 * h, K] gate-then-up weight, for qtiled_linear_gated", py::arg("q"),
+        py::arg("s"), py::arg("o") = py::none());
+  m.def("qtiled_linear", &qtiled_linear,
+        "x @ (s * q + o).T (+ bias) on a qtiled_pack'ed weight: tiled_linear's bits",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("qtiled_linear_gated", &qtiled_linear_gated,
+        "silu(x @ gate.T + b) * (x @ up.T + b) on a qtiled_pack_gated weight", py::arg("x"),
         py::arg("packed"), py::arg("h"), py::arg("bias") = py::none());
   m.def("brgemm_available", &brgemm_available,
         "whether ATen's bf16 micro-kernel runs on this CPU (it needs AMX)");

@@ -1,0 +1,26 @@
+"""Weights kept in a compressed form in memory and expanded inside the GEMM
+(docs/quantization.md).
+
+``gguf``: a GGUF file's linear weights run from their own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K) instead of the fp32 weights transformers dequantizes them to. The
+blocks give exactly those fp32 values, so the outputs are those of the fp32 model, bit for
+bit, from a quarter of the weight bytes. A backend declares what it runs
+(``Backend.supports_quantization``); the CPU backend runs ``gguf``.
+
+This module imports no torch: configuration checks it at start.
+"""
+
+from __future__ import annotations
+
+QUANTIZATIONS = ("gguf",)
+
+
+def check_quantization(name: str | None) -> str | None:
+    """``name`` when it is a known method (or None), else a ValueError listing them."""
+    if name is not None and name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), got "
+                         f"{name!r}")
+    return name
+
+
+__all__ = ["QUANTIZATIONS", "check_quantization"]

@@ -1,0 +1,131 @@
+"""Exported GGUF blocks (``gguf_export``) attached to the linear modules of a loaded model.
+
+Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
+``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
+stacked as its rows are); a backend that runs quantized weights swaps those modules for its
+kernel (backends/cpu/quantized.py), and one that does not ignores the attribute. The module's
+fp32 weight stays until then: it is what the blocks are checked against, bit for bit, before
+they are attached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cadence.layers.linear import Linear
+from cadence.quantization.gguf_export import INDEX_FILE, TENSORS_FILE, blocks_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """w = scale * q (+ offset) per group of ``group`` consecutive inputs: q [N, K] int8,
+    scale [N, K / group] fp32, offset as scale or None."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight, each product and sum rounded as gguf's dequantization rounds it."""
+        w = self.scale.repeat_interleave(self.group, dim=1) * self.q.float()
+        if self.offset is not None:
+            w = w + self.offset.repeat_interleave(self.group, dim=1)
+        return w
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset)
+                   if t is not None)
+
+
+def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    offsets = None
+    if any(p.offset is not None for p in parts):
+        # w = s * q + 0 is w = s * q (a zero product's sign aside, which no sum can see).
+        offsets = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale)
+                             for p in parts])
+    return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                           offsets)
+
+
+def _target(model: nn.Module, hf_name: str, embed: str, tied: bool
+            ) -> tuple[str, int | None] | None:
+    """(our module name, shard index or None) for checkpoint weight ``hf_name``; None when
+    no linear of this model (stage) takes it."""
+    from cadence.models.base import fused_pattern
+
+    name = model.stage_weight_name(model.body_weight_name(hf_name))
+    if name is None:
+        return None
+    if name == embed:
+        if not tied:
+            return None  # the embedding lookup itself stays fp32
+        name = "lm_head.weight"
+    pattern = fused_pattern(model.fused_parts)
+    match = pattern.match(name) if pattern is not None else None
+    if match is None:
+        return name.rpartition(".")[0], None
+    prefix, proj, _ = match.groups()
+    fused, shard = model.fused_parts[proj]
+    return f"{prefix}.{fused}", shard
+
+
+def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
+    """Attach ``folder``'s exported blocks to ``model``'s linears (module docstring); returns
+    how many modules got one."""
+    from safetensors import safe_open
+
+    where = blocks_dir(folder)
+    index = json.loads((where / INDEX_FILE).read_text())
+    if not index["formats"]:
+        return 0
+    embed = f"{model._body}.{model._embed}.weight"
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and any(head.weight is p for n, p in model.named_parameters(
+        remove_duplicate=False) if n == embed)
+    modules = dict(model.named_modules())
+    found: dict[str, dict[int | None, QuantizedWeight]] = {}
+    with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        for hf_name in index["formats"]:
+            target = _target(model, hf_name, embed, tied)
+            if target is None or not isinstance(modules.get(target[0]), Linear):
+                continue
+            offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
+            found.setdefault(target[0], {})[target[1]] = QuantizedWeight(
+                f.get_tensor(f"{hf_name}.q"), f.get_tensor(f"{hf_name}.s"), offset)
+    count = 0
+    for module_name, shards in found.items():
+        module = modules[module_name]
+        if None in shards:
+            weight = shards[None]
+        else:
+            n = len(model.fused_sizes(module_name.rsplit(".", 1)[-1]))
+            if sorted(shards) != list(range(n)):
+                continue  # a part stayed fp32: the module does too
+            weight = _stack([shards[i] for i in range(n)])
+        if weight.shape != module.weight.shape or not torch.equal(weight.dequantize(),
+                                                                  module.weight.detach()):
+            logger.warning("GGUF blocks for %s do not give its weight; it stays fp32",
+                           module_name)
+            continue
+        module.quantized = weight
+        count += 1
+    return count

@@ -1,0 +1,175 @@
+"""``--quantization gguf``: a GGUF file's linear weights run from their own blocks.
+
+What must hold: every block format unpacks to exactly what gguf's dequantization gives; the
+export keeps a tensor only where its blocks give the converted folder's fp32 weight, and
+says why it kept another in fp32; and the engine on the blocks gives the outputs of the
+engine on the fp32 folder, token ids and logprobs bit for bit, with async output processing
+on and off. Misuse is refused with the reason and the way out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_helpers import make_llm
+from gguf_helpers import write_llama_gguf
+
+from cadence import EngineArgs, SamplingParams
+from cadence.quantization.gguf_blocks import FORMATS, regroup, unpack
+from cadence.quantization.gguf_export import (
+    BLOCKS_DIR,
+    INDEX_FILE,
+    SOURCE_FILE,
+    ensure_blocks,
+)
+
+gguf = pytest.importorskip("gguf")
+
+
+def _random_blocks(fmt: str, rows: int, k: int, rng) -> np.ndarray:
+    """Random bytes with finite fp16 scale fields where ``fmt`` keeps them."""
+    per_block, nbytes, _, _ = FORMATS[fmt]
+    n = rows * k // per_block
+    raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+
+    def f16(col: int, lo: float, hi: float) -> None:
+        values = rng.uniform(lo, hi, n).astype(np.float16)
+        raw[:, col:col + 2] = np.frombuffer(values.tobytes(), np.uint8).reshape(n, 2)
+
+    if fmt == "Q6_K":
+        f16(208, 1e-4, 0.05)
+    elif fmt.endswith("_K"):
+        f16(0, 1e-4, 0.05)
+        f16(2, 1e-4, 0.05)
+    else:
+        f16(0, -0.05, 0.05)  # a negative scale is legal
+        if fmt in ("Q4_1", "Q5_1"):
+            f16(2, -0.2, 0.2)
+    return raw
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_unpacks_to_ggufs_own_dequantization(fmt):
+    rng = np.random.default_rng(len(fmt) * 7 + ord(fmt[1]))
+    rows, k = 5, 512
+    raw = _random_blocks(fmt, rows, k, rng)
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), getattr(gguf.GGMLQuantizationType, fmt))
+    got = unpack(raw, fmt, (rows, k))
+    assert got.q.dtype == np.int8 and got.scale.dtype == np.float32
+    assert got.group == FORMATS[fmt][2]
+    assert np.array_equal(got.dequantize().view(np.uint32),
+                          want.reshape(rows, k).astype(np.float32).view(np.uint32))
+    # Shared groups for fused modules: the same values with each scale repeated.
+    finer = regroup(got, 16)
+    assert finer.group == 16
+    assert np.array_equal(finer.dequantize().view(np.uint32), got.dequantize().view(np.uint32))
+
+
+def test_rows_that_are_not_whole_blocks_are_refused():
+    with pytest.raises(ValueError, match="not whole blocks of 256"):
+        unpack(np.zeros(144, np.uint8), "Q4_K", (1, 128))
+
+
+def _formats(name: str) -> str | None:
+    # A mix as llama.cpp's quantizer makes one, with a tensor kept in F32 (layer 1's v_proj):
+    # layer 1's fused qkv then stays fp32, the rest of the model runs from blocks.
+    if name == "model.layers.1.self_attn.v_proj.weight":
+        return None
+    for part, fmt in (("q_proj", "Q4_1"), ("k_proj", "Q4_0"), ("v_proj", "Q8_0"),
+                      ("o_proj", "Q5_0"), ("gate_proj", "Q4_1"), ("up_proj", "Q4_1"),
+                      ("down_proj", "Q5_1"), ("embed_tokens", "Q8_0"), ("lm_head", "Q8_0")):
+        if part in name:
+            return fmt
+    return None
+
+
+@pytest.fixture
+def quant_gguf(tmp_path, monkeypatch, tiny_model_dir, request):
+    from cadence import gguf_model
+
+    monkeypatch.setattr(gguf_model, "cache_root", lambda: tmp_path / "cadence-cache")
+    out = tmp_path / "ggufs" / "tiny-quant.gguf"
+    out.parent.mkdir()
+    write_llama_gguf(tiny_model_dir(getattr(request, "param", "llama")), out, _formats)
+    return out
+
+
+def test_export_keeps_what_matches_and_says_why_the_rest_stays_fp32(quant_gguf):
+    from cadence.model_source import resolve_model_source
+
+    folder = resolve_model_source(str(quant_gguf))
+    source = json.loads((Path(folder) / SOURCE_FILE).read_text())
+    assert source["file"] == str(quant_gguf.resolve())
+    assert not (Path(folder) / BLOCKS_DIR).exists()  # only on demand
+    where = ensure_blocks(folder)
+    index = json.loads((where / INDEX_FILE).read_text())
+    assert index["group_size"] == 32
+    assert index["formats"]["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
+    assert index["formats"]["model.layers.0.mlp.down_proj.weight"] == "Q5_1"
+    assert index["dense"] == {"model.layers.1.self_attn.v_proj.weight": "stored as F32"}
+    assert ensure_blocks(folder) == where  # once
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text,
+             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+# An untied head runs from its own blocks; a tied one from the embeddings' (the lookup itself
+# stays fp32).
+@pytest.mark.parametrize("quant_gguf,overlap", [("llama", "process"), ("llama-tied", "sync")],
+                         indirect=["quant_gguf"])
+def test_blocks_give_the_fp32_models_outputs_bit_for_bit(quant_gguf, overlap):
+    prompts = ["the cat runs over the", "café 中文 😀 and", "one two three four five"]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True,
+                            logprobs=2)
+    kw = {"dtype": "float32", "backend_options": {"overlap": overlap}}
+    plain = make_llm(str(quant_gguf), **kw)
+    want = [_outputs(plain, prompts, p) for p in (greedy, seeded)]
+    plain.shutdown()
+    quant = make_llm(str(quant_gguf), quantization="gguf", **kw)
+    info = quant.engine.backend.env_info()
+    # Every linear but layer 1's qkv: o, gate/up (fused) and down per layer, qkv of the
+    # other layer, and the head.
+    assert info["cpu_quantized_linears"] == str(2 * 3 + 1 + 1), info
+    assert info["dtype"] == "float32"
+    got = [_outputs(quant, prompts, p) for p in (greedy, seeded)]
+    quant.shutdown()
+    assert got == want
+
+
+def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(model=str(quant_gguf), quantization="awq").create_engine_config()
+    with pytest.raises(ValueError, match="was not converted from a GGUF file"):
+        EngineArgs(model=tiny_model_dir("llama"), quantization="gguf").create_engine_config()
+    with pytest.raises(ValueError, match="runs float32 activations"):
+        EngineArgs(model=str(quant_gguf), quantization="gguf",
+                   dtype="bfloat16").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
+        EngineArgs(model=str(quant_gguf), quantization="gguf",
+                   tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineArgs(model=str(quant_gguf), quantization="gguf",
+                   enable_lora=True).create_engine_config()
+    # dtype auto is float32 beside quantized weights, whatever the CPU.
+    config = EngineArgs(model=str(quant_gguf), quantization="gguf").create_engine_config()
+    assert config.model_config.dtype == "float32"
+    assert config.model_config.quantization == "gguf"
+
+
+def test_a_backend_that_does_not_run_it_refuses_it(quant_gguf, monkeypatch):
+    from cadence.engine import LLMEngine
+
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
+    config = EngineArgs(model=str(quant_gguf), backend="hpu", quantization="gguf",
+                        dtype="float32").create_engine_config()
+    with pytest.raises(ValueError, match="quantization 'gguf' is not supported by backend "
+                                         "'hpu'; backends that run it: cpu"):
+        LLMEngine(config)
