@@ -4,6 +4,7 @@ timed in process (docs/performance.md).
     python scripts/cpu_step_profile.py [--num-prompts 64] [--input-len 128]
                                        [--output-len 128 | --output-len-range 16:64]
                                        [--dtype float32] [--huge-pages off|weights|all]
+                                       [--quantization gguf]
 
 Runs the workload once with the ``sync`` strategy (everything on one thread, so a kernel's
 wall time is its cost) after a short warm-up, with a timer around each kernel call and
@@ -23,9 +24,11 @@ from cadence import LLM, SamplingParams
 from cadence.backends.cpu import gated
 from cadence.backends.cpu import kernels as cpu_kernels
 from cadence.backends.cpu import linear as cpu_linear
+from cadence.backends.cpu import quantized as cpu_quantized
 from cadence.backends.cpu.memory import HUGE_PAGE_CHOICES
 from cadence.bench.report import machine_info, machine_line
 from cadence.bench.throughput import Workload, parse_len_range
+from cadence.quantization import QUANTIZATIONS
 
 KERNELS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm",
            "silu_and_mul", "write_kv", "rotary_inplace", "refine_top_logits",
@@ -41,6 +44,7 @@ def main() -> None:
                     help="A:B: each request's output length drawn as `engine bench` draws it")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default="off")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     args = ap.parse_args()
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -71,11 +75,19 @@ def main() -> None:
             flops[0] += 2 * x.shape[0] * self.in_features * width
             return timed(f"gemm {self.in_features}->{width} {phase}", _run)(self, x)
         cls._gemm = gemm
+    original_q = cpu_quantized.QuantTiledLinear.forward
+
+    def quant_forward(self, x, _run=original_q):
+        phase = "prefill" if x.shape[0] > args.num_prompts else "decode"
+        width = self.out_features * (2 if self.variant else 1)
+        flops[0] += 2 * x.shape[0] * self.in_features * width
+        return timed(f"gemm {self.in_features}->{width} {phase} (quantized)", _run)(self, x)
+    cpu_quantized.QuantTiledLinear.forward = quant_forward
     # The two torch ops of the step that showed in a profile: softmax (sampling's, where the
     # draw kernel is not used) and the concatenations (row padding, penalties' history).
     for name in ("softmax", "cat"):
         setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
-    llm = LLM(dtype=args.dtype,
+    llm = LLM(dtype=args.dtype, quantization=args.quantization,
               backend_options={"overlap": "sync", "huge_pages": args.huge_pages})
     print(machine_line({**machine_info(), "dtype": args.dtype}))
     rng = random.Random(0)

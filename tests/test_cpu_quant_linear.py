@@ -20,12 +20,17 @@ def _weight(n: int, k: int, group: int, offset: bool, seed: int, lo: int = -128,
     return QuantizedWeight(q, scale, off)
 
 
-@pytest.mark.parametrize("n,k,group,offset", [(96, 64, 32, True), (100, 96, 16, False),
-                                              (40, 576, 32, True), (33, 1536, 32, False)])
-def test_same_bits_as_the_fp32_tiled_gemm_at_every_row_count(ops, n, k, group, offset):
-    w = _weight(n, k, group, offset, seed=n + k)
+# Value ranges: int8's whole range (a byte a value), and ranges of 16 values (the 4-bit
+# formats', two values a byte): signed, unsigned, and one without 0 (the padding's value).
+@pytest.mark.parametrize("n,k,group,offset,lo,hi", [
+    (96, 64, 32, True, -128, 128), (100, 96, 16, False, -128, 128),
+    (40, 576, 32, True, 0, 16), (33, 1536, 32, False, -8, 8), (50, 320, 32, True, 3, 19)])
+def test_same_bits_as_the_fp32_tiled_gemm_at_every_row_count(ops, n, k, group, offset, lo, hi):
+    w = _weight(n, k, group, offset, seed=n + k, lo=lo, hi=hi)
     dense = ops.tiled_pack(w.dequantize())
     packed = ops.qtiled_pack(w.q, w.scale, w.offset)
+    bits = 8 if hi - lo > 16 else 4
+    assert packed[0].shape[2] * 8 // bits == ops.tiled_panel_width()
     bias = torch.randn(n)
     x = torch.randn(200, k)
     full = ops.qtiled_linear(x, packed, n, bias)
