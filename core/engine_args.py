@@ -127,13 +127,16 @@ class EngineArgs:
             dtype = "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
-        if quantization == "gguf":
+        if quantization is not None:
             if args["enable_lora"]:
-                raise ValueError("quantization 'gguf' cannot be combined with enable_lora yet: "
-                                 "adapters wrap the fp32 linears the blocks replace (drop one)")
+                raise ValueError(f"quantization {quantization!r} cannot be combined with "
+                                 "enable_lora yet: adapters wrap the linears the quantized "
+                                 "weights replace (drop one)")
             if int(args["tensor_parallel_size"]) > 1:
-                raise ValueError("quantization 'gguf' runs with tensor_parallel_size=1 only, "
-                                 f"got {args['tensor_parallel_size']}")
+                raise ValueError(f"quantization {quantization!r} runs with "
+                                 "tensor_parallel_size=1 only, got "
+                                 f"{args['tensor_parallel_size']}")
+        if quantization == "gguf":
             from cadence.quantization.gguf_export import ensure_blocks
 
             ensure_blocks(model)
@@ -192,7 +195,8 @@ class EngineArgs:
         p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                        help="keep the weights compressed in memory: 'gguf' runs a GGUF "
                             "model's linear weights from their own blocks, with the outputs "
-                            "of its fp32 weights (docs/quantization.md; default: off)")
+                            "of its fp32 weights; 'int8' rounds any model's linears to int8 "
+                            "at load (docs/quantization.md; default: off)")
         p.add_argument("--seed", type=int, default=0,
                        help="the engine's random seed")
         p.add_argument("--max-model-len", type=int, default=None,

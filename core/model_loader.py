@@ -98,6 +98,10 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         from cadence.quantization.weights import attach_gguf_blocks
 
         attach_gguf_blocks(model, model_config.model)
+    elif model_config.quantization == "int8":
+        from cadence.quantization.weights import attach_int8
+
+        attach_int8(model)
     return model.eval(), hf_config
 
 

@@ -144,6 +144,24 @@ def test_blocks_give_the_fp32_models_outputs_bit_for_bit(quant_gguf, overlap):
     assert got == want
 
 
+@pytest.mark.parametrize("extra", [
+    {"async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1}},
+    {"pipeline_parallel_size": 2}], ids=["async_scheduling", "speculative", "pp2"])
+def test_blocks_run_with_the_other_step_strategies(quant_gguf, extra):
+    # A repetitive prompt, so that n-gram drafts are proposed and some accepted.
+    prompts = ["one two one two one two one two", "the cat runs over the"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = make_llm(str(quant_gguf), dtype="float32")
+    want = _outputs(plain, prompts, params)
+    plain.shutdown()
+    quant = make_llm(str(quant_gguf), quantization="gguf", **extra)
+    got = _outputs(quant, prompts, params)
+    quant.shutdown()
+    assert got == want
+
+
 def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(model=str(quant_gguf), quantization="awq").create_engine_config()
@@ -173,3 +191,52 @@ def test_a_backend_that_does_not_run_it_refuses_it(quant_gguf, monkeypatch):
     with pytest.raises(ValueError, match="quantization 'gguf' is not supported by backend "
                                          "'hpu'; backends that run it: cpu"):
         LLMEngine(config)
+
+
+def test_int8_rounds_each_group_to_its_own_scale():
+    import torch
+
+    from cadence.quantization.weights import quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 96, generator=g)
+    w[1, 32:64] = 0.0  # an all-zero group
+    qw = quantize_int8(w)
+    assert qw.q.dtype == torch.int8 and qw.scale.shape == (6, 3) and qw.offset is None
+    assert qw.q.abs().max() == 127
+    err = (qw.dequantize() - w).abs()
+    assert torch.all(err <= qw.scale.repeat_interleave(32, dim=1) / 2 + 1e-7)
+    assert torch.equal(qw.dequantize()[1, 32:64], torch.zeros(32))
+    # A width that is not a multiple of the group: one scale for the whole row.
+    assert quantize_int8(torch.randn(3, 40, generator=g)).scale.shape == (3, 1)
+
+
+def test_int8_gives_the_outputs_of_its_rounded_weights(tiny_model_dir, tmp_path):
+    """int8 is not the checkpoint's result: it is exactly the result of a checkpoint whose
+    linears, the head's included, hold the rounded weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cadence.quantization.weights import quantize_int8
+
+    source = tiny_model_dir("llama")
+    rounded = tmp_path / "rounded"
+    shutil.copytree(source, rounded)
+    tensors = load_file(str(rounded / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and ("proj" in name or name == "lm_head.weight"):
+            tensors[name] = quantize_int8(tensor).dequantize().to(tensor.dtype)
+    save_file(tensors, str(rounded / "model.safetensors"), metadata={"format": "pt"})
+    prompts = ["the cat runs over the", "one two three four five"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = make_llm(str(rounded), dtype="float32")
+    want = _outputs(plain, prompts, params)
+    plain.shutdown()
+    quant = make_llm(source, quantization="int8")
+    info = quant.engine.backend.env_info()
+    # qkv, o, gate/up (fused) and down in each of the two layers, and the head.
+    assert info["cpu_quantized_linears"] == "9", info
+    assert info["dtype"] == "float32"
+    assert _outputs(quant, prompts, params) == want
+    quant.shutdown()

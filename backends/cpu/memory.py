@@ -86,7 +86,7 @@ def tune_allocator() -> bool:
     return ok and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, as
     ``tune_allocator`` asks): the weights' old copies would stay resident."""
     try:
@@ -127,9 +127,9 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         offset += size
         untrimmed += size
         if untrimmed >= 1 << 30:
-            _trim_heap()
+            trim_heap()
             untrimmed = 0
-    _trim_heap()
+    trim_heap()
     return total
 
 

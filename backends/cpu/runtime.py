@@ -80,6 +80,7 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         move_weights_to_huge_pages,
         prefault_kv_cache,
         resolve_huge_pages,
+        trim_heap,
         tune_allocator,
     )
 
@@ -103,6 +104,9 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
                              "above) or are turned off (CADENCE_CPU_KERNELS=0)")
         # Gated MLPs fused as the fp32 tiled GEMM fuses them: beside the attention kernel.
         quantized = run_quantized(runner.model, ops, fuse_gated=kernels is not None)
+        # The fp32 weights the quantized ones replace were freed into the heap, which keeps
+        # them resident unless trimmed (tune_allocator): that is most of the model's size.
+        trim_heap()
     # The linears left in the checkpoint's dtype (all of them without quantization).
     if any(isinstance(m, Linear) for m in runner.model.modules()):
         linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
@@ -121,6 +125,7 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         # A low-precision head's tied maxima are recomputed from its plain rows.
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
+        trim_heap()  # the plain weights' pages, as above
         if runner.lora is not None:
             from cadence.backends.cpu.linear import row_independent_gemm
 

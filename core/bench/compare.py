@@ -47,8 +47,9 @@ RUN_NAMES = ("async", "async_sched", "sync", "lora", "spec", "quant", "floor", "
 # async scheduling, docs/async_scheduling.md; lora: async with every request under one of
 # --max-loras random adapters of rank --max-lora-rank, throughput.bench_loras; spec: async
 # with speculative decoding, --speculative-config or BENCH_SPEC, docs/speculative_decoding.md;
-# quant: async on the GGUF file's own blocks, docs/quantization.md).
-_PLAIN = {"enable_lora": False, "speculative_config": None}
+# quant: async on quantized weights, --quantization or a GGUF file's own blocks,
+# docs/quantization.md).
+_PLAIN = {"enable_lora": False, "speculative_config": None, "quantization": None}
 ENGINE_MODES = {"async": {"async_scheduling": False, **_PLAIN},
                 "async_sched": {"async_scheduling": True, "disable_async_output_proc": False,
                                 **_PLAIN},

@@ -81,6 +81,8 @@ def build_mode_engine(ns: argparse.Namespace, mode: str, overrides: dict, bs: in
     backend refuses async scheduling (the other runs go on)."""
     if overrides.get("speculative_config") and getattr(ns, "speculative_config", None):
         overrides = {**overrides, "speculative_config": ns.speculative_config}
+    if overrides.get("quantization") and getattr(ns, "quantization", None):
+        overrides = {**overrides, "quantization": ns.quantization}
     try:
         return build_engine(ns, max_num_seqs=bs, **overrides), None
     except ValueError as e:

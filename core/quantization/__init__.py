@@ -4,15 +4,20 @@
 ``gguf``: a GGUF file's linear weights run from their own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, Q4_K, Q5_K, Q6_K) instead of the fp32 weights transformers dequantizes them to. The
 blocks give exactly those fp32 values, so the outputs are those of the fp32 model, bit for
-bit, from a quarter of the weight bytes. A backend declares what it runs
-(``Backend.supports_quantization``); the CPU backend runs ``gguf``.
+bit, from a quarter of the weight bytes or less.
+
+``int8``: any model's linear weights (the LM head's included) rounded at load to int8 with one
+fp32 scale per group of 32 inputs; close to the checkpoint's outputs, not equal to them.
+
+A backend declares what it runs (``Backend.supports_quantization``); the CPU backend runs
+both.
 
 This module imports no torch: configuration checks it at start.
 """
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("gguf",)
+QUANTIZATIONS = ("gguf", "int8")
 
 
 def check_quantization(name: str | None) -> str | None:

@@ -1,4 +1,5 @@
-"""Exported GGUF blocks (``gguf_export``) attached to the linear modules of a loaded model.
+"""Quantized weights attached to the linear modules of a loaded model: exported GGUF blocks
+(``gguf_export``), or int8 values computed at load (``attach_int8``).
 
 Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
 ``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
@@ -97,9 +98,10 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     if not index["formats"]:
         return 0
     embed = f"{model._body}.{model._embed}.weight"
+    # Tied: the head's weight is the embeddings' (a pipeline stage may hold either alone).
     head = getattr(model, "lm_head", None)
-    tied = head is not None and any(head.weight is p for n, p in model.named_parameters(
-        remove_duplicate=False) if n == embed)
+    embed_weight = dict(model.named_parameters(remove_duplicate=False)).get(embed)
+    tied = isinstance(head, Linear) and head.weight is embed_weight
     modules = dict(model.named_modules())
     found: dict[str, dict[int | None, QuantizedWeight]] = {}
     with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
@@ -128,4 +130,35 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
             continue
         module.quantized = weight
         count += 1
+    return count
+
+
+# Inputs per int8 scale: llama.cpp's Q8_0 block, whose error on trained weights is known to
+# be negligible; a row whose width is not a multiple of it has one scale for the whole row.
+INT8_GROUP = 32
+
+
+def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> QuantizedWeight:
+    """Symmetric int8 with one fp32 scale per ``group`` inputs of each output:
+    s = max |w| / 127 over the group, q = round(w / s)."""
+    n, k = weight.shape
+    if k % group:
+        group = k
+    w = weight.detach().float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=2) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
+    q = torch.round(w / scale.unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.reshape(n, k), scale.contiguous(), None)
+
+
+def attach_int8(model: nn.Module) -> int:
+    """Give every linear of ``model`` an int8 ``quantized`` weight, the LM head's included (as
+    llama.cpp's Q8_0 files store it: at a small model's decode the head is a fifth of the
+    weight bytes, and in fp32 it would stream as many bytes as all the int8 layers);
+    returns how many. A tied head's embedding table stays as it was."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantized = quantize_int8(module.weight)
+            count += 1
     return count
