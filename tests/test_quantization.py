@@ -240,3 +240,25 @@ def test_int8_gives_the_outputs_of_its_rounded_weights(tiny_model_dir, tmp_path)
     assert info["dtype"] == "float32"
     assert _outputs(quant, prompts, params) == want
     quant.shutdown()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt2"])
+def test_int8_runs_other_families_close_to_their_weights(family, tmp_path, tokenizer_dir):
+    """Experts and Conv1D-converted layers run from int8 too (routers stay as they are), and
+    the first step's log-probabilities stay near the checkpoint's."""
+    from family_factory import build_family_model
+
+    path = build_family_model(family, tmp_path / family, tokenizer_dir)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    prompts = ["the cat runs over the", "one two three four five"]
+    plain = make_llm(path, dtype="float32")
+    want = _outputs(plain, prompts, params)
+    plain.shutdown()
+    quant = make_llm(path, quantization="int8")
+    count = int(quant.engine.backend.env_info()["cpu_quantized_linears"])
+    got = _outputs(quant, prompts, params)
+    quant.shutdown()
+    assert count >= 5
+    for (_, _, [lp_want]), (_, _, [lp_got]) in zip(want, got):
+        top = max(lp_want, key=lp_want.get)
+        assert top in lp_got and abs(lp_got[top] - lp_want[top]) < 0.1, (lp_want, lp_got)

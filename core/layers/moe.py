@@ -115,6 +115,9 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype
         self.gate = Linear(hidden, num_experts, bias=False)
+        # Routers stay in the model's dtype under int8 quantization, as llama.cpp keeps them:
+        # a rounded router picks other experts, and it is a sliver of the weights.
+        self.gate.keep_unquantized = True
         self.held = frozenset(range(num_experts) if held is None else held)
         self.experts = nn.ModuleList(
             (ExpertMLP(hidden, intermediate, split=held is None) if e in self.held
@@ -124,6 +127,7 @@ class SparseMoE(nn.Module):
         if shared_intermediate:
             self.shared_expert = ExpertMLP(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            self.shared_expert_gate.keep_unquantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""

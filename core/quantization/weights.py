@@ -154,11 +154,12 @@ def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> QuantizedWei
 def attach_int8(model: nn.Module) -> int:
     """Give every linear of ``model`` an int8 ``quantized`` weight, the LM head's included (as
     llama.cpp's Q8_0 files store it: at a small model's decode the head is a fifth of the
-    weight bytes, and in fp32 it would stream as many bytes as all the int8 layers);
-    returns how many. A tied head's embedding table stays as it was."""
+    weight bytes, and in fp32 it would stream as many bytes as all the int8 layers), but
+    not those a model marks ``keep_unquantized`` (mixture-of-experts routers); returns how
+    many. A tied head's embedding table stays as it was."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not getattr(module, "keep_unquantized", False):
             module.quantized = quantize_int8(module.weight)
             count += 1
     return count
