@@ -12,7 +12,8 @@
 // thread's fp32 buffer, which the tiled GEMM's own tiles then read, so the expansion costs a
 // multiply (and an add) per weight per chunk against up to 128 FMAs. Measured on a Zen 5
 // EPYC (2 threads), the default model's decode GEMMs of one step, 30 layers and the head, at
-// one row: 3.8 ms from 4-bit blocks against 9.0 ms on fp32 weights; level at 64 rows.
+// one row: 3.4-3.9 ms from 4-bit blocks against 8.9-12.8 ms on fp32 weights; level at 64
+// rows (docs/backends/cpu.md, "Quantized weights").
 //
 // NOTE exactness: the expansion computes s * q rounded to fp32, then adds o and rounds again,
 // as numpy computes gguf's dequantization (the barrier below keeps the compiler from
