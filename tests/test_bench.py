@@ -247,6 +247,19 @@ def test_compare_lora_run(tiny_model_dir, tmp_path):
     assert runs["lora"]["ratio_to_async"] > 0
 
 
+def test_compare_quant_run(tiny_model_dir, tmp_path):
+    """The quant run: --quantization names its method; the async run keeps the checkpoint's
+    weights, and each record says which dtype and weights it ran."""
+    data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                 "--runs", "async,quant", "--quantization", "int8", "--cpu-overlap", "sync",
+                 *WORKLOAD], tmp_path / "cmp.json")
+    runs = {r["name"]: r for r in data["runs"]}
+    assert runs["async"]["quantization"] is None and runs["quant"]["quantization"] == "int8"
+    assert runs["quant"]["dtype"] == "float32"
+    assert runs["quant"]["num_output_tokens"] == runs["async"]["num_output_tokens"] == 24
+    assert runs["quant"]["ratio_to_async"] > 0
+
+
 def test_compare_with_hf_generate(tiny_model_dir, tmp_path):
     data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "3",
                  "--runs", "floor,hf_generate,hf_generate_batch", *WORKLOAD],
