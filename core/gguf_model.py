@@ -59,7 +59,19 @@ def gguf_model_path(gguf_file: Path) -> str:
         # takes minutes and fills disk, and the user should see why and where.
         logger.warning("converting %s from GGUF into %s (once; later runs reuse it)",
                        gguf_file, target)
-    return convert_once(target, lambda out: convert_gguf(gguf_file, out))
+    folder = convert_once(target, lambda out: convert_gguf(gguf_file, out))
+    record_source(gguf_file, Path(folder))
+    return folder
+
+
+def record_source(gguf_file: Path, folder: Path) -> None:
+    """Note in ``folder`` which GGUF file it was converted from (``--quantization gguf`` reads
+    the blocks from there), also in a folder converted before the note existed."""
+    from cadence.quantization.gguf_export import SOURCE_FILE
+
+    record = folder / SOURCE_FILE
+    if not record.is_file():
+        record.write_text(json.dumps({"file": str(gguf_file.resolve())}))
 
 
 def convert_once(target: Path, convert: Callable[[Path], None]) -> str:
@@ -116,7 +128,4 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # Which file made the folder: --quantization gguf reads its blocks again (quantization/).
-    from cadence.quantization.gguf_export import SOURCE_FILE
-
-    (out / SOURCE_FILE).write_text(json.dumps({"file": str(gguf_file.resolve())}))
+    record_source(gguf_file, out)

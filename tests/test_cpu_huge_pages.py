@@ -119,6 +119,17 @@ def test_move_keeps_every_tensor_its_values_ties_and_identity() -> None:
     assert memory.move_weights_to_huge_pages(nn.Module()) == 0
 
 
+def test_move_reaches_tensors_held_in_a_list() -> None:
+    # A quantized linear keeps its packed parts in a list (backends/cpu/quantized.py).
+    m = nn.Module()
+    parts = [torch.randn(5, 7), torch.arange(9, dtype=torch.uint8)]
+    m.packed = parts
+    before = [p.clone() for p in parts]
+    assert memory.move_weights_to_huge_pages(m) > 0
+    assert m.packed is parts and all(torch.equal(p, b) for p, b in zip(parts, before))
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
+
+
 def test_prefault_touches_from_the_first_block_up_within_its_time() -> None:
     caches = lazy_zeros((8 << 20,), torch.uint8, 3, huge_pages=True)
     step = 2 << 20

@@ -24,7 +24,8 @@ def _weight(n: int, k: int, group: int, offset: bool, seed: int, lo: int = -128,
 # formats', two values a byte): signed, unsigned, and one without 0 (the padding's value).
 @pytest.mark.parametrize("n,k,group,offset,lo,hi", [
     (96, 64, 32, True, -128, 128), (100, 96, 16, False, -128, 128),
-    (40, 576, 32, True, 0, 16), (33, 1536, 32, False, -8, 8), (50, 320, 32, True, 3, 19)])
+    (40, 576, 32, True, 0, 16), (33, 1536, 32, False, -8, 8), (50, 320, 32, True, 3, 19),
+    (20, 40, 40, False, -127, 128)])  # one group a row (int8 where K is not a multiple of 32)
 def test_same_bits_as_the_fp32_tiled_gemm_at_every_row_count(ops, n, k, group, offset, lo, hi):
     w = _weight(n, k, group, offset, seed=n + k, lo=lo, hi=hi)
     dense = ops.tiled_pack(w.dequantize())

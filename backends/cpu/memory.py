@@ -47,11 +47,14 @@ def resolve_huge_pages(requested: str) -> str:
 
 def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the model's modules hold: parameters, buffers and plain attributes (the
-    packed weights of backends/cpu/linear.py)."""
+    packed weights of backends/cpu/linear.py), also inside a list or tuple (the parts of a
+    quantized weight, backends/cpu/quantized.py)."""
     found = []
     for module in model.modules():
         held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
-        found.extend(t for t in held if isinstance(t, torch.Tensor))
+        for item in held:
+            parts = item if isinstance(item, (list, tuple)) else (item,)
+            found.extend(t for t in parts if isinstance(t, torch.Tensor))
     return found
 
 

@@ -107,10 +107,14 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         # The fp32 weights the quantized ones replace were freed into the heap, which keeps
         # them resident unless trimmed (tune_allocator): that is most of the model's size.
         trim_heap()
-    # The linears left in the checkpoint's dtype (all of them without quantization).
+    # The linears left in the checkpoint's dtype (all of them without quantization). Beside
+    # quantized ones, auto takes the tiled GEMM, whose bits the quantized kernel shares: the
+    # model's outputs are then those of its fp32 weights with --cpu-linear tiled.
+    requested = str(config.backend_option("linear", "auto"))
+    if config.model_config.quantization is not None and requested == "auto":
+        requested = "tiled"
     if any(isinstance(m, Linear) for m in runner.model.modules()):
-        linear = choose_linear(str(config.backend_option("linear", "auto")), runner.model,
-                               runner.dtype)
+        linear = choose_linear(requested, runner.model, runner.dtype)
     else:
         linear = "none"
     fused_mlps = 0

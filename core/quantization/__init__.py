@@ -3,8 +3,8 @@
 
 ``gguf``: a GGUF file's linear weights run from their own blocks (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, Q4_K, Q5_K, Q6_K) instead of the fp32 weights transformers dequantizes them to. The
-blocks give exactly those fp32 values, so the outputs are those of the fp32 model, bit for
-bit, from a quarter of the weight bytes or less.
+blocks give exactly those fp32 values, so the outputs are those of the fp32 model on the
+same GEMM, bit for bit, from a fifth to a third of the weight bytes.
 
 ``int8``: any model's linear weights (the LM head's included) rounded at load to int8 with one
 fp32 scale per group of 32 inputs; close to the checkpoint's outputs, not equal to them.

@@ -135,8 +135,11 @@ def export_blocks(gguf_file: str | Path, folder: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("kept %d GGUF tensors in their blocks (%s) in %s; %d stay fp32", len(kept),
-                ", ".join(sorted(set(formats.values()))) or "none", target, len(dense))
+    # A warning when nothing was kept: --quantization gguf would then run the fp32 weights.
+    (logger.info if kept else logger.warning)(
+        "kept %d GGUF tensors in their blocks (%s) in %s; %d stay fp32 (%s lists why)",
+        len(kept), ", ".join(sorted(set(formats.values()))) or "none", target, len(dense),
+        INDEX_FILE)
     return target
 
 
