@@ -18,7 +18,7 @@ from engine_helpers import make_llm
 from gguf_helpers import write_llama_gguf
 
 from cadence import EngineArgs, SamplingParams
-from cadence.quantization.gguf_blocks import FORMATS, regroup, unpack
+from cadence.quantization.gguf_blocks import FORMATS, unpack
 from cadence.quantization.gguf_export import (
     BLOCKS_DIR,
     INDEX_FILE,
@@ -65,10 +65,21 @@ def test_every_format_unpacks_to_ggufs_own_dequantization(fmt):
     assert got.group == FORMATS[fmt][2]
     assert np.array_equal(got.dequantize().view(np.uint32),
                           want.reshape(rows, k).astype(np.float32).view(np.uint32))
-    # Shared groups for fused modules: the same values with each scale repeated.
-    finer = regroup(got, 16)
-    assert finer.group == 16
-    assert np.array_equal(finer.dequantize().view(np.uint32), got.dequantize().view(np.uint32))
+
+
+def test_a_fused_modules_parts_share_the_finest_group():
+    import torch
+
+    from cadence.quantization.weights import QuantizedWeight, _stack
+
+    g = torch.Generator().manual_seed(3)
+    coarse = QuantizedWeight(torch.randint(0, 16, (3, 64), generator=g, dtype=torch.int8),
+                             torch.rand(3, 2, generator=g), torch.rand(3, 2, generator=g))
+    fine = QuantizedWeight(torch.randint(-32, 32, (2, 64), generator=g, dtype=torch.int8),
+                           torch.rand(2, 4, generator=g), None)
+    both = _stack([coarse, fine])
+    assert both.group == 16 and both.shape == (5, 64)
+    assert torch.equal(both.dequantize(), torch.cat([coarse.dequantize(), fine.dequantize()]))
 
 
 def test_rows_that_are_not_whole_blocks_are_refused():
@@ -109,7 +120,6 @@ def test_export_keeps_what_matches_and_says_why_the_rest_stays_fp32(quant_gguf):
     assert not (Path(folder) / BLOCKS_DIR).exists()  # only on demand
     where = ensure_blocks(folder)
     index = json.loads((where / INDEX_FILE).read_text())
-    assert index["group_size"] == 32
     assert index["formats"]["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
     assert index["formats"]["model.layers.0.mlp.down_proj.weight"] == "Q5_1"
     assert index["dense"] == {"model.layers.1.self_attn.v_proj.weight": "stored as F32"}

@@ -150,13 +150,3 @@ def unpack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Unpacked:
         offset = np.asarray(offset, dtype=np.float32).reshape(rows, k // group)
     return Unpacked(np.ascontiguousarray(q.reshape(rows, k)), np.ascontiguousarray(scale),
                     offset if offset is None else np.ascontiguousarray(offset))
-
-
-def regroup(u: Unpacked, group: int) -> Unpacked:
-    """The same values with ``group`` elements per scale (a divisor of the current group):
-    each scale (and offset) repeated, so tensors fused into one module share one group."""
-    times = u.group // group
-    if times == 1:
-        return u
-    return Unpacked(u.q, np.repeat(u.scale, times, axis=1),
-                    None if u.offset is None else np.repeat(u.offset, times, axis=1))

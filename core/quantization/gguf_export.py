@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.quantization.gguf_blocks import FORMATS, Unpacked, regroup, unpack
+from cadence.quantization.gguf_blocks import FORMATS, Unpacked, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +114,10 @@ def export_blocks(gguf_file: str | Path, folder: str | Path) -> Path:
                     dense[name] = f"its {fmt} blocks do not give the converted weight"
                     continue
                 kept[name], formats[name] = u, fmt
-    group = min((u.group for u in kept.values()), default=32)
+    # Each tensor keeps its own group (its scales' shape says it); the parts of one fused
+    # module are brought to a common one when they are attached (weights.py).
     tensors: dict[str, np.ndarray] = {}
     for name, u in kept.items():
-        u = regroup(u, group)
         tensors[f"{name}.q"], tensors[f"{name}.s"] = u.q, u.scale
         if u.offset is not None:
             tensors[f"{name}.o"] = u.offset
@@ -126,7 +126,7 @@ def export_blocks(gguf_file: str | Path, folder: str | Path) -> Path:
         if tensors:
             save_file(tensors, str(tmp / TENSORS_FILE))
         (tmp / INDEX_FILE).write_text(json.dumps(
-            {"source": str(gguf_file), "group_size": group, "formats": formats,
+            {"source": str(gguf_file), "formats": formats,
              "dense": dense}, indent=1))
         try:
             os.rename(tmp, target)  # atomic: a concurrent exporter either wins or finds it done

@@ -54,9 +54,24 @@ class QuantizedWeight:
                    if t is not None)
 
 
+def regroup(weight: QuantizedWeight, group: int) -> QuantizedWeight:
+    """The same weight with ``group`` inputs per scale (a divisor of its group): each scale
+    (and offset) repeated."""
+    times = weight.group // group
+    if times == 1:
+        return weight
+    return QuantizedWeight(weight.q, weight.scale.repeat_interleave(times, dim=1),
+                           None if weight.offset is None else
+                           weight.offset.repeat_interleave(times, dim=1))
+
+
 def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """A fused module's parts as one weight: rows stacked, every part at the finest group
+    among them (Q6_K's 16 beside Q4_K's 32), so that one group size serves the module."""
     if len(parts) == 1:
         return parts[0]
+    group = min(p.group for p in parts)
+    parts = [regroup(p, group) for p in parts]
     offsets = None
     if any(p.offset is not None for p in parts):
         # w = s * q + 0 is w = s * q (a zero product's sign aside, which no sum can see).
