@@ -23,7 +23,8 @@ PY
 if [[ $bench_only == 0 ]]; then
     "${capped[@]}" python -m pytest -q -p no:cacheprovider tests/test_cpu_kernels.py \
         tests/test_cpu_prefill_attention.py tests/test_sliding_window_kernels.py \
-        tests/test_logits_precision.py tests/test_engine_parity.py | tee "$dest/tests_avx2.txt"
+        tests/test_logits_precision.py tests/test_engine_parity.py \
+        tests/test_cpu_quant_linear.py tests/test_quantization.py | tee "$dest/tests_avx2.txt"
 fi
 [[ $tests_only == 1 ]] && exit 0
 for round in 1 2; do
