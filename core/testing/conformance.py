@@ -37,6 +37,7 @@ __all__ = [
     "test_embeddings_match_cpu_reference_or_are_refused",
     "test_every_kv_block_is_free_after_requests",
     "test_greedy_matches_cpu_reference",
+    "test_int8_weights_match_cpu_reference_or_are_refused",
     "test_logit_bias_and_allowed_ids_steer_only_their_rows",
     "test_lora_adapters_match_cpu_reference_or_are_refused",
     "test_overlap_on_equals_off",
@@ -348,6 +349,34 @@ def test_speculative_decoding_equals_plain_or_is_refused(
         llm.shutdown()
     assert_same_tokens(got, cached_workload(cadence_llm, "greedy"), cadence_logprob_atol,
                        "speculative decoding vs plain decoding")
+
+
+def test_int8_weights_match_cpu_reference_or_are_refused(
+        cadence_model_dir: str, cadence_backend: str, cadence_backend_options: dict[str, Any],
+        cadence_logprob_atol: float) -> None:
+    """A backend that runs ``int8`` (``Backend.supports_quantization``) gives the CPU
+    backend's greedy tokens on int8 weights (near-ties excepted), every block free at the
+    end; one that does not refuses it at start-up, naming the backends that run it."""
+    from cadence.plugins import get_registry
+    from cadence.testing.pytest_plugin import REFERENCE_BACKEND, _make_llm
+
+    cls = get_registry().backends[cadence_backend].cls
+    if "int8" not in getattr(cls, "supports_quantization", ()):
+        with pytest.raises(ValueError, match="quantization 'int8' is not supported"):
+            _make_llm(cadence_model_dir, cadence_backend, quantization="int8",
+                      backend_options=cadence_backend_options)
+        return
+    results = []
+    for backend, options in ((cadence_backend, cadence_backend_options),
+                             (REFERENCE_BACKEND, {})):
+        llm = _make_llm(cadence_model_dir, backend, quantization="int8", backend_options=options)
+        try:
+            results.append(run_workload(llm, "greedy"))
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert_same_tokens(results[0], results[1], cadence_logprob_atol,
+                       "int8 weights vs the CPU backend's")
 
 
 def test_every_kv_block_is_free_after_requests(cadence_llm: Any) -> None:
