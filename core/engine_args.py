@@ -138,7 +138,13 @@ class EngineArgs:
                                  f"{args['tensor_parallel_size']}")
         if quantization == "gguf":
             from cadence.quantization.gguf_export import ensure_blocks
+            from cadence.scheduling import check_quantization_support
 
+            # Before the export, which can take minutes: a backend named here that does not
+            # run it is refused now (the engine checks again, "auto" included).
+            info = get_registry().backends.get(args["backend"])
+            if info is not None:
+                check_quantization_support(info.cls, get_registry(), quantization)
             ensure_blocks(model)
         defaults = load_generation_defaults(model, args["generation_config"])
         pooler = load_pooler_config(model, args["pooling_type"], args["pooling_normalize"])

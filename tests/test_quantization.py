@@ -210,10 +210,17 @@ def test_a_backend_that_does_not_run_it_refuses_it(quant_gguf, monkeypatch):
     from cadence.engine import LLMEngine
 
     monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
-    config = EngineArgs(model=str(quant_gguf), backend="hpu", quantization="gguf",
+    refusal = "quantization 'gguf' is not supported by backend 'hpu'; backends that run it: cpu"
+    # Before the blocks are exported (that can take minutes)...
+    with pytest.raises(ValueError, match=refusal):
+        EngineArgs(model=str(quant_gguf), backend="hpu", quantization="gguf",
+                   dtype="float32").create_engine_config()
+    folder = Path(EngineArgs(model=str(quant_gguf)).resolve_model())
+    assert not (folder / BLOCKS_DIR).exists()
+    # ...and by the engine, whoever built its config.
+    config = EngineArgs(model=str(quant_gguf), backend="hpu", quantization="int8",
                         dtype="float32").create_engine_config()
-    with pytest.raises(ValueError, match="quantization 'gguf' is not supported by backend "
-                                         "'hpu'; backends that run it: cpu"):
+    with pytest.raises(ValueError, match=refusal.replace("gguf", "int8")):
         LLMEngine(config)
 
 
