@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,12 +82,10 @@ def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
                            offsets)
 
 
-def _target(model: nn.Module, hf_name: str, embed: str, tied: bool
+def _target(model: nn.Module, hf_name: str, embed: str, tied: bool, pattern: Any
             ) -> tuple[str, int | None] | None:
     """(our module name, shard index or None) for checkpoint weight ``hf_name``; None when
-    no linear of this model (stage) takes it."""
-    from cadence.models.base import fused_pattern
-
+    no linear of this model (stage) takes it. ``pattern``: the model's fused-name pattern."""
     name = model.stage_weight_name(model.body_weight_name(hf_name))
     if name is None:
         return None
@@ -94,7 +93,6 @@ def _target(model: nn.Module, hf_name: str, embed: str, tied: bool
         if not tied:
             return None  # the embedding lookup itself stays fp32
         name = "lm_head.weight"
-    pattern = fused_pattern(model.fused_parts)
     match = pattern.match(name) if pattern is not None else None
     if match is None:
         return name.rpartition(".")[0], None
@@ -117,12 +115,15 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     head = getattr(model, "lm_head", None)
     embed_weight = dict(model.named_parameters(remove_duplicate=False)).get(embed)
     tied = isinstance(head, Linear) and head.weight is embed_weight
+    from cadence.models.base import fused_pattern
+
+    pattern = fused_pattern(model.fused_parts)
     modules = dict(model.named_modules())
     found: dict[str, dict[int | None, QuantizedWeight]] = {}
     with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
         keys = set(f.keys())
         for hf_name in index["formats"]:
-            target = _target(model, hf_name, embed, tied)
+            target = _target(model, hf_name, embed, tied, pattern)
             if target is None or not isinstance(modules.get(target[0]), Linear):
                 continue
             offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None

@@ -62,14 +62,19 @@ def make_step_loop(engine: LLMEngine) -> AsyncSchedulingLoop | PipelineLoop | No
     return AsyncSchedulingLoop(engine) if config.plans_with_placeholders else None
 
 
+def _backends_where(registry: Any, supports: Callable[[type], bool]) -> list[str]:
+    """The installed backends whose class ``supports`` accepts, by name: what a refusal
+    offers instead."""
+    return sorted(name for name, info in registry.backends.items() if supports(info.cls))
+
+
 def require_backend_flag(backend_cls: type, registry: Any, flag: str, feature: str,
                          remedy: str) -> None:
     """Refuse ``feature`` (with its verb: "LoRA adapters are") on a backend that does not
     declare ``flag``, naming the installed backends that do and ``remedy``."""
     if getattr(backend_cls, flag, False):
         return
-    able = sorted(name for name, info in registry.backends.items()
-                  if getattr(info.cls, flag, False))
+    able = _backends_where(registry, lambda cls: getattr(cls, flag, False))
     raise ValueError(f"{feature} not supported by backend {backend_cls.name!r}; backends "
                      f"that support it: {', '.join(able) or '(none)'} ({remedy})")
 
@@ -102,8 +107,8 @@ def check_quantization_support(backend_cls: type, registry: Any, method: str | N
     (``Backend.supports_quantization``), naming those that do."""
     if method is None or method in backend_cls.supports_quantization:
         return
-    able = sorted(name for name, info in registry.backends.items()
-                  if method in getattr(info.cls, "supports_quantization", ()))
+    able = _backends_where(registry,
+                           lambda cls: method in getattr(cls, "supports_quantization", ()))
     raise ValueError(f"quantization {method!r} is not supported by backend "
                      f"{backend_cls.name!r}; backends that run it: {', '.join(able) or '(none)'} "
                      "(or drop --quantization)")

@@ -263,12 +263,15 @@ struct Source {
 Source source_of(const torch::Tensor& x, const std::vector<torch::Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be [M, K] float32 on the CPU");
-  TORCH_CHECK(packed.size() == 4 && packed[3].numel() == 2,
+  TORCH_CHECK(packed.size() == 4 && packed[3].numel() == 2 &&
+                  packed[3].scalar_type() == at::kLong && packed[3].is_contiguous(),
               "packed must be qtiled_pack's output");
   const auto& q = packed[0];
   const auto& s = packed[1];
-  const int64_t bits = packed[3][0].item<int64_t>();
-  const int32_t zero = static_cast<int32_t>(packed[3][1].item<int64_t>());
+  // Read in place: two item() calls went through the dispatcher on every GEMM call.
+  const int64_t* meta = packed[3].data_ptr<int64_t>();
+  const int64_t bits = meta[0];
+  const int32_t zero = static_cast<int32_t>(meta[1]);
   TORCH_CHECK((bits == 8 || bits == 4) && q.dim() == 3 && q.scalar_type() == at::kByte &&
                   q.size(2) == kNR * bits / 8 && q.size(1) == x.size(1) && q.is_contiguous() &&
                   x.size(1) > 0,
