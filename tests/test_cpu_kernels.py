@@ -1124,6 +1124,36 @@ def test_loaded_kernels_live_in_the_keyed_build_dir(ops) -> None:
     assert Path(ops.__file__).resolve().parent == build_dir.resolve()
 
 
+def test_a_built_kernel_loads_without_running_the_build(ops, monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr("torch.utils.cpp_extension.load",
+                        lambda *a, **k: pytest.fail("rebuilt although the build had finished"))
+    assert kernels.load_kernels() is ops
+
+
+def test_a_build_killed_midway_does_not_stall_the_next_load(ops) -> None:
+    """torch's build lock is a file; a worker killed while holding it (an engine dropped while
+    its worker starts) used to leave every later load waiting on it forever."""
+    import subprocess
+    import sys
+
+    build_dir = kernels._build_dir(_sources())
+    (build_dir / "built").unlink()
+    (build_dir / "lock").touch()  # what a build killed between taking and freeing it leaves
+    code = ("from cadence.backends.cpu import kernels; "
+            "m = kernels.load_kernels(); assert m is not None; print(m.__file__)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the load waited on the lock file left by a killed build")
+    finally:
+        (build_dir / "lock").unlink(missing_ok=True)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).resolve() == Path(ops.__file__).resolve()
+    assert (build_dir / "built").read_text().strip() == Path(ops.__file__).name
+
+
 def _kernel_log(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == KERNEL_LOGGER]
 

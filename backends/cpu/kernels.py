@@ -4,18 +4,22 @@ and cached under ``~/.cache/cadence/kernels``.
 The build targets the CPU it runs on (``-march=native``), so the cache folder is keyed by the
 source, the compiler flags, torch's version and the CPU's model and flags: a home directory
 shared by machines with different CPUs never loads a kernel built for another. The first
-build announces itself on stderr (it takes ~30-60 s); later loads take well under a second.
+build announces itself on stderr (it takes ~30-60 s); later loads import the finished module
+directly. Concurrent first builds (several worker processes) wait for one another on a lock
+the OS releases when its holder dies, so a worker killed mid-build never stalls the next one.
 Where there is no compiler, or the build fails, ``load_kernels`` returns None after one
 warning that says so and names the fallback (the torch reference path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +37,8 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 # Under an ISA cap (cadence.cpuinfo.isa_limit) the build targets that level instead of
 # this CPU: the x86-64 micro-architecture levels, tuned for the CPU at hand.
 _MARCH_FOR_LIMIT = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64-v2"}
+_MODULE = "cadence_cpu_kernels"
+_BUILT = "built"  # names the finished .so; see _compile
 _loaded: dict[str, ModuleType | None] = {}
 
 
@@ -89,24 +95,63 @@ def _build() -> ModuleType | None:
     csrc = Path(__file__).resolve().parent / "csrc"
     sources = [csrc / s for s in _SOURCES]
     build_dir = _build_dir(sources)
-    first = not any(build_dir.glob("*.so"))
-    if first:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        target = "this CPU" if cpu_info().isa_limit is None else \
-            f"ATEN_CPU_CAPABILITY={cpu_info().isa_limit}"
-        print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits, "
-              f"GEMM, LoRA) for {target} (once, ~30-60 s); cached in {build_dir}",
-              file=sys.stderr,
-              flush=True)
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="cadence_cpu_kernels", sources=[str(s) for s in sources],
-                    build_directory=str(build_dir), extra_cflags=cflags(),
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        if (build_dir / _BUILT).exists():
+            return _import_built(build_dir)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive(build_dir):
+            if (build_dir / _BUILT).exists():  # another process finished it while we waited
+                return _import_built(build_dir)
+            return _compile(sources, build_dir)
     except Exception as e:  # a broken toolchain must not take the engine down
         logger.warning("building the CPU kernels failed (%s: %s); the CPU backend "
                        "falls back to the torch attention path, which is slower",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e) else "")
         return None
+
+
+def _compile(sources: list[Path], build_dir: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    if not any(build_dir.glob("*.so")):
+        target = "this CPU" if cpu_info().isa_limit is None else \
+            f"ATEN_CPU_CAPABILITY={cpu_info().isa_limit}"
+        print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits, "
+              f"GEMM, LoRA) for {target} (once, ~30-60 s); cached in {build_dir}",
+              file=sys.stderr, flush=True)
+    # torch's own build lock is a plain file that a killed process leaves behind, and every
+    # later load would wait on it forever. Every cadence build holds the flock taken in
+    # _exclusive, which the kernel drops when its holder dies, so a lock file found while
+    # holding it was left by a build that can no longer be running.
+    (build_dir / "lock").unlink(missing_ok=True)
+    mod = load(name=_MODULE, sources=[str(s) for s in sources], build_directory=str(build_dir),
+               extra_cflags=cflags(), extra_ldflags=["-fopenmp"], verbose=False)
+    # Written last: the folder's key names these exact sources and flags, so from here on a
+    # load is an import, with no ninja run and no torch lock for a killed worker to leave.
+    (build_dir / _BUILT).write_text(f"{Path(mod.__file__).name}\n")
+    return mod
+
+
+def _import_built(build_dir: Path) -> ModuleType:
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against libtorch)
+
+    path = build_dir / (build_dir / _BUILT).read_text().strip()
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(build_dir / "cadence.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
