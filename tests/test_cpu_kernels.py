@@ -1131,6 +1131,19 @@ def test_a_built_kernel_loads_without_running_the_build(ops, monkeypatch) -> Non
     assert kernels.load_kernels() is ops
 
 
+def test_a_damaged_build_record_is_built_again(ops, monkeypatch) -> None:
+    build_dir = kernels._build_dir(_sources())
+    record = build_dir / "built"
+    monkeypatch.setattr(kernels, "_loaded", {})
+    record.write_text("gone.so\n")
+    try:
+        assert kernels.load_kernels() is not None
+    finally:
+        if record.read_text().strip() == "gone.so":
+            record.write_text(f"{Path(ops.__file__).name}\n")
+    assert record.read_text().strip() == Path(ops.__file__).name
+
+
 def test_a_build_killed_midway_does_not_stall_the_next_load(ops) -> None:
     """torch's build lock is a file; a worker killed while holding it (an engine dropped while
     its worker starts) used to leave every later load waiting on it forever."""

@@ -95,13 +95,20 @@ def _build() -> ModuleType | None:
     csrc = Path(__file__).resolve().parent / "csrc"
     sources = [csrc / s for s in _SOURCES]
     build_dir = _build_dir(sources)
-    try:
-        if (build_dir / _BUILT).exists():
+    if (build_dir / _BUILT).exists():
+        try:
             return _import_built(build_dir)
+        except Exception as e:  # a cache folder damaged by hand: build it again below
+            logger.info("the cached CPU kernels in %s did not load (%s); rebuilding",
+                        build_dir, e)
+    try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(build_dir):
             if (build_dir / _BUILT).exists():  # another process finished it while we waited
-                return _import_built(build_dir)
+                try:
+                    return _import_built(build_dir)
+                except Exception:
+                    (build_dir / _BUILT).unlink()
             return _compile(sources, build_dir)
     except Exception as e:  # a broken toolchain must not take the engine down
         logger.warning("building the CPU kernels failed (%s: %s); the CPU backend "
