@@ -9,6 +9,7 @@ drained synchronously when the scheduler has nothing to run, on errors, and on a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -51,8 +52,6 @@ class LLMEngine:
     """Hardware-independent engine core; the device work is delegated to a ``Backend``."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
-        from cadence.block_manager import BlockManager
-
         self.config = config
         registry = get_registry()
         backend_cls, self.backend_reason = registry.select(config.backend)
@@ -67,6 +66,19 @@ class LLMEngine:
         check_quantization_support(backend_cls, registry, config.model_config.quantization)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
+        try:
+            self._start(config, tokenizer, registry)
+        except BaseException:
+            # A start that fails past this point (a bad tokenizer, a KV cache too small) must
+            # not leave a worker process or rank loading a model for nobody: stopped now, not
+            # whenever the collector gets to it.
+            with contextlib.suppress(Exception):
+                self.backend.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, tokenizer: Any, registry: Any) -> None:
+        from cadence.block_manager import BlockManager
+
         self.backend.load_model()
         # Between load_model and allocate_kv_cache: a backend that loads in a worker process
         # returns from load_model at once, and the tokenizer loads while the worker does.

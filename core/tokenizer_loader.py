@@ -55,15 +55,23 @@ def load_tokenizer(path: str) -> Any:
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model path {path!r} does not exist or is not a directory")
-    if uses_generic_tokenizer(path):
-        from transformers import PreTrainedTokenizerFast
+    try:
+        if uses_generic_tokenizer(path):
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        str(folder), local_files_only=True, trust_remote_code=False
-    )
+        return AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # transformers' own message names a file and a parser position, not which folder
+        # the engine was reading as a tokenizer or what to do about it.
+        raise ValueError(
+            f"the tokenizer in {path!r} could not be loaded ({type(e).__name__}: {e}); pass "
+            "--tokenizer with a folder holding tokenizer.json or the files of the model's "
+            "tokenizer class") from e
 
 
 __all__ = ["load_tokenizer", "uses_generic_tokenizer"]

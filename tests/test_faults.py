@@ -409,3 +409,35 @@ def test_hpu_device_reset_ends_the_engine_plainly_and_other_errors_fail_a_step(
     assert "Device reset" in str(info.value)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     llm.shutdown()
+
+
+def _worker_children() -> list[int]:
+    """This process's CPU forward workers that have not exited."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if (int(fields[1]) == os.getpid() and fields[0] != "Z"
+                and b"cadence.backends.cpu.worker" in cmdline):
+            found.append(int(entry))
+    return found
+
+
+def test_a_start_that_fails_after_the_worker_started_stops_it(model, tmp_path):
+    """The worker starts loading before the tokenizer does; a tokenizer that fails to load
+    must not leave it running (a worker killed later, mid-build, used to stall every later
+    kernel load)."""
+    before = set(_worker_children())
+    broken = tmp_path / "tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="the tokenizer in .* could not be loaded"):
+        make_llm(model, tokenizer=str(broken), backend_options=WORKER)
+    assert set(_worker_children()) <= before, "the worker outlived the failed start"
