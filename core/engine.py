@@ -9,7 +9,6 @@ drained synchronously when the scheduler has nothing to run, on errors, and on a
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -72,8 +71,10 @@ class LLMEngine:
             # A start that fails past this point (a bad tokenizer, a KV cache too small) must
             # not leave a worker process or rank loading a model for nobody: stopped now, not
             # whenever the collector gets to it.
-            with contextlib.suppress(Exception):
+            try:
                 self.backend.shutdown()
+            except Exception:  # the start's own error is the one to report
+                logger.debug("shutdown after a failed start raised", exc_info=True)
             raise
 
     def _start(self, config: EngineConfig, tokenizer: Any, registry: Any) -> None:

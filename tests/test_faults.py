@@ -438,6 +438,31 @@ def test_a_start_that_fails_after_the_worker_started_stops_it(model, tmp_path):
     broken = tmp_path / "tokenizer"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ValueError, match="the tokenizer in .* could not be loaded"):
+    with pytest.raises(ValueError, match="the tokenizer in .* could not be loaded") as failure:
         make_llm(model, tokenizer=str(broken), backend_options=WORKER)
+    # Checked while the traceback (and through it the engine) is alive: collecting the
+    # engine would kill the worker too, and hide a start that forgot it.
+    assert failure.value is not None
     assert set(_worker_children()) <= before, "the worker outlived the failed start"
+
+
+def test_killing_a_worker_kills_what_it_started(tmp_path, monkeypatch):
+    """A worker killed mid-build takes its compilers with it: they would otherwise go on
+    writing into the build folder beside the next build there."""
+    from cadence.executor.pipes import kill_worker, start_worker
+
+    (tmp_path / "spawner.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    proc = start_worker("spawner")
+    grandchild = int(proc.stdout.readline())
+    assert not _gone(grandchild)
+    kill_worker(proc)
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(grandchild), "the worker's own child outlived it"

@@ -133,9 +133,14 @@ def _compile(sources: list[Path], build_dir: Path) -> ModuleType:
     (build_dir / "lock").unlink(missing_ok=True)
     mod = load(name=_MODULE, sources=[str(s) for s in sources], build_directory=str(build_dir),
                extra_cflags=cflags(), extra_ldflags=["-fopenmp"], verbose=False)
-    # Written last: the folder's key names these exact sources and flags, so from here on a
-    # load is an import, with no ninja run and no torch lock for a killed worker to leave.
-    (build_dir / _BUILT).write_text(f"{Path(mod.__file__).name}\n")
+    # Written last, and whole (a reader without the lock sees the old record or the new):
+    # the folder's key names these exact sources and flags, so from here on a load is an
+    # import, with no ninja run and no torch lock for a killed worker to leave. The module's
+    # name, not just its file: torch names a second build in one process `..._v1`, and an
+    # extension imports only under the name it was built with.
+    tmp = build_dir / f".{_BUILT}.{os.getpid()}"
+    tmp.write_text(f"{mod.__name__}\n")
+    os.replace(tmp, build_dir / _BUILT)
     return mod
 
 
@@ -144,9 +149,9 @@ def _import_built(build_dir: Path) -> ModuleType:
 
     import torch  # noqa: F401  (the extension links against libtorch)
 
-    path = build_dir / (build_dir / _BUILT).read_text().strip()
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    assert spec is not None and spec.loader is not None, path
+    name = (build_dir / _BUILT).read_text().strip()
+    spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
+    assert spec is not None and spec.loader is not None, name
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -157,7 +162,12 @@ def _exclusive(build_dir: Path) -> Iterator[None]:
     import fcntl
 
     with open(build_dir / "cadence.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:  # some network filesystems have no flock: build unguarded
+            logger.info("no file lock on %s (%s); building without one", build_dir, e)
+            yield
+            return
         try:
             yield
         finally:

@@ -32,7 +32,14 @@ from typing import Any, BinaryIO
 
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
-from cadence.executor.pipes import read_inputs, read_reply, reply, send
+from cadence.executor.pipes import (
+    kill_worker,
+    read_inputs,
+    read_reply,
+    reply,
+    send,
+    start_worker,
+)
 from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
 
 
@@ -84,12 +91,6 @@ def _serve(inp: BinaryIO, out: BinaryIO) -> None:
         reply(out, result)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 class ForwardWorker:
     """Owns the worker process; ``submit`` then ``result`` once per step.
 
@@ -103,14 +104,13 @@ class ForwardWorker:
                  num_threads: int | None = None) -> None:
         self.step_timeout_s = config.fault_config.step_timeout_s
         self._closing = False
-        self._proc = subprocess.Popen([sys.executable, "-m", "cadence.backends.cpu.worker"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._proc = start_worker("cadence.backends.cpu.worker")
         self._in = self._proc.stdout
         self._out = self._proc.stdin
         self._in_flight = 0  # steps sent and not yet read back (2 under async scheduling)
         # An engine dropped without shutdown() must not leave its worker (and its KV cache)
         # behind for the rest of the process.
-        self._finalizer = weakref.finalize(self, _kill, self._proc)
+        self._finalizer = weakref.finalize(self, kill_worker, self._proc)
         self._ready = False
         send(self._out, (config, kv_cache_bytes, num_threads))
 
@@ -174,7 +174,7 @@ class ForwardWorker:
         return self._proc.pid
 
     def kill(self) -> None:
-        _kill(self._proc)
+        kill_worker(self._proc)
 
     def ping(self) -> None:
         """Between steps: a worker that does not answer within the step deadline is frozen
@@ -237,7 +237,7 @@ class ForwardWorker:
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                kill_worker(self._proc)
         self._finalizer.detach()
         for f in (self._in, self._out):
             try:

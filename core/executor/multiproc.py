@@ -12,14 +12,13 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 import weakref
 from typing import Any
 
 from cadence.backend import Backend, WorkerLostError
 from cadence.config import EngineConfig
-from cadence.executor.pipes import read_reply, send
+from cadence.executor.pipes import kill_worker, read_reply, send, start_worker
 from cadence.executor.rank_group import RankGroup, _RankGone
 
 # How long a failed step waits for a rank that is going away to be reaped, so the error
@@ -35,10 +34,7 @@ def _free_port() -> int:
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
+        kill_worker(p)
 
 
 def _exit_reason(proc: subprocess.Popen) -> str:
@@ -84,8 +80,7 @@ class MultiprocExecutor(RankGroup):
         self._failure = None
         for rank in range(self.world_size):
             spec = self.rank_spec(rank, init_method)
-            proc = subprocess.Popen([sys.executable, "-m", "cadence.executor.worker"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            proc = start_worker("cadence.executor.worker")
             self._procs.append(proc)
             send(proc.stdin, spec)
         # An engine dropped without shutdown() must not leave its ranks behind.
@@ -166,8 +161,7 @@ class MultiprocExecutor(RankGroup):
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                kill_worker(proc)
             for f in (proc.stdin, proc.stdout):
                 try:
                     f.close()

@@ -6,6 +6,9 @@ The engine writes plain pickles (``send``); a worker writes length-prefixed pick
 buffer where ``select`` on the pipe would not see it. A worker takes its inputs off stdin on
 a thread (``read_inputs``), so the engine never blocks writing step N+1 while the worker
 blocks writing step N's reply.
+
+Both start as ``start_worker`` starts them, in a process group of their own, and end as
+``kill_worker`` ends them: with everything they started (a kernel build's compilers).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import struct
+import subprocess
+import sys
 from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
@@ -57,3 +63,22 @@ def read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
         inbox.put(msg)
         if msg is None:
             return
+
+
+def start_worker(module: str) -> subprocess.Popen:
+    """``python -m module`` with pipes for stdin and stdout, leading a process group of its
+    own. Its own session also keeps a terminal's Ctrl-C to the engine, which stops it."""
+    return subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True)
+
+
+def kill_worker(proc: subprocess.Popen) -> None:
+    """Kill a worker and what it started, and reap it. A worker killed alone while it builds
+    the CPU kernels would leave its compilers writing into the build folder beside the next
+    build there."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    proc.wait()
