@@ -128,10 +128,6 @@ class EngineArgs:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
         if quantization is not None:
-            if args["enable_lora"]:
-                raise ValueError(f"quantization {quantization!r} cannot be combined with "
-                                 "enable_lora yet: adapters wrap the linears the quantized "
-                                 "weights replace (drop one)")
             if int(args["tensor_parallel_size"]) > 1:
                 raise ValueError(f"quantization {quantization!r} runs with "
                                  "tensor_parallel_size=1 only, got "

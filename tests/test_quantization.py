@@ -197,9 +197,6 @@ def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
         EngineArgs(model=str(quant_gguf), quantization="gguf",
                    tensor_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="enable_lora"):
-        EngineArgs(model=str(quant_gguf), quantization="gguf",
-                   enable_lora=True).create_engine_config()
     # dtype auto is float32 beside quantized weights, whatever the CPU.
     config = EngineArgs(model=str(quant_gguf), quantization="gguf").create_engine_config()
     assert config.model_config.dtype == "float32"
@@ -293,3 +290,60 @@ def test_int8_runs_other_families_close_to_their_weights(family, tmp_path, token
     for (_, _, [lp_want]), (_, _, [lp_got]) in zip(want, got):
         top = max(lp_want, key=lp_want.get)
         assert top in lp_got and abs(lp_got[top] - lp_want[top]) < 0.1, (lp_want, lp_got)
+
+
+def _round_linears(source: str, out) -> str:
+    """A copy of ``source`` whose linears (the head's included) hold int8's rounded weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cadence.quantization.weights import quantize_int8
+
+    shutil.copytree(source, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and ("proj" in name or name == "lm_head.weight"):
+            tensors[name] = quantize_int8(tensor).dequantize().to(tensor.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _with_adapters(llm, adapters, params) -> list:
+    from test_lora import PROMPTS
+
+    got = []
+    for lora in [None, *adapters]:
+        outs = llm.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)
+        got.append([(o.outputs[0].token_ids,
+                     [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                    for o in outs])
+    llm.shutdown()
+    return got
+
+
+@pytest.mark.parametrize("method", ["int8", "gguf"])
+def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_dir, tmp_path):
+    """An adapter's update adds to the quantized linear's output: the base model and two
+    adapters (some projections; all, rank-stabilized) in one batch give what the same
+    adapters give on the weights the quantized ones stand for, bit for bit."""
+    from test_lora import make_adapters
+
+    if method == "gguf":
+        model = str(quant_gguf)
+        reference = EngineArgs(model=model).resolve_model()  # the fp32 folder converted
+        options = {"overlap": "process"}
+    else:
+        model = tiny_model_dir("llama")
+        reference = _round_linears(model, tmp_path / "rounded")
+        options = {"overlap": "sync"}
+    adapters = make_adapters(reference, tmp_path / "adapters")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    lora = {"enable_lora": True, "max_loras": 2, "dtype": "float32"}
+    want = _with_adapters(make_llm(reference, backend_options={**options, "linear": "tiled"},
+                                   **lora), adapters, params)
+    quant = make_llm(model, quantization=method, backend_options=options, **lora)
+    assert int(quant.engine.backend.env_info()["cpu_quantized_linears"]) >= 8
+    got = _with_adapters(quant, adapters, params)
+    assert got == want
+    assert got[1] != got[0] and got[2] != got[0], "an adapter changed nothing"
