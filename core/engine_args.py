@@ -127,11 +127,6 @@ class EngineArgs:
             dtype = "float32"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {dtype!r}")
-        if quantization is not None:
-            if int(args["tensor_parallel_size"]) > 1:
-                raise ValueError(f"quantization {quantization!r} runs with "
-                                 "tensor_parallel_size=1 only, got "
-                                 f"{args['tensor_parallel_size']}")
         if quantization == "gguf":
             from cadence.quantization.gguf_export import ensure_blocks
             from cadence.scheduling import check_quantization_support

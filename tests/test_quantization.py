@@ -194,9 +194,6 @@ def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
     with pytest.raises(ValueError, match="runs float32 activations"):
         EngineArgs(model=str(quant_gguf), quantization="gguf",
                    dtype="bfloat16").create_engine_config()
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
-        EngineArgs(model=str(quant_gguf), quantization="gguf",
-                   tensor_parallel_size=2).create_engine_config()
     # dtype auto is float32 beside quantized weights, whatever the CPU.
     config = EngineArgs(model=str(quant_gguf), quantization="gguf").create_engine_config()
     assert config.model_config.dtype == "float32"
@@ -347,3 +344,47 @@ def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_d
     got = _with_adapters(quant, adapters, params)
     assert got == want
     assert got[1] != got[0] and got[2] != got[0], "an adapter changed nothing"
+
+
+def test_blocks_split_over_tensor_parallel_ranks(quant_gguf):
+    """Each rank runs its share of the blocks (q/k/v, gate/up and the head by rows, o and
+    down by inputs): the fp32 model's outputs on two ranks, bit for bit."""
+    prompts = ["the cat runs over the", "one two three four five"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    kw = {"dtype": "float32", "tensor_parallel_size": 2, "num_kv_blocks": 64}
+    plain = make_llm(str(quant_gguf), backend_options={"linear": "tiled"}, **kw)
+    want = _outputs(plain, prompts, params)
+    plain.shutdown()
+    quant = make_llm(str(quant_gguf), quantization="gguf", **kw)
+    assert quant.engine.backend.env_info()["cpu_quantized_linears"] == "8"  # rank 0's
+    got = _outputs(quant, prompts, params)
+    quant.shutdown()
+    assert got == want
+
+
+def test_int8_over_tensor_parallel_ranks_rounds_as_one_process(tiny_model_dir, tokenizer_dir,
+                                                                tmp_path):
+    """The ranks round the same groups as one process does, so two ranks give its tokens
+    (logprobs within the all-reduce's rounding); a split that would cut a group is refused."""
+    from family_factory import build_family_model
+
+    prompts = ["the cat runs over the", "one two three four five"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    model = tiny_model_dir("llama")
+    one = make_llm(model, quantization="int8")
+    want = _outputs(one, prompts, params)
+    one.shutdown()
+    two = make_llm(model, quantization="int8", tensor_parallel_size=2, num_kv_blocks=64)
+    assert two.engine.backend.env_info()["cpu_quantized_linears"] == "9"
+    got = _outputs(two, prompts, params)
+    two.shutdown()
+    for (ids_w, _, lps_w), (ids_g, _, lps_g) in zip(want, got):
+        assert ids_g == ids_w
+        for a, b in zip(lps_w, lps_g):
+            assert a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+    # The tiny MoE's experts have 48 inputs: 24 a rank is not whole groups of 32.
+    moe = build_family_model("qwen2_moe", tmp_path / "moe", tokenizer_dir)
+    with pytest.raises(ValueError, match="experts.0.w2 has 48 inputs, 24 on each rank, not "
+                                         "whole groups of 32"):
+        make_llm(moe, quantization="int8", tensor_parallel_size=2, num_kv_blocks=64)

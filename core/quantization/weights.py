@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cadence.layers.linear import Linear
+from cadence.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from cadence.quantization.gguf_export import INDEX_FILE, TENSORS_FILE, blocks_dir
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,38 @@ def _target(model: nn.Module, hf_name: str, embed: str, tied: bool, pattern: Any
     return f"{prefix}.{fused}", shard
 
 
+def rank_share(module: nn.Module, part: int | None, weight: QuantizedWeight
+               ) -> QuantizedWeight | None:
+    """This tensor-parallel rank's share of ``weight`` (of fused part ``part``), cut as
+    ``module.tp_load`` cuts the fp32 checkpoint tensor: rows for a column-parallel module
+    (a head's zero padding included), inputs for a row-parallel one. None where a cut
+    would split a group of inputs sharing a scale: that module stays fp32."""
+    if getattr(module, "tp_size", 1) == 1:
+        return weight
+    if isinstance(module, ColumnParallelLinear):
+        # Which checkpoint rows the cut takes, 1-based: 0 marks a padding row.
+        rows = module.tp_load("weight", part, torch.arange(
+            1, weight.shape[0] + 1, dtype=torch.float64).unsqueeze(1)).squeeze(1).long()
+
+        def pick(t: torch.Tensor, fill: float) -> torch.Tensor:
+            return torch.cat([t.new_full((1, t.shape[1]), fill), t])[rows]
+
+        return QuantizedWeight(pick(weight.q, 0), pick(weight.scale, 1.0),
+                               None if weight.offset is None else pick(weight.offset, 0.0))
+    if isinstance(module, RowParallelLinear):
+        cols, group = module.in_features, weight.group
+        first = module.tp_rank * cols
+        if first % group or cols % group:
+            return None
+
+        def cut(t: torch.Tensor, per: int) -> torch.Tensor:
+            return t[:, first // per:(first + cols) // per].contiguous()
+
+        return QuantizedWeight(cut(weight.q, 1), cut(weight.scale, group),
+                               None if weight.offset is None else cut(weight.offset, group))
+    return None
+
+
 def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     """Attach ``folder``'s exported blocks to ``model``'s linears (module docstring); returns
     how many modules got one."""
@@ -132,13 +164,18 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     count = 0
     for module_name, shards in found.items():
         module = modules[module_name]
-        if None in shards:
-            weight = shards[None]
-        else:
+        if None not in shards:
             n = len(model.fused_sizes(module_name.rsplit(".", 1)[-1]))
             if sorted(shards) != list(range(n)):
                 continue  # a part stayed fp32: the module does too
-            weight = _stack([shards[i] for i in range(n)])
+        # This rank's share of each part (all of it in one process).
+        parts = [rank_share(module, i, w) for i, w in sorted(
+            shards.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
+        if any(w is None for w in parts):
+            logger.warning("GGUF blocks for %s: this rank's share of the inputs does not "
+                           "start and end on whole blocks; it stays fp32", module_name)
+            continue
+        weight = _stack(parts)
         if weight.shape != module.weight.shape or not torch.equal(weight.dequantize(),
                                                                   module.weight.detach()):
             logger.warning("GGUF blocks for %s do not give its weight; it stays fp32",
@@ -174,8 +211,24 @@ def attach_int8(model: nn.Module) -> int:
     not those a model marks ``keep_unquantized`` (mixture-of-experts routers); returns how
     many. A tied head's embedding table stays as it was."""
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and not getattr(module, "keep_unquantized", False):
+            _check_int8_share(name, module)
             module.quantized = quantize_int8(module.weight)
             count += 1
     return count
+
+
+def _check_int8_share(name: str, module: Linear) -> None:
+    """A row-parallel rank rounds its share of each row: the same groups as one process
+    only where every share is whole groups. The weights must not depend on the number of
+    ranks, so anything else is refused (vLLM refuses such splits of GPTQ/AWQ groups)."""
+    if not isinstance(module, RowParallelLinear) or module.tp_size == 1:
+        return
+    share, inputs = module.in_features, module.in_features * module.tp_size
+    if inputs % INT8_GROUP or share % INT8_GROUP:
+        raise ValueError(
+            f"quantization 'int8' with tensor_parallel_size={module.tp_size}: {name} has "
+            f"{inputs} inputs, {share} on each rank, not whole groups of {INT8_GROUP}, so "
+            "the ranks would round other groups than one process does; choose a "
+            "tensor_parallel_size that splits them so, or run without quantization")
