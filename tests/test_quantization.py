@@ -341,6 +341,10 @@ def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_d
                                    **lora), adapters, params)
     quant = make_llm(model, quantization=method, backend_options=options, **lora)
     assert int(quant.engine.backend.env_info()["cpu_quantized_linears"]) >= 8
+    if options["overlap"] == "sync":  # every linear quantized: the updates still run tiled
+        from cadence.lora.runtime import torch_gemm
+
+        assert quant.engine.backend.runner.lora.make_gemm is not torch_gemm
     got = _with_adapters(quant, adapters, params)
     assert got == want
     assert got[1] != got[0] and got[2] != got[0], "an adapter changed nothing"

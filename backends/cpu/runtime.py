@@ -130,12 +130,14 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         keep = ("lm_head",) if runner.dtype != torch.float32 else ()
         pack_linears(runner.model, keep_weight_of=keep, kind=linear)
         trim_heap()  # the plain weights' pages, as above
-        if runner.lora is not None:
-            from cadence.backends.cpu.linear import row_independent_gemm
+    # Adapters' updates on the same kernel as the layers, so a row's update does not depend
+    # on the batch either (async on == off with adapters). Where every linear is quantized,
+    # that is the tiled GEMM, whose bits the quantized kernel shares.
+    update_gemm = "tiled" if quantized and linear == "none" else linear
+    if runner.lora is not None and update_gemm not in ("torch", "none"):
+        from cadence.backends.cpu.linear import row_independent_gemm
 
-            # Adapters' updates on the same kernel, so a row's update does not depend on
-            # the batch either (async on == off with adapters).
-            runner.lora.make_gemm = row_independent_gemm(linear) or runner.lora.make_gemm
+        runner.lora.make_gemm = row_independent_gemm(update_gemm) or runner.lora.make_gemm
     if huge_pages != "off":
         move_weights_to_huge_pages(runner.model)
     num_blocks = runner.num_blocks_for_bytes(kv_cache_bytes)
