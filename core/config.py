@@ -17,6 +17,7 @@ from cadence.spec_decode.config import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 DEFAULT_STEP_TIMEOUT_S = 600.0
+DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 DEFAULT_MAX_WORKER_RESTARTS = 3
 # The sampling fields a model's generation_config.json may default (vLLM's list, under
 # SamplingParams' names; docs/semantics.md).
@@ -114,10 +115,16 @@ class FaultConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     # Restarts of a lost worker over the engine's life; past it, the engine stops serving.
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+    # A worker process or rank not ready after this long is stuck, not slow: killed, and the
+    # start fails saying so. Generous: a first start on a fresh machine builds the CPU
+    # kernels (minutes on 2 cores) and may load a large model from a slow disk.
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.max_worker_restarts < 0:
             raise ValueError(
                 f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")

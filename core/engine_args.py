@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from cadence.config import (
     DEFAULT_MAX_WORKER_RESTARTS,
+    DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
     DTYPES,
     EXECUTOR_BACKENDS,
@@ -59,6 +60,7 @@ class EngineArgs:
     tokenizer: str | None = None
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
     generation_config: str = "auto"
     backend_options: dict = field(default_factory=dict)
     revision: str | None = None
@@ -162,7 +164,8 @@ class EngineArgs:
             async_scheduling=bool(args["async_scheduling"]),
             backend_options=tuple(sorted(args["backend_options"].items())),
             fault_config=FaultConfig(float(args["step_timeout"]),
-                                     int(args["max_worker_restarts"])),
+                                     int(args["max_worker_restarts"]),
+                                     float(args["startup_timeout"])),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=int(args["tensor_parallel_size"]),
                 pipeline_parallel_size=int(args["pipeline_parallel_size"]),
@@ -239,6 +242,10 @@ class EngineArgs:
         p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                        help="seconds a step may take before its worker counts as frozen and "
                             "is restarted (default: %(default)s)")
+        p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                       help="seconds a worker process or rank may take to load the model "
+                            "and build its kernels before it counts as stuck and the start "
+                            "fails (default: %(default)s)")
         p.add_argument("--max-worker-restarts", type=int,
                        default=DEFAULT_MAX_WORKER_RESTARTS,
                        help="restarts of a lost or frozen worker before the engine stops "

@@ -466,3 +466,78 @@ def test_killing_a_worker_kills_what_it_started(tmp_path, monkeypatch):
     while not _gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(grandchild), "the worker's own child outlived it"
+
+
+def _frozen_at_start(monkeypatch, module, which: int) -> list[int]:
+    """Make ``module``'s ``start_worker`` freeze its ``which``-th process (SIGSTOP) right after
+    starting it: a worker stuck in its start. Returns the pids it started."""
+    from cadence.executor.pipes import start_worker
+
+    pids: list[int] = []
+
+    def start(name):
+        proc = start_worker(name)
+        pids.append(proc.pid)
+        if len(pids) == which + 1:
+            os.kill(proc.pid, signal.SIGSTOP)
+        return proc
+
+    monkeypatch.setattr(module, "start_worker", start)
+    return pids
+
+
+def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch):
+    from cadence.backends.cpu import worker
+
+    pids = _frozen_at_start(monkeypatch, worker, 0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"not ready within 1\.5 s \(--startup-timeout\); "
+                                           "it was killed"):
+        make_llm(model, backend_options=WORKER, startup_timeout=1.5)
+    assert time.monotonic() - start < 60
+    assert _gone(pids[0])
+
+
+def test_a_rank_stuck_in_its_start_fails_the_start(model, monkeypatch):
+    from cadence.executor import multiproc
+
+    pids = _frozen_at_start(monkeypatch, multiproc, 1)
+    # Rank 0 waits for rank 1 in the rendezvous: neither is ready.
+    with pytest.raises(WorkerLostError, match=r"rank\(s\) \[0, 1\] of 2 were not ready within "
+                                              r"3 s \(--startup-timeout\); every rank was killed"):
+        make_llm(model, tensor_parallel_size=2, num_kv_blocks=64, startup_timeout=3)
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def test_a_worker_whose_engine_died_exits(tmp_path, monkeypatch):
+    """A worker leads its own process group, out of reach of the signals sent to the
+    engine's; when the engine dies (SIGKILL, mid-start) the worker must go too, with what it
+    started, not go on loading a model for nobody."""
+    import subprocess
+    import sys
+
+    (tmp_path / "loading.py").write_text(
+        "import subprocess, time\n"
+        "from cadence.executor.pipes import exit_with_parent\n"
+        "exit_with_parent()\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)  # a long load that reads no stdin\n")
+    (tmp_path / "engine.py").write_text(
+        "import os, time\n"
+        "from cadence.executor.pipes import start_worker\n"
+        "proc = start_worker('loading')\n"
+        "print(proc.pid, proc.stdout.readline().decode().strip(), flush=True)\n"
+        "time.sleep(300)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    engine = subprocess.Popen([sys.executable, "-m", "engine"], stdout=subprocess.PIPE,
+                              text=True)
+    worker, grandchild = (int(x) for x in engine.stdout.readline().split())
+    assert not _gone(worker) and not _gone(grandchild)
+    engine.kill()
+    engine.wait()
+    deadline = time.monotonic() + 15
+    while not (_gone(worker) and _gone(grandchild)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker), "the worker outlived its engine"
+    assert _gone(grandchild), "what the worker started outlived it"

@@ -103,13 +103,13 @@ def _build() -> ModuleType | None:
                         build_dir, e)
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive(build_dir):
+        with _exclusive(build_dir) as locked:
             if (build_dir / _BUILT).exists():  # another process finished it while we waited
                 try:
                     return _import_built(build_dir)
                 except Exception:
                     (build_dir / _BUILT).unlink()
-            return _compile(sources, build_dir)
+            return _compile(sources, build_dir, locked)
     except Exception as e:  # a broken toolchain must not take the engine down
         logger.warning("building the CPU kernels failed (%s: %s); the CPU backend "
                        "falls back to the torch attention path, which is slower",
@@ -117,7 +117,7 @@ def _build() -> ModuleType | None:
         return None
 
 
-def _compile(sources: list[Path], build_dir: Path) -> ModuleType:
+def _compile(sources: list[Path], build_dir: Path, locked: bool) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     if not any(build_dir.glob("*.so")):
@@ -129,8 +129,10 @@ def _compile(sources: list[Path], build_dir: Path) -> ModuleType:
     # torch's own build lock is a plain file that a killed process leaves behind, and every
     # later load would wait on it forever. Every cadence build holds the flock taken in
     # _exclusive, which the kernel drops when its holder dies, so a lock file found while
-    # holding it was left by a build that can no longer be running.
-    (build_dir / "lock").unlink(missing_ok=True)
+    # holding it was left by a build that can no longer be running. Without the flock (a
+    # filesystem that has none) it may be a live build's: left alone.
+    if locked:
+        (build_dir / "lock").unlink(missing_ok=True)
     mod = load(name=_MODULE, sources=[str(s) for s in sources], build_directory=str(build_dir),
                extra_cflags=cflags(), extra_ldflags=["-fopenmp"], verbose=False)
     # Written last, and whole (a reader without the lock sees the old record or the new):
@@ -158,17 +160,19 @@ def _import_built(build_dir: Path) -> ModuleType:
 
 
 @contextlib.contextmanager
-def _exclusive(build_dir: Path) -> Iterator[None]:
+def _exclusive(build_dir: Path) -> Iterator[bool]:
+    """Holds the build folder's flock; yields whether it could (some network filesystems
+    have no flock: the build then runs unguarded, as torch's own lock alone guards it)."""
     import fcntl
 
     with open(build_dir / "cadence.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as e:  # some network filesystems have no flock: build unguarded
+        except OSError as e:
             logger.info("no file lock on %s (%s); building without one", build_dir, e)
-            yield
+            yield False
             return
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

@@ -17,6 +17,7 @@ so none is ever buffered in the engine process where ``select`` would not see it
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import queue
@@ -33,6 +34,7 @@ from typing import Any, BinaryIO
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.pipes import (
+    exit_with_parent,
     kill_worker,
     read_inputs,
     read_reply,
@@ -41,6 +43,10 @@ from cadence.executor.pipes import (
     start_worker,
 )
 from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
+
+logger = logging.getLogger(__name__)
+# How often a start that takes long says so (a first start builds the kernels: minutes).
+_START_NOTICE_S = 60.0
 
 
 def _serve(inp: BinaryIO, out: BinaryIO) -> None:
@@ -103,6 +109,7 @@ class ForwardWorker:
     def __init__(self, config: EngineConfig, kv_cache_bytes: int,
                  num_threads: int | None = None) -> None:
         self.step_timeout_s = config.fault_config.step_timeout_s
+        self.startup_timeout_s = config.fault_config.startup_timeout_s
         self._closing = False
         self._proc = start_worker("cadence.backends.cpu.worker")
         self._in = self._proc.stdout
@@ -121,6 +128,7 @@ class ForwardWorker:
         if self._ready:
             return
         try:
+            self._await_start()
             reply = self._recv()
         except WorkerLostError as e:
             self.close()
@@ -133,6 +141,28 @@ class ForwardWorker:
             raise RuntimeError(f"the CPU forward worker failed to start:\n{tb}")
         _, self.num_blocks, self.runtime_info = reply
         self._ready = True
+
+    def _await_start(self) -> None:
+        """Until the worker's first reply starts to arrive (or it dies: EOF reads as ready),
+        saying every minute that it is still starting; past ``startup_timeout_s`` it is
+        stuck (a lock held by a stuck process, a filesystem that stopped answering): killed,
+        and ``WorkerLostError`` raised."""
+        started = time.monotonic()
+        limit = self.startup_timeout_s
+        while True:
+            waited = time.monotonic() - started
+            if waited >= limit:
+                self.kill()
+                raise WorkerLostError(
+                    f"the CPU forward worker (pid {self.pid}) was not ready within {limit:g} s "
+                    "(--startup-timeout); it was killed")
+            ready, _, _ = select.select([self._in], [], [], min(_START_NOTICE_S, limit - waited))
+            if ready:
+                return
+            logger.warning("the CPU forward worker (pid %d) is still starting after %.0f s "
+                           "(a first start builds the CPU kernels; the start gives up after "
+                           "%g s, --startup-timeout)", self.pid, time.monotonic() - started,
+                           limit)
 
     def _recv(self, timeout: float | None = None) -> Any:
         if timeout is not None:
@@ -247,6 +277,7 @@ class ForwardWorker:
 
 
 def main() -> None:
+    exit_with_parent()
     # The protocol owns the original stdout; anything the model stack prints goes to stderr.
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

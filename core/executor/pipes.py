@@ -20,6 +20,8 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
@@ -82,3 +84,27 @@ def kill_worker(proc: subprocess.Popen) -> None:
         except (ProcessLookupError, PermissionError):
             proc.kill()
     proc.wait()
+
+
+def exit_with_parent() -> None:
+    """Called first in a worker: when the engine process that started it is gone, the worker
+    and what it started exit too. Its own process group keeps it from the signals a terminal
+    or a CI runner sends the engine's group, and it would otherwise notice only when it next
+    reads its closed stdin, which it does not while it loads (minutes). A watch of the
+    parent's pid, not Linux's PR_SET_PDEATHSIG, which fires when the *thread* that started
+    the worker ends (a replica's start-up thread)."""
+    parent = os.getppid()
+
+    def leave() -> None:
+        if os.getpgrp() == os.getpid():  # started by start_worker: its group is its own
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        leave()
+
+    if parent == 1:  # the engine died before this worker got here
+        leave()
+    threading.Thread(target=watch, daemon=True, name="cadence-parent-watch").start()

@@ -96,7 +96,10 @@ class RankGroup(Backend):
                 "backend": self.backend_cls.name}
 
     def allocate_kv_cache(self) -> int:
-        replies = self._gather(timeout=None, starting=True)
+        # Bounded: a rank stuck in its start (a lock held by a stuck process) must fail the
+        # start, not hold it forever.
+        replies = self._gather(timeout=self.config.fault_config.startup_timeout_s,
+                               starting=True)
         errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
         if errors:
             self._kill_ranks()  # the others may be waiting for it in the rendezvous
@@ -168,8 +171,10 @@ class RankGroup(Backend):
                                      f"rank {failed_rank} of {self.world_size} failed a step "
                                      f"while rank(s) {late} still ran it; every rank was "
                                      f"stopped:\n{replies[failed_rank][1]}")
-                raise self._lost(f"rank(s) {late} of {self.world_size} gave no reply within "
-                                 f"{timeout:g} s (step_timeout); every rank was killed")
+                what = "were not ready" if starting else "gave no reply"
+                limit = "--startup-timeout" if starting else "step_timeout"
+                raise self._lost(f"rank(s) {late} of {self.world_size} {what} within "
+                                 f"{timeout:g} s ({limit}); every rank was killed")
             for rank in ready:
                 try:
                     replies[rank] = self._read(rank)
@@ -201,6 +206,12 @@ class RankGroup(Backend):
                 value = grammar.get()
             except Exception as e:  # noqa: BLE001  # raised at collect, once the ranks reply
                 value, failure = None, e
+            except BaseException:
+                # A Ctrl-C while it computes: the ranks still get their message (and fail
+                # the step) instead of waiting for it until the step deadline.
+                self._send_all(("bitmask", None))
+                self._bitmask_failures.append(RuntimeError("interrupted"))
+                raise
             self._send_all(("bitmask", value))  # None: the ranks fail the step
         self._bitmask_failures.append(failure)
 

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from cadence.executor.pipes import read_inputs, reply
+from cadence.executor.pipes import exit_with_parent, read_inputs, reply
 from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
 
 
@@ -137,6 +137,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
 
 
 def main() -> None:
+    exit_with_parent()
     # The protocol owns the original stdout; anything the model stack prints goes to stderr.
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
