@@ -276,7 +276,9 @@ class AsyncLLM(RequestFront):
                 if engine.has_unfinished_requests():
                     steps = engine.stats.num_steps
                     outputs = engine.step()
-                    stalled = engine.stats.num_steps == steps and not outputs
+                    # Grammars still compiling are not a stall: the next step asks again.
+                    stalled = (engine.stats.num_steps == steps and not outputs
+                               and not engine.structured.num_waiting)
                     # Snapshot first: a caller woken by its final output sees stats with it.
                     self._stats = engine.stats.snapshot()
                     self._dispatch(outputs)

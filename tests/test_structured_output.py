@@ -375,3 +375,63 @@ def test_a_failed_bitmask_fails_its_step_on_the_cpu_worker(model, monkeypatch, c
         assert eng.block_manager.num_free_blocks == eng.num_blocks
     finally:
         llm.shutdown()
+
+
+def _slow_grammars(monkeypatch, seconds: float) -> None:
+    """Every grammar compiles ``seconds`` longer (a hard schema)."""
+    import time
+
+    from cadence.structured_output.compiler import GrammarCompiler
+
+    compile_ = GrammarCompiler._compile
+
+    def slow(self, params):
+        time.sleep(seconds)
+        return compile_(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+
+
+@pytest.mark.parametrize("extra", [{}, {"async_scheduling": True}], ids=["plain", "async"])
+def test_a_grammar_that_compiles_for_long_holds_up_nothing(model, monkeypatch, extra):
+    """The engine waits for a grammar in short slices when nothing else can run: the output
+    arrives when it compiles, as it would at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so(choice=CHOICES))
+    want = generate(make_llm(model, **extra), ["one two"], params)[0].outputs[0].text
+    _slow_grammars(monkeypatch, 1.0)
+    llm = make_llm(model, **extra)
+    try:
+        assert generate(llm, ["one two"], params)[0].outputs[0].text == want
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_an_abort_and_a_shutdown_are_served_while_a_grammar_compiles(model, monkeypatch):
+    import asyncio
+    import time
+
+    from test_async_engine import make_async
+
+    _slow_grammars(monkeypatch, 8.0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so(regex="[a-z]+"))
+
+    async def main():
+        engine = make_async(model)
+        start = time.monotonic()
+        try:
+            async def consume():
+                return [out async for out in engine.generate("one two", params,
+                                                             request_id="slow")]
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.5)
+            await engine.abort("slow")
+            outs = await asyncio.wait_for(task, timeout=4)
+            assert outs and outs[-1].finished
+            assert outs[-1].outputs[0].finish_reason == "abort"
+        finally:
+            await asyncio.wait_for(engine.shutdown(), timeout=4)
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) < 6  # not the 8 s the grammar takes

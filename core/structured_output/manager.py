@@ -25,6 +25,10 @@ from cadence.request import Request
 from cadence.sampling_params import SamplingParams
 from cadence.structured_output.bitmask import GrammarBitmask
 
+# The longest the engine waits for a grammar at once when nothing else can run; it asks
+# again on its next step, after taking the commands that arrived.
+BLOCK_S = 0.25
+
 
 class StructuredOutputManager:
     """Owns the engine's grammar compiler (built on first use) and the requests waiting for
@@ -70,7 +74,9 @@ class StructuredOutputManager:
         if not self._waiting:
             return
         if block:
-            concurrent.futures.wait([f for f, _ in self._waiting],
+            # Bounded: a grammar that compiles for long must not keep the engine thread from
+            # its commands (an abort of that very request, a shutdown) meanwhile.
+            concurrent.futures.wait([f for f, _ in self._waiting], timeout=BLOCK_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         still = []
         for fut, samples in self._waiting:
