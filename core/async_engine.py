@@ -39,6 +39,7 @@ from cadence.outputs import RequestOutput
 from cadence.pooling import PoolingParams
 from cadence.request_front import RequestFront
 from cadence.sampling_params import SamplingParams
+from cadence.structured_output.manager import BLOCK_S
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,11 @@ class AsyncLLM(RequestFront):
                 # step's outputs; restart it before anything else.
                 engine.repair()
                 if stalled or not engine.has_unfinished_requests():
+                    # A stall while grammars compile ends when one is ready: look again soon.
+                    wait_s = BLOCK_S if engine.structured.num_waiting else \
+                        self.health_check_interval_s
                     try:
-                        cmds.append(self._commands.get(timeout=self.health_check_interval_s))
+                        cmds.append(self._commands.get(timeout=wait_s))
                     except queue.Empty:
                         self._dispatch(engine.check_health())
                         stalled = False
@@ -276,9 +280,7 @@ class AsyncLLM(RequestFront):
                 if engine.has_unfinished_requests():
                     steps = engine.stats.num_steps
                     outputs = engine.step()
-                    # Grammars still compiling are not a stall: the next step asks again.
-                    stalled = (engine.stats.num_steps == steps and not outputs
-                               and not engine.structured.num_waiting)
+                    stalled = engine.stats.num_steps == steps and not outputs
                     # Snapshot first: a caller woken by its final output sees stats with it.
                     self._stats = engine.stats.snapshot()
                     self._dispatch(outputs)

@@ -491,7 +491,8 @@ def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch):
 
     pids = _frozen_at_start(monkeypatch, worker, 0)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"not ready within 1\.5 s \(--startup-timeout\); "
+    with pytest.raises(RuntimeError, match=r"not ready within 1\.5 s \(--startup-timeout, "
+                                           r"startup_timeout\); "
                                            "it was killed"):
         make_llm(model, backend_options=WORKER, startup_timeout=1.5)
     assert time.monotonic() - start < 60
@@ -504,7 +505,8 @@ def test_a_rank_stuck_in_its_start_fails_the_start(model, monkeypatch):
     pids = _frozen_at_start(monkeypatch, multiproc, 1)
     # Rank 0 waits for rank 1 in the rendezvous: neither is ready.
     with pytest.raises(WorkerLostError, match=r"rank\(s\) \[0, 1\] of 2 were not ready within "
-                                              r"3 s \(--startup-timeout\); every rank was killed"):
+                                              r"3 s \(--startup-timeout, startup_timeout\); "
+                                              "every rank was killed"):
         make_llm(model, tensor_parallel_size=2, num_kv_blocks=64, startup_timeout=3)
     assert len(pids) == 2 and all(_gone(pid) for pid in pids)
 

@@ -387,8 +387,22 @@ def test_int8_over_tensor_parallel_ranks_rounds_as_one_process(tiny_model_dir, t
         for a, b in zip(lps_w, lps_g):
             assert a.keys() == b.keys()
             assert max(abs(a[t] - b[t]) for t in a) < 1e-4
-    # The tiny MoE's experts have 48 inputs: 24 a rank is not whole groups of 32.
+    # The tiny MoE's MLP widths (96, 48) give 48 and 24 inputs a rank: refused from its
+    # config.json, before any rank loads it...
     moe = build_family_model("qwen2_moe", tmp_path / "moe", tokenizer_dir)
-    with pytest.raises(ValueError, match="experts.0.w2 has 48 inputs, 24 on each rank, not "
-                                         "whole groups of 32"):
+    with pytest.raises(ValueError, match="intermediate_size is 96 inputs, 48 on each rank, "
+                                         "not whole groups of 32"):
         make_llm(moe, quantization="int8", tensor_parallel_size=2, num_kv_blocks=64)
+
+
+def test_a_rank_refuses_int8_groups_its_share_would_cut():
+    """...and by each rank as it rounds a layer, whatever built the config."""
+    from cadence.layers.linear import RowParallelLinear
+    from cadence.quantization.weights import _check_int8_share
+
+    down = RowParallelLinear(48, 8)
+    down.tp_rank, down.tp_size, down.in_features = 0, 2, 24
+    with pytest.raises(ValueError, match="mlp.down_proj has 48 inputs, 24 on each rank"):
+        _check_int8_share("mlp.down_proj", down)
+    down.in_features = 32
+    _check_int8_share("mlp.down_proj", down)  # 64 inputs, 32 a rank: whole groups

@@ -155,7 +155,7 @@ class ForwardWorker:
                 self.kill()
                 raise WorkerLostError(
                     f"the CPU forward worker (pid {self.pid}) was not ready within {limit:g} s "
-                    "(--startup-timeout); it was killed")
+                    "(--startup-timeout, startup_timeout); it was killed")
             ready, _, _ = select.select([self._in], [], [], min(_START_NOTICE_S, limit - waited))
             if ready:
                 return

@@ -40,7 +40,8 @@ def create_executor(backend_cls: type[Backend], config: EngineConfig) -> Backend
     backend_cls.check_parallel_config(config)
     if parallel.tensor_parallel_size > 1:
         check_tensor_parallel_model(config.model_config.model, parallel.tensor_parallel_size,
-                                    parallel.enable_expert_parallel)
+                                    parallel.enable_expert_parallel,
+                                    config.model_config.quantization)
     elif parallel.enable_expert_parallel:
         # Accepted (a deployment may pass it whatever the size, as vLLM's does), but said.
         logger.warning("--enable-expert-parallel has no effect with one tensor-parallel "

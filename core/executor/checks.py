@@ -62,10 +62,13 @@ def check_pipeline_parallel_model(model: str, size: int) -> None:
                          f"per stage; the model has {layers} ({field})")
 
 
-def check_tensor_parallel_model(model: str, size: int, expert_parallel: bool = False) -> None:
+def check_tensor_parallel_model(model: str, size: int, expert_parallel: bool = False,
+                                quantization: str | None = None) -> None:
     """ValueError naming the problem when ``model`` cannot be split over ``size`` ranks: an
     architecture without tensor parallel layers, or heads/MLP columns that do not divide.
-    Under ``expert_parallel`` the experts are not split but spread, one at least per rank."""
+    Under ``expert_parallel`` the experts are not split but spread, one at least per rank.
+    Under ``quantization='int8'`` each rank's share of a row-parallel layer's inputs must be
+    whole groups (the rank checks each layer again as it loads)."""
     cfg = _read_config(model)
     archs = cfg.get("architectures") or []
     if not any(a in TENSOR_PARALLEL_ARCHITECTURES for a in archs):
@@ -101,3 +104,30 @@ def check_tensor_parallel_model(model: str, size: int, expert_parallel: bool = F
             if width % size:
                 raise ValueError(f"--tensor-parallel-size {size} must divide the experts' "
                                  f"width {width} ({field})")
+    if quantization == "int8":
+        _check_int8_shares(cfg, size, heads, inter, inter_field, moe, whole_experts)
+
+
+def _check_int8_shares(cfg: dict, size: int, heads: int, inter: int, inter_field: str,
+                       moe: bool, whole_experts: bool) -> None:
+    from cadence.quantization import INT8_GROUP
+
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    # The inputs of each row-parallel layer: o_proj, the MLP's down (a dense model's, or
+    # Mixtral's experts'), Qwen-MoE's experts and shared expert.
+    inputs = [(heads * head_dim, "the attention output (heads x head_dim)"),
+              (inter, inter_field)]
+    if moe and "MixtralForCausalLM" in (cfg.get("architectures") or []) and whole_experts:
+        inputs.pop()  # whole experts, not split
+    if moe:
+        fields = ("shared_expert_intermediate_size",) if whole_experts else \
+            ("moe_intermediate_size", "shared_expert_intermediate_size")
+        inputs += [(int(cfg.get(f) or 0), f) for f in fields]
+    for width, what in inputs:
+        if width and (width % INT8_GROUP or (width // size) % INT8_GROUP):
+            raise ValueError(
+                f"--quantization int8 with --tensor-parallel-size {size}: {what} is {width} "
+                f"inputs, {width // size} on each rank, not whole groups of {INT8_GROUP}, so "
+                "the ranks would round other groups than one process does; choose a "
+                "tensor-parallel size that splits them so, or run without quantization")

@@ -25,6 +25,8 @@ import time
 from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
+# How a worker learns which process started it (exit_with_parent).
+ENGINE_PID_ENV = "CADENCE_ENGINE_PID"
 
 
 def send(f: BinaryIO, obj: Any) -> None:
@@ -70,8 +72,9 @@ def read_inputs(inp: BinaryIO, inbox: queue.SimpleQueue) -> None:
 def start_worker(module: str) -> subprocess.Popen:
     """``python -m module`` with pipes for stdin and stdout, leading a process group of its
     own. Its own session also keeps a terminal's Ctrl-C to the engine, which stops it."""
+    env = {**os.environ, ENGINE_PID_ENV: str(os.getpid())}
     return subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, start_new_session=True, env=env)
 
 
 def kill_worker(proc: subprocess.Popen) -> None:
@@ -93,7 +96,10 @@ def exit_with_parent() -> None:
     reads its closed stdin, which it does not while it loads (minutes). A watch of the
     parent's pid, not Linux's PR_SET_PDEATHSIG, which fires when the *thread* that started
     the worker ends (a replica's start-up thread)."""
-    parent = os.getppid()
+    # The engine's pid as it started us (not whatever getppid() says by now: a parent that
+    # already died reads as a subreaper's pid, and an engine running as pid 1 in a
+    # container is a live parent).
+    engine = int(os.environ.get(ENGINE_PID_ENV) or os.getppid())
 
     def leave() -> None:
         if os.getpgrp() == os.getpid():  # started by start_worker: its group is its own
@@ -101,10 +107,10 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == engine:
             time.sleep(1.0)
         leave()
 
-    if parent == 1:  # the engine died before this worker got here
+    if os.getppid() != engine:  # the engine died before this worker got here
         leave()
     threading.Thread(target=watch, daemon=True, name="cadence-parent-watch").start()

@@ -19,6 +19,7 @@ as with one process.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
@@ -98,8 +99,8 @@ class RankGroup(Backend):
     def allocate_kv_cache(self) -> int:
         # Bounded: a rank stuck in its start (a lock held by a stuck process) must fail the
         # start, not hold it forever.
-        replies = self._gather(timeout=self.config.fault_config.startup_timeout_s,
-                               starting=True)
+        limit = self.config.fault_config.startup_timeout_s
+        replies = self._gather(timeout=limit if math.isfinite(limit) else None, starting=True)
         errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
         if errors:
             self._kill_ranks()  # the others may be waiting for it in the rendezvous
@@ -172,7 +173,7 @@ class RankGroup(Backend):
                                      f"while rank(s) {late} still ran it; every rank was "
                                      f"stopped:\n{replies[failed_rank][1]}")
                 what = "were not ready" if starting else "gave no reply"
-                limit = "--startup-timeout" if starting else "step_timeout"
+                limit = "--startup-timeout, startup_timeout" if starting else "step_timeout"
                 raise self._lost(f"rank(s) {late} of {self.world_size} {what} within "
                                  f"{timeout:g} s ({limit}); every rank was killed")
             for rank in ready:
@@ -206,12 +207,6 @@ class RankGroup(Backend):
                 value = grammar.get()
             except Exception as e:  # noqa: BLE001  # raised at collect, once the ranks reply
                 value, failure = None, e
-            except BaseException:
-                # A Ctrl-C while it computes: the ranks still get their message (and fail
-                # the step) instead of waiting for it until the step deadline.
-                self._send_all(("bitmask", None))
-                self._bitmask_failures.append(RuntimeError("interrupted"))
-                raise
             self._send_all(("bitmask", value))  # None: the ranks fail the step
         self._bitmask_failures.append(failure)
 

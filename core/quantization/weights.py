@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from cadence.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from cadence.quantization import INT8_GROUP
 from cadence.quantization.gguf_export import INDEX_FILE, TENSORS_FILE, blocks_dir
 
 logger = logging.getLogger(__name__)
@@ -184,11 +185,6 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
         module.quantized = weight
         count += 1
     return count
-
-
-# Inputs per int8 scale: llama.cpp's Q8_0 block, whose error on trained weights is known to
-# be negligible; a row whose width is not a multiple of it has one scale for the whole row.
-INT8_GROUP = 32
 
 
 def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> QuantizedWeight:
