@@ -1106,6 +1106,13 @@ def test_build_dir_is_keyed_by_cpu_torch_and_source(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     dirs.add(kernels._build_dir(sources))
     monkeypatch.undo()
+    import sys
+    import types
+
+    monkeypatch.setattr(sys, "implementation",
+                        types.SimpleNamespace(cache_tag="cpython-399"))  # another Python
+    dirs.add(kernels._build_dir(sources))
+    monkeypatch.undo()
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     # An edited source file (a copy of the tree with one byte more in one file).
     copies = tmp_path / "csrc"
@@ -1116,7 +1123,7 @@ def test_build_dir_is_keyed_by_cpu_torch_and_source(tmp_path, monkeypatch) -> No
     dirs.add(kernels._build_dir([copies / s for s in kernels._SOURCES]))
     (copies / "ops.cpp").write_bytes(sources[kernels._SOURCES.index("ops.cpp")].read_bytes())
     assert kernels._build_dir([copies / s for s in kernels._SOURCES]) == base
-    assert len(dirs) == 1 + len(variants) + 2, sorted(dirs)
+    assert len(dirs) == 1 + len(variants) + 3, sorted(dirs)
 
 
 def test_loaded_kernels_live_in_the_keyed_build_dir(ops) -> None:

@@ -486,10 +486,11 @@ def _frozen_at_start(monkeypatch, module, which: int) -> list[int]:
     return pids
 
 
-def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch):
+def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch, caplog):
     from cadence.backends.cpu import worker
 
     pids = _frozen_at_start(monkeypatch, worker, 0)
+    monkeypatch.setattr(worker, "_START_NOTICE_S", 0.5)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"not ready within 1\.5 s \(--startup-timeout, "
                                            r"startup_timeout\); "
@@ -497,18 +498,22 @@ def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch):
         make_llm(model, backend_options=WORKER, startup_timeout=1.5)
     assert time.monotonic() - start < 60
     assert _gone(pids[0])
+    assert any("is still starting after" in r.getMessage() for r in caplog.records)
 
 
-def test_a_rank_stuck_in_its_start_fails_the_start(model, monkeypatch):
-    from cadence.executor import multiproc
+def test_a_rank_stuck_in_its_start_fails_the_start(model, monkeypatch, caplog):
+    from cadence.executor import multiproc, rank_group
 
     pids = _frozen_at_start(monkeypatch, multiproc, 1)
+    monkeypatch.setattr(rank_group, "START_NOTICE_S", 1.0)
     # Rank 0 waits for rank 1 in the rendezvous: neither is ready.
     with pytest.raises(WorkerLostError, match=r"rank\(s\) \[0, 1\] of 2 were not ready within "
                                               r"3 s \(--startup-timeout, startup_timeout\); "
                                               "every rank was killed"):
         make_llm(model, tensor_parallel_size=2, num_kv_blocks=64, startup_timeout=3)
     assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+    assert any("rank(s) [0, 1] of 2 still starting after" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_worker_whose_engine_died_exits(tmp_path, monkeypatch):

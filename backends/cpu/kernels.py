@@ -2,11 +2,12 @@
 and cached under ``~/.cache/cadence/kernels``.
 
 The build targets the CPU it runs on (``-march=native``), so the cache folder is keyed by the
-source, the compiler flags, torch's version and the CPU's model and flags: a home directory
-shared by machines with different CPUs never loads a kernel built for another. The first
-build announces itself on stderr (it takes ~30-60 s); later loads import the finished module
-directly. Concurrent first builds (several worker processes) wait for one another on a lock
-the OS releases when its holder dies, so a worker killed mid-build never stalls the next one.
+source, the compiler flags, torch's and Python's versions and the CPU's model and flags: a
+home directory shared by machines with different CPUs never loads a kernel built for
+another. The first build announces itself on stderr (it takes ~30-60 s); later loads
+import the finished module directly. Concurrent first builds (several worker processes)
+wait for one another on a lock the OS releases when its holder dies, so a worker killed
+mid-build never stalls the next one.
 Where there is no compiler, or the build fails, ``load_kernels`` returns None after one
 warning that says so and names the fallback (the torch reference path).
 """
@@ -64,7 +65,10 @@ def _build_dir(sources: list[Path]) -> Path:
     for src in [*sources, *(sources[0].parent / n for n in _HEADERS)]:
         h.update(src.read_bytes())
     info = cpu_info()
-    h.update(repr((cflags(), torch.__version__, info.model, sorted(info.flags))).encode())
+    # The interpreter too: the module is built against one Python's ABI (its file name
+    # carries no tag), so venvs of two Pythons sharing one home must not share a build.
+    h.update(repr((cflags(), torch.__version__, info.model, sorted(info.flags),
+                   sys.implementation.cache_tag)).encode())
     return cache_root() / f"cpu_kernels_{h.hexdigest()[:16]}"
 
 

@@ -19,6 +19,7 @@ as with one process.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -34,9 +35,13 @@ from cadence.backend import (
 )
 from cadence.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+
 # After one rank fails a step, how long the others get to fail it too before the group
 # counts as broken (they fail at the same point when the input itself was bad).
 PEER_GRACE_S = 5.0
+# How often a start that takes long says which ranks are still loading.
+START_NOTICE_S = 60.0
 
 
 class _RankGone(Exception):
@@ -157,14 +162,24 @@ class RankGroup(Backend):
         killed) when one dies, or none replies within ``timeout``, or one fails while
         another does not answer within ``PEER_GRACE_S``."""
         replies: dict[int, Any] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = None if timeout is None else began + timeout
         failed_at, failed_rank = None, None
         while len(replies) < self.world_size:
             waiting = [r for r in range(self.world_size) if r not in replies]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if failed_at is not None:
                 left = max(0.0, failed_at + PEER_GRACE_S - time.monotonic())
-            ready = self._wait(waiting, left)
+            # A start waits in slices, saying which ranks are still loading after each.
+            notice = starting and failed_at is None and (left is None or left > START_NOTICE_S)
+            ready = self._wait(waiting, START_NOTICE_S if notice else left)
+            if not ready and notice:
+                logger.warning("rank(s) %s of %d still starting after %.0f s (a first start "
+                               "builds the CPU kernels; the start gives up after %s s, "
+                               "--startup-timeout)", waiting, self.world_size,
+                               time.monotonic() - began, "no" if timeout is None else
+                               f"{timeout:g}")
+                continue
             if not ready:
                 late = waiting
                 if failed_at is not None:
