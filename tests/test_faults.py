@@ -490,7 +490,7 @@ def test_a_worker_stuck_in_its_start_fails_the_start(model, monkeypatch, caplog)
     from cadence.backends.cpu import worker
 
     pids = _frozen_at_start(monkeypatch, worker, 0)
-    monkeypatch.setattr(worker, "_START_NOTICE_S", 0.5)
+    monkeypatch.setattr(worker, "START_NOTICE_S", 0.5)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"not ready within 1\.5 s \(--startup-timeout, "
                                            r"startup_timeout\); "

@@ -239,23 +239,11 @@ def test_int8_rounds_each_group_to_its_own_scale():
 def test_int8_gives_the_outputs_of_its_rounded_weights(tiny_model_dir, tmp_path):
     """int8 is not the checkpoint's result: it is exactly the result of a checkpoint whose
     linears, the head's included, hold the rounded weights."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from cadence.quantization.weights import quantize_int8
-
     source = tiny_model_dir("llama")
-    rounded = tmp_path / "rounded"
-    shutil.copytree(source, rounded)
-    tensors = load_file(str(rounded / "model.safetensors"))
-    for name, tensor in tensors.items():
-        if tensor.dim() == 2 and ("proj" in name or name == "lm_head.weight"):
-            tensors[name] = quantize_int8(tensor).dequantize().to(tensor.dtype)
-    save_file(tensors, str(rounded / "model.safetensors"), metadata={"format": "pt"})
+    rounded = _round_linears(source, tmp_path / "rounded")
     prompts = ["the cat runs over the", "one two three four five"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
-    plain = make_llm(str(rounded), dtype="float32", backend_options=TILED)
+    plain = make_llm(rounded, dtype="float32", backend_options=TILED)
     want = _outputs(plain, prompts, params)
     plain.shutdown()
     quant = make_llm(source, quantization="int8")

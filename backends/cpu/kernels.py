@@ -99,21 +99,14 @@ def _build() -> ModuleType | None:
     csrc = Path(__file__).resolve().parent / "csrc"
     sources = [csrc / s for s in _SOURCES]
     build_dir = _build_dir(sources)
-    if (build_dir / _BUILT).exists():
-        try:
-            return _import_built(build_dir)
-        except Exception as e:  # a cache folder damaged by hand: build it again below
-            logger.info("the cached CPU kernels in %s did not load (%s); rebuilding",
-                        build_dir, e)
+    mod = _import_built(build_dir)
+    if mod is not None:
+        return mod
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(build_dir) as locked:
-            if (build_dir / _BUILT).exists():  # another process finished it while we waited
-                try:
-                    return _import_built(build_dir)
-                except Exception:
-                    (build_dir / _BUILT).unlink()
-            return _compile(sources, build_dir, locked)
+            # Another process may have finished it while this one waited for the lock.
+            return _import_built(build_dir) or _compile(sources, build_dir, locked)
     except Exception as e:  # a broken toolchain must not take the engine down
         logger.warning("building the CPU kernels failed (%s: %s); the CPU backend "
                        "falls back to the torch attention path, which is slower",
@@ -150,16 +143,25 @@ def _compile(sources: list[Path], build_dir: Path, locked: bool) -> ModuleType:
     return mod
 
 
-def _import_built(build_dir: Path) -> ModuleType:
+def _import_built(build_dir: Path) -> ModuleType | None:
+    """The module a finished build recorded, or None: no record yet, or one that does not
+    load (a cache folder damaged by hand), which the build then writes again."""
     import importlib.util
 
     import torch  # noqa: F401  (the extension links against libtorch)
 
-    name = (build_dir / _BUILT).read_text().strip()
-    spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
-    assert spec is not None and spec.loader is not None, name
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    record = build_dir / _BUILT
+    if not record.exists():
+        return None
+    try:
+        name = record.read_text().strip()
+        spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
+        assert spec is not None and spec.loader is not None, name
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        logger.info("the cached CPU kernels in %s did not load (%s); rebuilding", build_dir, e)
+        return None
     return mod
 
 

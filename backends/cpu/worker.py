@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.pipes import (
+    START_NOTICE_S,
     exit_with_parent,
     kill_worker,
     read_inputs,
@@ -45,8 +46,6 @@ from cadence.executor.pipes import (
 from cadence.structured_output.bitmask import expect_after_step, is_bitmask_message
 
 logger = logging.getLogger(__name__)
-# How often a start that takes long says so (a first start builds the kernels: minutes).
-_START_NOTICE_S = 60.0
 
 
 def _serve(inp: BinaryIO, out: BinaryIO) -> None:
@@ -156,7 +155,7 @@ class ForwardWorker:
                 raise WorkerLostError(
                     f"the CPU forward worker (pid {self.pid}) was not ready within {limit:g} s "
                     "(--startup-timeout, startup_timeout); it was killed")
-            ready, _, _ = select.select([self._in], [], [], min(_START_NOTICE_S, limit - waited))
+            ready, _, _ = select.select([self._in], [], [], min(START_NOTICE_S, limit - waited))
             if ready:
                 return
             logger.warning("the CPU forward worker (pid %d) is still starting after %.0f s "

@@ -110,7 +110,7 @@ def check_tensor_parallel_model(model: str, size: int, expert_parallel: bool = F
 
 def _check_int8_shares(cfg: dict, size: int, heads: int, inter: int, inter_field: str,
                        moe: bool, whole_experts: bool) -> None:
-    from cadence.quantization import INT8_GROUP
+    from cadence.quantization import check_int8_split
 
     hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
     head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
@@ -125,9 +125,5 @@ def _check_int8_shares(cfg: dict, size: int, heads: int, inter: int, inter_field
             ("moe_intermediate_size", "shared_expert_intermediate_size")
         inputs += [(int(cfg.get(f) or 0), f) for f in fields]
     for width, what in inputs:
-        if width and (width % INT8_GROUP or (width // size) % INT8_GROUP):
-            raise ValueError(
-                f"--quantization int8 with --tensor-parallel-size {size}: {what} is {width} "
-                f"inputs, {width // size} on each rank, not whole groups of {INT8_GROUP}, so "
-                "the ranks would round other groups than one process does; choose a "
-                "tensor-parallel size that splits them so, or run without quantization")
+        if width:
+            check_int8_split(f"{what} is", width, size)

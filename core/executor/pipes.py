@@ -27,6 +27,9 @@ from typing import Any, BinaryIO
 LEN = struct.Struct("<Q")
 # How a worker learns which process started it (exit_with_parent).
 ENGINE_PID_ENV = "CADENCE_ENGINE_PID"
+# How often a worker's or rank's start that takes long says so (a first start builds the
+# CPU kernels: minutes on 2 cores).
+START_NOTICE_S = 60.0
 
 
 def send(f: BinaryIO, obj: Any) -> None:

@@ -34,14 +34,13 @@ from cadence.backend import (
     WorkerLostError,
 )
 from cadence.config import EngineConfig
+from cadence.executor.pipes import START_NOTICE_S
 
 logger = logging.getLogger(__name__)
 
 # After one rank fails a step, how long the others get to fail it too before the group
 # counts as broken (they fail at the same point when the input itself was bad).
 PEER_GRACE_S = 5.0
-# How often a start that takes long says which ranks are still loading.
-START_NOTICE_S = 60.0
 
 
 class _RankGone(Exception):

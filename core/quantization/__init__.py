@@ -32,3 +32,18 @@ def check_quantization(name: str | None) -> str | None:
 
 
 __all__ = ["QUANTIZATIONS", "check_quantization"]
+
+
+def check_int8_split(subject: str, inputs: int, size: int) -> None:
+    """Refuse ``int8`` where ``size`` tensor-parallel ranks would each round a share of a
+    row-parallel layer's ``inputs`` that is not whole groups: they would round other groups
+    than one process does, and the weights must not depend on the number of ranks (vLLM
+    refuses such splits of GPTQ/AWQ groups). ``subject`` starts the message ("down_proj
+    has")."""
+    share = inputs // size
+    if inputs % INT8_GROUP or share % INT8_GROUP:
+        raise ValueError(
+            f"--quantization int8 with --tensor-parallel-size {size}: {subject} {inputs} "
+            f"inputs, {share} on each rank, not whole groups of {INT8_GROUP}, so the ranks "
+            "would round other groups than one process does; choose a tensor-parallel size "
+            "that splits them so, or run without quantization")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cadence.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from cadence.quantization import INT8_GROUP
+from cadence.quantization import INT8_GROUP, check_int8_split
 from cadence.quantization.gguf_export import INDEX_FILE, TENSORS_FILE, blocks_dir
 
 logger = logging.getLogger(__name__)
@@ -216,15 +216,7 @@ def attach_int8(model: nn.Module) -> int:
 
 
 def _check_int8_share(name: str, module: Linear) -> None:
-    """A row-parallel rank rounds its share of each row: the same groups as one process
-    only where every share is whole groups. The weights must not depend on the number of
-    ranks, so anything else is refused (vLLM refuses such splits of GPTQ/AWQ groups)."""
-    if not isinstance(module, RowParallelLinear) or module.tp_size == 1:
-        return
-    share, inputs = module.in_features, module.in_features * module.tp_size
-    if inputs % INT8_GROUP or share % INT8_GROUP:
-        raise ValueError(
-            f"quantization 'int8' with tensor_parallel_size={module.tp_size}: {name} has "
-            f"{inputs} inputs, {share} on each rank, not whole groups of {INT8_GROUP}, so "
-            "the ranks would round other groups than one process does; choose a "
-            "tensor_parallel_size that splits them so, or run without quantization")
+    """A row-parallel rank rounds its share of each row (``check_int8_split``); the config
+    was checked before any rank loaded, this holds for whatever built it."""
+    if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+        check_int8_split(f"{name} has", module.in_features * module.tp_size, module.tp_size)
