@@ -161,16 +161,17 @@ def test_ray_ranks_match_one_process_and_a_lost_rank_fails_the_requests(ray_clus
 
 def test_ray_refuses_ranks_the_cluster_cannot_place(ray_cluster, tiny_model_dir):
     """STRICT_SPREAD wants each of the two ranks on a node of its own; the one-node cluster
-    cannot hold that, so the engine fails once the (here short) step timeout has passed,
+    cannot hold that, so the engine fails once the (here short) start-up timeout has passed,
     saying what it asked for and what the cluster has, and leaves no group reserved."""
     import ray
 
     with pytest.raises(ValueError) as refused:
         make_llm(tiny_model_dir("qwen3"), num_kv_blocks=64, tensor_parallel_size=2,
                  distributed_executor_backend="ray", ray_placement_strategy="STRICT_SPREAD",
-                 step_timeout=1.0)
+                 startup_timeout=1.0)
     message = str(refused.value)
-    assert "Ray could not place the 2 ranks within 1 s (--step-timeout)" in message
+    assert ("Ray could not place the 2 ranks within 1 s (--startup-timeout, startup_timeout)"
+            in message)
     assert ("asked for 2 bundles of {'CPU': 1} with --ray-placement-strategy STRICT_SPREAD "
             "(each rank on a node of its own: 2 nodes)") in message
     assert "the cluster has 1 node(s) with CPU 4 in all, CPU 4 free" in message

@@ -79,6 +79,9 @@ class RankGroup(Backend):
             if parallel.pipeline_parallel_size > 1 else 0
         self.max_in_flight = max(2, parallel.pipeline_parallel_size)
         self.step_timeout_s = config.fault_config.step_timeout_s
+        limit = config.fault_config.startup_timeout_s
+        #: How long the ranks may take to be placed and loaded; None: no limit.
+        self.startup_timeout_s: float | None = limit if math.isfinite(limit) else None
         self._in_flight = 0
         # Per step in flight, oldest first: why its late bitmask could not be computed
         # (None: it was, or it needed none). Raised when the step is collected.
@@ -103,8 +106,7 @@ class RankGroup(Backend):
     def allocate_kv_cache(self) -> int:
         # Bounded: a rank stuck in its start (a lock held by a stuck process) must fail the
         # start, not hold it forever.
-        limit = self.config.fault_config.startup_timeout_s
-        replies = self._gather(timeout=limit if math.isfinite(limit) else None, starting=True)
+        replies = self._gather(timeout=self.startup_timeout_s, starting=True)
         errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
         if errors:
             self._kill_ranks()  # the others may be waiting for it in the rendezvous

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import Any
 
 from cadence.backend import Backend, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.executor.multiproc import _free_port
+from cadence.executor.pipes import START_NOTICE_S
 from cadence.executor.rank_group import RankGroup, _RankGone
 from cadence.executor.ray_placement import (
     actor_options,
@@ -36,7 +38,7 @@ from cadence.executor.ray_placement import (
 from cadence.executor.worker import RankRunner
 
 logger = logging.getLogger(__name__)
-# After this long without a placement group, the engine logs what it waits for.
+# After this long without a placement group, the engine first logs what it waits for.
 RESERVE_NOTICE_S = 10.0
 
 
@@ -97,7 +99,7 @@ class RayExecutor(RankGroup):
         self._queues = [deque() for _ in self._actors]
         try:
             places = ray.get([a.placement.remote() for a in self._actors],
-                             timeout=self.step_timeout_s)
+                             timeout=self.startup_timeout_s)
         except Exception as e:
             self._kill_ranks()
             raise RuntimeError(f"Ray could not start the {self.world_size} ranks: "
@@ -113,8 +115,8 @@ class RayExecutor(RankGroup):
             queue.append(actor.start.remote(init_method, rank, size))
 
     def _reserve(self, bundles: list[dict[str, float]]) -> None:
-        """Reserve the ranks' placement group, waiting up to the step timeout; ValueError
-        (nothing left reserved) when the cluster cannot hold it."""
+        """Reserve the ranks' placement group, waiting up to the start-up timeout;
+        ValueError (nothing left reserved) when the cluster cannot hold it by then."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -127,17 +129,22 @@ class RayExecutor(RankGroup):
         strategy = self.config.parallel_config.ray_placement_strategy
         self._group = placement_group(bundles, strategy=strategy)
         # A busy cluster may free the resources later (autoscaling, other jobs ending): say
-        # so early, then keep waiting for the rest of the timeout.
-        first = min(RESERVE_NOTICE_S, self.step_timeout_s)
-        if self._group.wait(timeout_seconds=first):
-            return
-        left = self.step_timeout_s - first
-        if left > 0:
-            logger.warning("waiting for Ray to place the ranks: %s", request())
-            if self._group.wait(timeout_seconds=left):
+        # so early and then now and again, waiting out the start-up timeout.
+        limit = self.startup_timeout_s
+        began = time.monotonic()
+        notice = RESERVE_NOTICE_S
+        while True:
+            left = None if limit is None else limit - (time.monotonic() - began)
+            if left is not None and left <= 0:
+                break
+            if self._group.wait(timeout_seconds=notice if left is None else min(notice, left)):
                 return
-        message = (f"Ray could not place the {len(bundles)} ranks within "
-                   f"{self.step_timeout_s:g} s (--step-timeout): {request()}")
+            if left is None or left > notice:
+                logger.warning("waiting %.0f s so far for Ray to place the ranks: %s",
+                               time.monotonic() - began, request())
+            notice = START_NOTICE_S
+        message = (f"Ray could not place the {len(bundles)} ranks within {limit:g} s "
+                   f"(--startup-timeout, startup_timeout): {request()}")
         self._remove_group()
         raise ValueError(message)
 
