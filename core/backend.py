@@ -78,11 +78,18 @@ class WorkerLostError(RuntimeError):
     stops serving. Any *other* exception from ``execute`` means only that step failed, with
     the device state intact: the engine re-runs the step's requests in smaller groups to
     find the one that fails and ends that one alone (docs/reliability.md).
+
+    ``interrupted``: nothing failed; the backend stopped its worker itself because an
+    interrupt (Ctrl-C) cut a step's exchange with it short, leaving a message half sent or a
+    reply unread that the next step would take for its own. Its restart is not counted
+    against the restart budget.
     """
 
-    def __init__(self, message: str, restartable: bool = True) -> None:
+    def __init__(self, message: str, restartable: bool = True,
+                 interrupted: bool = False) -> None:
         super().__init__(message)
         self.restartable = restartable
+        self.interrupted = interrupted
 
 
 def raise_if_device_lost(error: BaseException, sticky_markers: tuple[str, ...],

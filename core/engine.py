@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.backend import Backend, ModelInput, PostSample
+from cadence.backend import Backend, ModelInput, PostSample, WorkerLostError
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.executor import create_executor
@@ -311,6 +311,25 @@ class LLMEngine:
         planned for ``repair()`` or the next ``step()``; raises ``EngineFailedError`` when
         it may not be restarted."""
         self.guard.check_health()
+        return self.output_processor.take_ready()
+
+    def after_interrupt(self) -> list[RequestOutput]:
+        """Call when a ``KeyboardInterrupt`` (or another ``BaseException`` that is not an
+        ``Exception``) has left ``step()``, after aborting what should not go on. A backend
+        that stopped its worker because the interrupt cut a step's exchange short is found
+        now, so its restart comes before the next requests instead of failing them.
+        Returns the final outputs of the requests that ended."""
+        if self._loop is not None:
+            # Steps planned ahead may sit on the backend where the loop no longer tracks
+            # them (the interrupt fell between the backend taking one and the loop
+            # recording it); only a restart is sure to leave none to be read as a later
+            # step's.
+            self.guard.recover(WorkerLostError(
+                "a step was interrupted while steps planned ahead were in flight; the "
+                "backend is restarted so that none of them is taken for a later step",
+                interrupted=True))
+        else:
+            self.guard.check_health()
         return self.output_processor.take_ready()
 
     def repair(self) -> None:

@@ -62,6 +62,7 @@ class StepGuard:
         self.restarts = 0
         #: A lost worker waits for ``repair`` (read from other threads for ``/health``).
         self.restart_pending = False
+        self._restart_counts = True  # whether the planned restart spends one of the budget
         self._build_input = build_input
         self._fail_request = fail_request
         self._fail_all = fail_all
@@ -106,8 +107,12 @@ class StepGuard:
     def recover(self, error: WorkerLostError) -> None:
         """End every request with the error; plan a restart, or give up (raises
         ``EngineFailedError``)."""
-        logger.error("the backend's worker was lost: %s", error)
-        can_restart = error.restartable and self.restarts < self.max_restarts
+        if error.interrupted:
+            logger.warning("%s", error)
+        else:
+            logger.error("the backend's worker was lost: %s", error)
+        can_restart = error.restartable and (error.interrupted
+                                             or self.restarts < self.max_restarts)
         if can_restart:
             message = f"{error}; the engine is restarting it"
         elif error.restartable:
@@ -119,14 +124,18 @@ class StepGuard:
         if not can_restart:
             raise EngineFailedError(message) from error
         self.restart_pending = True
+        self._restart_counts = not error.interrupted
 
     def repair(self) -> None:
         """Restart the backend if ``recover`` planned it; a no-op otherwise."""
         if not self.restart_pending:
             return
-        self.restarts += 1
-        logger.warning("restarting the backend (%d of %d restarts)", self.restarts,
-                       self.max_restarts)
+        if self._restart_counts:
+            self.restarts += 1
+            logger.warning("restarting the backend (%d of %d restarts)", self.restarts,
+                           self.max_restarts)
+        else:
+            logger.warning("restarting the backend after an interrupted step")
         self._reset_kv(self.backend.restart())
         self.restart_pending = False
         logger.warning("the backend is serving again")

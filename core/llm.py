@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -188,6 +189,10 @@ class LLM:
                 self.engine.abort_request(rid)
             self._run_until_done(None)
             raise
+        except BaseException:  # another failure, or Ctrl-C, between two requests
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
         return self._run_until_done(ids, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -231,6 +236,16 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except Exception:
+            raise
+        except BaseException:
+            # Ctrl-C: this call's requests end here, not in whichever call comes next.
+            for rid in ids or ():
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            with contextlib.suppress(Exception):  # a failure here is the next call's to meet
+                self.engine.after_interrupt()
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -37,6 +37,7 @@ from cadence.executor.pipes import (
     START_NOTICE_S,
     exit_with_parent,
     kill_worker,
+    on_interrupt,
     read_inputs,
     read_reply,
     reply,
@@ -114,6 +115,7 @@ class ForwardWorker:
         self._in = self._proc.stdout
         self._out = self._proc.stdin
         self._in_flight = 0  # steps sent and not yet read back (2 under async scheduling)
+        self._failure: str | None = None  # why it was stopped after an interrupt, if it was
         # An engine dropped without shutdown() must not leave its worker (and its KV cache)
         # behind for the rest of the process.
         self._finalizer = weakref.finalize(self, kill_worker, self._proc)
@@ -195,6 +197,8 @@ class ForwardWorker:
 
     def check_alive(self) -> None:
         """Raise ``WorkerLostError`` if the process has exited; safe from any thread."""
+        if self._failure is not None:
+            raise WorkerLostError(self._failure, interrupted=True)
         if not self._closing and self._proc.poll() is not None:
             raise WorkerLostError(self._exit_message())
 
@@ -209,45 +213,60 @@ class ForwardWorker:
         """Between steps: a worker that does not answer within the step deadline is frozen
         (it is killed, and ``WorkerLostError`` raised)."""
         assert not self._in_flight, "ping() while a step is in flight"
-        try:
-            send(self._out, "ping")
-        except OSError:
-            raise WorkerLostError(self._exit_message()) from None
-        if self._recv(self.step_timeout_s) != "pong":
-            self.kill()
-            raise WorkerLostError("the CPU forward worker answered a ping with something "
-                                  "else; it was killed")
+        with on_interrupt(self._interrupted):
+            try:
+                send(self._out, "ping")
+            except OSError:
+                raise WorkerLostError(self._exit_message()) from None
+            if self._recv(self.step_timeout_s) != "pong":
+                self.kill()
+                raise WorkerLostError("the CPU forward worker answered a ping with something "
+                                      "else; it was killed")
 
     def submit(self, model_input: ModelInput) -> None:
+        if self._failure is not None:
+            raise WorkerLostError(self._failure, interrupted=True)
         assert self._in_flight < 2, "at most two steps in flight"
-        try:
-            send(self._out, model_input)
-        except OSError:  # a broken pipe: the worker is gone
-            raise WorkerLostError(self._exit_message()) from None
-        self._in_flight += 1
+        with on_interrupt(self._interrupted):
+            try:
+                send(self._out, model_input)
+            except OSError:  # a broken pipe: the worker is gone
+                raise WorkerLostError(self._exit_message()) from None
+            self._in_flight += 1
 
     def send_bitmask(self, grammar: Any) -> None:
         """Compute the grammar bitmask of the step just submitted and send it; the worker
         waits for it before sampling. If computing it fails the worker is told, so the step
         fails there too instead of waiting for a bitmask that never comes."""
-        try:
-            value = grammar.get()
-        except BaseException:
-            send(self._out, ("bitmask", None))
-            raise
-        try:
-            send(self._out, ("bitmask", value))
-        except OSError:
-            raise WorkerLostError(self._exit_message()) from None
+        with on_interrupt(self._interrupted):
+            try:
+                value = grammar.get()
+            except Exception:
+                send(self._out, ("bitmask", None))
+                raise
+            try:
+                send(self._out, ("bitmask", value))
+            except OSError:
+                raise WorkerLostError(self._exit_message()) from None
 
     def result(self) -> SamplerOutput:
         """The oldest step's samples (steps are answered in the order they were sent)."""
+        if self._failure is not None:
+            raise WorkerLostError(self._failure, interrupted=True)
         assert self._in_flight, "result() without submit()"
         self._in_flight -= 1
-        out = self._recv(self.step_timeout_s)
+        with on_interrupt(self._interrupted):
+            out = self._recv(self.step_timeout_s)
         if isinstance(out, tuple):  # ("error", the worker's traceback)
             raise RuntimeError(f"the CPU forward worker failed:\n{out[1]}")
         return out
+
+    def _interrupted(self, error: BaseException) -> None:
+        self.kill()
+        self._in_flight = 0
+        self._failure = (f"a step was interrupted ({type(error).__name__}) while the CPU "
+                         "forward worker ran it; the worker was stopped, so that no later "
+                         "step reads its reply")
 
     def close(self) -> None:
         self._closing = True

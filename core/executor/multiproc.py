@@ -18,7 +18,7 @@ from typing import Any
 
 from cadence.backend import Backend, WorkerLostError
 from cadence.config import EngineConfig
-from cadence.executor.pipes import kill_worker, read_reply, send, start_worker
+from cadence.executor.pipes import kill_worker, on_interrupt, read_reply, send, start_worker
 from cadence.executor.rank_group import RankGroup, _RankGone
 
 # How long a failed step waits for a rank that is going away to be reaped, so the error
@@ -139,14 +139,15 @@ class MultiprocExecutor(RankGroup):
     def check_health(self, deep: bool = False) -> None:
         procs = list(self._procs)  # read once: the engine thread may be restarting them
         if self._failure is not None:
-            raise WorkerLostError(self._failure)
+            raise self._failure_error()
         for rank, proc in enumerate(procs):
             if proc.poll() is not None:
                 raise WorkerLostError(f"rank {rank} of {self.world_size} "
                                       f"{_exit_reason(proc)}")
         if deep and procs and not self._in_flight:
-            self._send_all("ping")
-            self._gather(self.step_timeout_s)
+            with on_interrupt(self._interrupted):
+                self._send_all("ping")
+                self._gather(self.step_timeout_s)
 
     def shutdown(self) -> None:
         procs, self._procs = self._procs, []

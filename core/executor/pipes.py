@@ -13,6 +13,7 @@ Both start as ``start_worker`` starts them, in a process group of their own, and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
@@ -117,3 +119,19 @@ def exit_with_parent() -> None:
     if os.getppid() != engine:  # the engine died before this worker got here
         leave()
     threading.Thread(target=watch, daemon=True, name="cadence-parent-watch").start()
+
+
+@contextlib.contextmanager
+def on_interrupt(handler: Callable[[BaseException], None]) -> Iterator[None]:
+    """Run ``handler`` when a ``KeyboardInterrupt`` (or another ``BaseException`` that is
+    not an ``Exception``) leaves the block, then let it go on. Wraps the engine's side of a
+    step's exchange with a worker: interrupted there, a step's message may be half written
+    or its reply left unread, and the next step would read that reply as its own, so the
+    handler stops the worker (it is restarted like a lost one)."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as e:
+        handler(e)
+        raise

@@ -34,7 +34,7 @@ from cadence.backend import (
     WorkerLostError,
 )
 from cadence.config import EngineConfig
-from cadence.executor.pipes import START_NOTICE_S
+from cadence.executor.pipes import START_NOTICE_S, on_interrupt
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class RankGroup(Backend):
         # (None: it was, or it needed none). Raised when the step is collected.
         self._bitmask_failures: deque[BaseException | None] = deque()
         self._failure: str | None = None
+        self._failure_interrupted = False  # the group was stopped after an interrupt
         self.runtime_info: dict[str, str] = {}
 
     @classmethod
@@ -151,12 +152,16 @@ class RankGroup(Backend):
         tell, or no rank died."""
         return None
 
-    def _lost(self, message: str) -> WorkerLostError:
+    def _lost(self, message: str, interrupted: bool = False) -> WorkerLostError:
         self._kill_ranks()
         self._in_flight = 0
         self._bitmask_failures.clear()
         self._failure = message  # what /health reports until a restart
-        return WorkerLostError(message)
+        self._failure_interrupted = interrupted
+        return self._failure_error()
+
+    def _failure_error(self) -> WorkerLostError:
+        return WorkerLostError(self._failure, interrupted=self._failure_interrupted)
 
     def _gather(self, timeout: float | None, starting: bool = False) -> list[Any]:
         """One reply from every rank, in rank order. Raises ``WorkerLostError`` (all ranks
@@ -207,8 +212,14 @@ class RankGroup(Backend):
         return [replies[r] for r in range(self.world_size)]
 
     def submit(self, model_input: ModelInput) -> None:
+        if self._failure is not None:  # stopped between steps (an interrupted step)
+            raise self._failure_error()
         assert self._in_flight < self.max_in_flight, \
             f"at most {self.max_in_flight} steps in flight"
+        with on_interrupt(self._interrupted):
+            self._submit(model_input)
+
+    def _submit(self, model_input: ModelInput) -> None:
         grammar = model_input.sampling.grammar
         late = grammar is not None and not grammar.is_ready and self.sends_bitmask_late
         if grammar is not None and not late:
@@ -226,10 +237,18 @@ class RankGroup(Backend):
             self._send_all(("bitmask", value))  # None: the ranks fail the step
         self._bitmask_failures.append(failure)
 
+    def _interrupted(self, error: BaseException) -> None:
+        self._lost(f"a step was interrupted ({type(error).__name__}) while the ranks ran "
+                   "it; every rank was stopped, so that no later step reads its replies",
+                   interrupted=True)
+
     def collect(self) -> SamplerOutput:
+        if self._failure is not None:  # stopped while this step was in flight
+            raise self._failure_error()
         assert self._in_flight, "collect() without submit()"
         self._in_flight -= 1
-        replies = self._gather(self.step_timeout_s)
+        with on_interrupt(self._interrupted):
+            replies = self._gather(self.step_timeout_s)
         failure = self._bitmask_failures.popleft() if self._bitmask_failures else None
         if failure is not None:
             raise failure  # every rank failed the step for want of it

@@ -24,10 +24,10 @@ import time
 from collections import deque
 from typing import Any
 
-from cadence.backend import Backend, WorkerLostError
+from cadence.backend import Backend
 from cadence.config import EngineConfig
 from cadence.executor.multiproc import _free_port
-from cadence.executor.pipes import START_NOTICE_S
+from cadence.executor.pipes import START_NOTICE_S, on_interrupt
 from cadence.executor.rank_group import RankGroup, _RankGone
 from cadence.executor.ray_placement import (
     actor_options,
@@ -206,10 +206,11 @@ class RayExecutor(RankGroup):
 
     def check_health(self, deep: bool = False) -> None:
         if self._failure is not None:
-            raise WorkerLostError(self._failure)
+            raise self._failure_error()
         if deep and self._actors and not self._in_flight:
-            self._send_all("ping")
-            self._gather(self.step_timeout_s)
+            with on_interrupt(self._interrupted):
+                self._send_all("ping")
+                self._gather(self.step_timeout_s)
 
     def shutdown(self) -> None:
         import ray

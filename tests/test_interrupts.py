@@ -1,0 +1,131 @@
+"""Ctrl-C in the middle of ``LLM.generate``: the interrupt reaches the caller, the call's
+requests end there (no KV block stays held), a worker whose exchange with the engine was cut
+short is stopped and restarted, and the next call gives the outputs of a clean engine."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import generate, make_llm
+from test_faults import _gone
+
+from cadence import SamplingParams
+
+PROMPTS = ["the quick brown fox", "a small bird sings", "hello there", "once upon a time"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def clean(model):
+    llm = make_llm(model)
+    outs = generate(llm, PROMPTS, GREEDY)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _interrupt_call(obj, name: str, at: int) -> list[int]:
+    """Make the ``at``-th call of ``obj.name`` raise KeyboardInterrupt, as a Ctrl-C landing
+    in it would; the returned list counts the calls."""
+    inner = getattr(obj, name)
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+    return calls
+
+
+def _check_clean_after(llm, expected: list[list[int]]) -> None:
+    eng = llm.engine
+    assert not eng.has_unfinished_requests(), "the interrupted call's requests stayed"
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    outs = generate(llm, PROMPTS, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling):
+    """In-process forward (``sync``): nothing to stop; the call's requests are aborted."""
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling)
+    try:
+        backend = llm.engine.backend
+        calls = _interrupt_call(backend, "execute" if not async_scheduling else "collect", 4)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, GREEDY)
+        assert calls[0] == 4
+        _check_clean_after(llm, clean)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ctrl_c_while_the_worker_computes_stops_and_restarts_it(model, clean,
+                                                                async_scheduling):
+    """The ``process`` worker: the interrupt lands while the engine waits for a reply, which
+    would be left in the pipe for the next step to read as its own. The worker is stopped at
+    once, the restart comes before the next call's requests, and they run clean."""
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling,
+                   backend_options={"overlap": "process", "kv_cache_gb": 0.1})
+    try:
+        backend = llm.engine.backend
+        pid = backend.worker_pid
+        _interrupt_call(backend._worker, "_recv", 4)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, GREEDY)
+        assert _gone(pid), "the worker that held the interrupted step still runs"
+        assert llm.engine.guard.restart_pending, "the stopped worker was not found at once"
+        _check_clean_after(llm, clean)
+        assert backend.worker_pid != pid
+        assert llm.engine.guard.restarts == 0, "an interrupt spent the restart budget"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("where", ["_send_all", "_wait"])
+def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where):
+    """The ``mp`` executor (tensor parallel, two ranks): the same, for every rank, whether
+    the interrupt lands while a step goes out or while its replies are awaited."""
+    llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        reference = [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, GREEDY)]
+        backend = llm.engine.backend
+        pids = list(backend.worker_pids)
+        _interrupt_call(backend, where, 3)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, GREEDY)
+        assert all(_gone(pid) for pid in pids)
+        _check_clean_after(llm, reference)
+        assert not set(backend.worker_pids) & set(pids)
+        assert llm.engine.guard.restarts == 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_reason_is_what_the_next_health_check_says(model):
+    """Between the interrupt and the restart, the backend names why it stopped its worker."""
+    from cadence.backend import WorkerLostError
+
+    llm = make_llm(model, num_kv_blocks=64,
+                   backend_options={"overlap": "process", "kv_cache_gb": 0.1})
+    try:
+        worker = llm.engine.backend._worker
+        _interrupt_call(worker, "_recv", 2)
+        with pytest.raises(KeyboardInterrupt):
+            llm.engine.add_request("x", PROMPTS[0], GREEDY)
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+        with pytest.raises(WorkerLostError, match=r"a step was interrupted \(KeyboardInterrupt\)"
+                                                  r" while the CPU forward worker ran it"):
+            worker.check_alive()
+    finally:
+        llm.shutdown()
