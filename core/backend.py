@@ -161,10 +161,11 @@ class Backend(ABC):
     #: sampling goes through ``ModelRunner.prepare`` gets it from there. The engine refuses
     #: ``speculative_config`` otherwise.
     supports_speculative: ClassVar[bool] = False
-    #: The quantization methods (cadence/quantization) the backend runs: with ``gguf``, the
-    #: loaded model's linears carry a ``quantized`` attribute (a ``QuantizedWeight``: int8
-    #: values, fp32 group scales and offsets, the exact form of the fp32 weight beside it),
-    #: and the backend runs them from it. The engine refuses a method not named here.
+    #: The quantization methods (cadence/quantization) the backend runs: with ``gguf``,
+    #: ``awq`` or ``gptq``, the loaded model's linears carry a ``quantized`` attribute (a
+    #: ``QuantizedWeight``: int8 values, fp32 group scales and offsets, the exact form of
+    #: the fp32 weight beside it), and the backend runs them from it. The engine refuses a
+    #: method not named here, also one an AWQ or GPTQ checkpoint names for itself.
     supports_quantization: ClassVar[tuple[str, ...]] = ()
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among

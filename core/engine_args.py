@@ -35,6 +35,7 @@ from cadence.model_limits import (
 )
 from cadence.pooling.config import POOLING_TYPES, load_pooler_config
 from cadence.quantization import QUANTIZATIONS, check_quantization
+from cadence.quantization.checkpoint import resolve_packed
 from cadence.spec_decode.config import SpeculativeConfig
 
 
@@ -105,7 +106,9 @@ class EngineArgs:
             # scheduling's placeholders: a backend's default gives way to it (the engine
             # refuses the two asked for together).
             args["async_scheduling"] = False
-        quantization = check_quantization(args["quantization"])
+        quantization = resolve_packed(check_quantization(args["quantization"]),
+                                      args["model"])
+        args["quantization"] = quantization
         get_registry().hook.cadence_configure(config=args)
         model = args["model"]
         if not os.path.isdir(model):
@@ -196,7 +199,9 @@ class EngineArgs:
                        help="keep the weights compressed in memory: 'gguf' runs a GGUF "
                             "model's linear weights from their own blocks, with the outputs "
                             "of its fp32 weights; 'int8' rounds any model's linears to int8 "
-                            "at load (docs/quantization.md; default: off)")
+                            "at load; 'awq', 'gptq' run such a checkpoint's packed weights "
+                            "(docs/quantization.md; default: the checkpoint's own "
+                            "quantization_config, else off)")
         p.add_argument("--seed", type=int, default=0,
                        help="the engine's random seed")
         p.add_argument("--max-model-len", type=int, default=None,

@@ -16,6 +16,7 @@ import torch
 from cadence.config import ModelConfig
 from cadence.distributed import ep_size, pp_size
 from cadence.models import get_model_class
+from cadence.quantization.checkpoint import PACKED_METHODS
 from cadence.tokenizer_loader import load_tokenizer  # re-exported; it imports no torch itself
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,8 +94,21 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         # an expert-parallel rank, the same for the experts of the other ranks.
         def skip(name: str) -> bool:
             return model.stage_weight_name(model.body_weight_name(name)) is None
-    model.load_weights(iterate_weights(model_config.model, skip))
-    if model_config.quantization == "gguf":
+    weights = iterate_weights(model_config.model, skip)
+    packed = None
+    if model_config.quantization in PACKED_METHODS:
+        from cadence.quantization.checkpoint import checkpoint_quantization
+        from cadence.quantization.packed import PackedReader
+
+        packed = PackedReader(checkpoint_quantization(model_config.model))
+        weights = packed.read(weights)
+    model.load_weights(weights)
+    if packed is not None:
+        from cadence.quantization.weights import attach_blocks
+
+        packed.report()
+        attach_blocks(model, packed.blocks, model_config.quantization.upper())
+    elif model_config.quantization == "gguf":
         from cadence.quantization.weights import attach_gguf_blocks
 
         attach_gguf_blocks(model, model_config.model)

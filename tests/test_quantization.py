@@ -188,7 +188,7 @@ def test_blocks_run_with_the_other_step_strategies(quant_gguf, extra):
 
 def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineArgs(model=str(quant_gguf), quantization="awq").create_engine_config()
+        EngineArgs(model=str(quant_gguf), quantization="nf4").create_engine_config()
     with pytest.raises(ValueError, match="was not converted from a GGUF file"):
         EngineArgs(model=tiny_model_dir("llama"), quantization="gguf").create_engine_config()
     with pytest.raises(ValueError, match="runs float32 activations"):

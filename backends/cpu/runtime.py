@@ -98,15 +98,22 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         from cadence.backends.cpu.quantized import run_quantized
 
         ops = load_kernels()
-        if ops is None:
+        method = config.model_config.quantization
+        if ops is None and method in ("awq", "gptq"):
+            # The checkpoint cannot run unquantized otherwise: its exact fp32 weights do.
+            logger.warning("the %s checkpoint's linears run their dequantized fp32 weights: "
+                           "the compiled CPU kernels that run packed weights did not build "
+                           "here or are turned off (CADENCE_CPU_KERNELS=0)", method.upper())
+        elif ops is None:
             raise ValueError(f"quantization {config.model_config.quantization!r} runs on the "
                              "compiled CPU kernels, which did not build here (see the warning "
                              "above) or are turned off (CADENCE_CPU_KERNELS=0)")
-        # Gated MLPs fused as the fp32 tiled GEMM fuses them: beside the attention kernel.
-        quantized = run_quantized(runner.model, ops, fuse_gated=kernels is not None)
-        # The fp32 weights the quantized ones replace were freed into the heap, which keeps
-        # them resident unless trimmed (tune_allocator): that is most of the model's size.
-        trim_heap()
+        else:
+            # Gated MLPs fused as the fp32 tiled GEMM fuses them: beside the attention kernel.
+            quantized = run_quantized(runner.model, ops, fuse_gated=kernels is not None)
+            # The fp32 weights the quantized ones replace were freed into the heap, which
+            # keeps them resident unless trimmed (tune_allocator): most of the model's size.
+            trim_heap()
     # The linears left in the checkpoint's dtype (all of them without quantization). Beside
     # quantized ones, auto takes the tiled GEMM, whose bits the quantized kernel shares: the
     # model's outputs are then those of its fp32 weights with --cpu-linear tiled.

@@ -9,15 +9,19 @@ same GEMM, bit for bit, from a fifth to a third of the weight bytes.
 ``int8``: any model's linear weights (the LM head's included) rounded at load to int8 with one
 fp32 scale per group of 32 inputs; close to the checkpoint's outputs, not equal to them.
 
+``awq``, ``gptq``: a checkpoint quantized by AutoAWQ or GPTQ runs from its own packed values
+(``checkpoint.py``, ``packed.py``), with the outputs of its exactly dequantized fp32 weights;
+taken without ``--quantization`` from the checkpoint's ``quantization_config``.
+
 A backend declares what it runs (``Backend.supports_quantization``); the CPU backend runs
-both.
+all four.
 
 This module imports no torch: configuration checks it at start.
 """
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("gguf", "int8")
+QUANTIZATIONS = ("gguf", "int8", "awq", "gptq")
 # Inputs per int8 scale: llama.cpp's Q8_0 block, whose error on trained weights is known to
 # be negligible; a row whose width is not a multiple of it has one scale for the whole row.
 INT8_GROUP = 32

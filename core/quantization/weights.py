@@ -1,5 +1,6 @@
 """Quantized weights attached to the linear modules of a loaded model: exported GGUF blocks
-(``gguf_export``), or int8 values computed at load (``attach_int8``).
+(``gguf_export``), an AWQ or GPTQ checkpoint's packed values (``packed.py``), or int8
+values computed at load (``attach_int8``).
 
 Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
 ``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
@@ -143,6 +144,21 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     index = json.loads((where / INDEX_FILE).read_text())
     if not index["formats"]:
         return 0
+    weights: dict[str, QuantizedWeight] = {}
+    with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        for hf_name in index["formats"]:
+            offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
+            weights[hf_name] = QuantizedWeight(f.get_tensor(f"{hf_name}.q"),
+                                               f.get_tensor(f"{hf_name}.s"), offset)
+    return attach_blocks(model, weights, "GGUF")
+
+
+def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: str) -> int:
+    """Attach quantized ``weights`` (by checkpoint weight name) to ``model``'s linears
+    (module docstring): a fused module's parts stacked, this rank's share cut, the result
+    checked against the module's fp32 weight. Returns how many modules got one; ``what``
+    names the source in warnings."""
     embed = f"{model._body}.{model._embed}.weight"
     # Tied: the head's weight is the embeddings' (a pipeline stage may hold either alone).
     head = getattr(model, "lm_head", None)
@@ -153,15 +169,11 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
     pattern = fused_pattern(model.fused_parts)
     modules = dict(model.named_modules())
     found: dict[str, dict[int | None, QuantizedWeight]] = {}
-    with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
-        keys = set(f.keys())
-        for hf_name in index["formats"]:
-            target = _target(model, hf_name, embed, tied, pattern)
-            if target is None or not isinstance(modules.get(target[0]), Linear):
-                continue
-            offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
-            found.setdefault(target[0], {})[target[1]] = QuantizedWeight(
-                f.get_tensor(f"{hf_name}.q"), f.get_tensor(f"{hf_name}.s"), offset)
+    for hf_name, weight in weights.items():
+        target = _target(model, hf_name, embed, tied, pattern)
+        if target is None or not isinstance(modules.get(target[0]), Linear):
+            continue
+        found.setdefault(target[0], {})[target[1]] = weight
     count = 0
     for module_name, shards in found.items():
         module = modules[module_name]
@@ -173,13 +185,13 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
         parts = [rank_share(module, i, w) for i, w in sorted(
             shards.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
         if any(w is None for w in parts):
-            logger.warning("GGUF blocks for %s: this rank's share of the inputs does not "
-                           "start and end on whole blocks; it stays fp32", module_name)
+            logger.warning("%s blocks for %s: this rank's share of the inputs does not "
+                           "start and end on whole blocks; it stays fp32", what, module_name)
             continue
         weight = _stack(parts)
         if weight.shape != module.weight.shape or not torch.equal(weight.dequantize(),
                                                                   module.weight.detach()):
-            logger.warning("GGUF blocks for %s do not give its weight; it stays fp32",
+            logger.warning("%s blocks for %s do not give its weight; it stays fp32", what,
                            module_name)
             continue
         module.quantized = weight

@@ -1,0 +1,135 @@
+"""AWQ and GPTQ checkpoints read as they are stored (``checkpoint.py`` says which).
+
+``PackedReader.read`` stands between the checkpoint's tensors and the model's
+``load_weights``: each quantized linear's ``qweight``, ``qzeros``, ``scales`` (and GPTQ's
+``g_idx``) become its fp32 ``weight``, ``scale * (q - zero)``, and the same values are kept
+as a ``QuantizedWeight`` (``w = s * q + o``, ``o = -s * zero``) for the backend to run.
+
+Both forms are exact: ``q - zero`` needs at most 9 bits and an fp16 scale 11, so every
+product, and the sum ``s * q + o``, is an fp32 number with nothing rounded. The outputs are
+those of the fp32 model whose weights are the checkpoint's dequantized values, bit for bit;
+an fp16 dequantization (the GPU kernels') rounds some of them.
+
+GPTQ's act-order (``desc_act``) puts inputs of one group anywhere in a row; the kernel wants
+groups of consecutive inputs, so such a linear runs its exact fp32 weight instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from cadence.quantization.checkpoint import PackedSpec
+from cadence.quantization.weights import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+# AutoAWQ packs the 8 values of an int32 in this column order (slot i holds column
+# AWQ_ORDER[i] of its 8): the reverse picks, for column j, the slot that holds it.
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., W] -> the ``32 // bits`` values of each word, lowest bits first,
+    [..., W, 32 // bits] int32 in 0..2^bits - 1."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+
+
+class PackedReader:
+    """Turns a packed checkpoint's linears into fp32 weights as they stream past, keeping
+    their ``QuantizedWeight`` under the weight's checkpoint name in ``blocks``."""
+
+    def __init__(self, spec: PackedSpec) -> None:
+        self.spec = spec
+        self.blocks: dict[str, QuantizedWeight] = {}
+        #: Linears whose groups are not consecutive inputs (act-order): fp32 only.
+        self.dense: list[str] = []
+
+    def read(self, weights: Iterator[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        # A linear's parts usually sit together, but a sharded checkpoint may split them.
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            prefix, _, part = name.rpartition(".")
+            if part not in _PARTS:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(prefix, {})
+            parts[part] = tensor
+            if len(parts) == (4 if self.spec.method == "gptq" else 3):
+                yield f"{prefix}.weight", self._linear(prefix, pending.pop(prefix))
+        for prefix, parts in pending.items():  # GPTQ without g_idx: consecutive groups
+            yield f"{prefix}.weight", self._linear(prefix, parts)
+
+    def _linear(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        missing = [p for p in _PARTS[:3] if p not in parts]
+        if missing:
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix} has "
+                             f"{', '.join(sorted(parts))} but no {', '.join(missing)}")
+        q, zeros, scales = self._unpack(prefix, parts)
+        k = q.shape[1]
+        groups = scales.shape[1]
+        if k % groups:
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix} has {k} inputs and "
+                             f"{groups} groups of scales, which do not divide them")
+        g_idx = parts.get("g_idx")
+        consecutive = torch.arange(k, dtype=torch.int64) // (k // groups)
+        if g_idx is not None and g_idx.shape != (k,):
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix}.g_idx has shape "
+                             f"{tuple(g_idx.shape)}, expected ({k},)")
+        if g_idx is None or torch.equal(g_idx.long(), consecutive):
+            weight = self._blocks(q, zeros, scales)
+            self.blocks[f"{prefix}.weight"] = weight
+            return weight.dequantize()
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix}.g_idx names groups "
+                             f"outside 0..{groups - 1}")
+        self.dense.append(prefix)
+        g = g_idx.long()
+        return scales[:, g] * (q - zeros[:, g]).float()
+
+    def _unpack(self, prefix: str, parts: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] int32, zero points [N, G] int32, scales [N, G] fp32)."""
+        bits, spec = self.spec.bits, self.spec
+        qweight, qzeros = parts["qweight"], parts["qzeros"]
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise ValueError(f"{spec.method} checkpoint: {prefix}.qweight and .qzeros must be "
+                             f"int32, got {qweight.dtype} and {qzeros.dtype}")
+        scales = parts["scales"].float()
+        if spec.method == "awq":
+            # [K, N / 8] and [G, N / 8]: packed along the outputs, in AWQ's order.
+            q = _unpack_words(qweight, bits)[..., AWQ_REVERSE_ORDER].flatten(1).t()
+            zeros = _unpack_words(qzeros, bits)[..., AWQ_REVERSE_ORDER].flatten(1).t()
+        else:
+            # [K * bits / 32, N] packed along the inputs; zeros [G, N * bits / 32] along
+            # the outputs, both in order.
+            q = _unpack_words(qweight.t(), bits).flatten(1)
+            zeros = _unpack_words(qzeros, bits).flatten(1).t() + spec.zero_offset
+        scales = scales.t()
+        if zeros.shape != scales.shape or q.shape[0] != scales.shape[0]:
+            raise ValueError(f"{spec.method} checkpoint: {prefix} has qweight "
+                             f"{tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
+                             f"scales {tuple(parts['scales'].shape)}, which do not fit "
+                             f"{bits}-bit packing")
+        return q.contiguous(), zeros.contiguous(), scales.contiguous()
+
+    def _blocks(self, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+                ) -> QuantizedWeight:
+        # int8 holds 4-bit values as they are; 8-bit ones shifted by 128, the shift folded
+        # into the offset (exact, like the rest).
+        shift = 128 if self.spec.bits == 8 else 0
+        offset = scales * (shift - zeros).float()
+        return QuantizedWeight((q - shift).to(torch.int8), scales, offset)
+
+    def report(self) -> None:
+        if self.dense:
+            logger.warning("%d %s linear(s) use act-order groups (desc_act), which are not "
+                           "runs of consecutive inputs; they run their exact fp32 weights, "
+                           "not the packed ones: %s", len(self.dense),
+                           self.spec.method.upper(), ", ".join(self.dense[:3]) +
+                           (", ..." if len(self.dense) > 3 else ""))

@@ -1,0 +1,110 @@
+"""AWQ and GPTQ checkpoints of a tiny model, written as AutoAWQ and AutoGPTQ write them, with
+the fp32 folder of their exactly dequantized weights beside each.
+
+The packing follows the published layouts, written here independently of the reader
+(core/quantization/packed.py): AutoAWQ's GEMM packs eight 4-bit values of consecutive
+outputs into an int32 in the column order 0, 2, 4, 6, 1, 3, 5, 7; AutoGPTQ packs
+``32 / bits`` consecutive inputs into an int32, lowest bits first, and its zero points
+along the outputs the same way, stored minus one in its original format.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _pack(values: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Pack the last axis of ``values`` (ints in 0..2^bits - 1), ``32 / bits`` to an int32:
+    value ``i`` of a word at bits ``i * bits`` (word slot ``i`` taking the value at
+    ``order[i]`` of its run when given)."""
+    per = 32 // bits
+    runs = values.astype(np.uint64).reshape(*values.shape[:-1], -1, per)
+    if order is not None:
+        runs = runs[..., list(order)]
+    words = np.zeros(runs.shape[:-1], dtype=np.uint64)
+    for i in range(per):
+        words |= runs[..., i] << np.uint64(i * bits)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def _quantize(w: np.ndarray, groups: np.ndarray, n_groups: int, bits: int, sym: bool):
+    """Round-to-nearest per (output, group): (q [N, K], zero [N, G], fp16 scale [N, G])."""
+    maxq = (1 << bits) - 1
+    n = w.shape[0]
+    scale = np.zeros((n, n_groups), dtype=np.float16)
+    zero = np.zeros((n, n_groups), dtype=np.int64)
+    for g in range(n_groups):
+        cols = w[:, groups == g]
+        lo, hi = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+        if sym:
+            amax = np.maximum(-lo, hi)
+            s = (2 * amax / maxq).astype(np.float16)
+            z = np.full(n, (maxq + 1) // 2)
+        else:
+            s = ((hi - lo) / maxq).astype(np.float16)
+            z = np.clip(np.round(-lo / np.maximum(s.astype(np.float64), 1e-8)), 0, maxq)
+        scale[:, g] = np.where(s > 0, s, np.float16(1e-3))
+        zero[:, g] = z
+    s64 = scale.astype(np.float64)[:, groups]
+    q = np.clip(np.round(w / s64) + zero[:, groups], 0, maxq).astype(np.int64)
+    return q, zero, scale
+
+
+def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int = 32,
+                 fmt: str = "gptq", act_order: bool = False, seed: int = 0
+                 ) -> tuple[str, str]:
+    """(the packed checkpoint's folder, the folder of its dequantized fp32 weights), both
+    copies of ``source`` whose decoder linears are quantized."""
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    packed_dir, plain_dir = out / f"{method}-packed", out / f"{method}-dequantized"
+    shutil.copytree(source, packed_dir)
+    shutil.copytree(source, plain_dir)
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    packed, plain = {}, {}
+    for name, t in tensors.items():
+        if not (t.ndim == 2 and name.endswith("proj.weight")):
+            packed[name] = plain[name] = t
+            continue
+        w = t.astype(np.float64)
+        k = w.shape[1]
+        n_groups = k // group
+        groups = np.arange(k) // group
+        if act_order:
+            groups = groups[rng.permutation(k)]
+        q, zero, scale = _quantize(w, groups, n_groups, bits, sym=(method == "gptq"
+                                                                    and fmt == "gptq"))
+        deq = (scale.astype(np.float64)[:, groups] * (q - zero[:, groups])).astype(np.float32)
+        plain[name] = deq
+        prefix = name[: -len(".weight")]
+        if method == "awq":
+            # [K, N / 8] and [G, N / 8]: along the outputs.
+            packed[f"{prefix}.qweight"] = _pack(q.T, bits, AWQ_ORDER)
+            packed[f"{prefix}.qzeros"] = _pack(zero.T, bits, AWQ_ORDER)
+        else:
+            # [K * bits / 32, N]: along the inputs; the zero points [G, N * bits / 32].
+            packed[f"{prefix}.qweight"] = np.ascontiguousarray(_pack(q, bits).T)
+            stored = zero - (1 if fmt == "gptq" else 0)
+            packed[f"{prefix}.qzeros"] = _pack(stored.T, bits)
+            packed[f"{prefix}.g_idx"] = groups.astype(np.int32)
+        packed[f"{prefix}.scales"] = np.ascontiguousarray(scale.T)
+    save_file(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(plain, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((packed_dir / "config.json").read_text())
+    if method == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": bits,
+                                         "group_size": group, "zero_point": True,
+                                         "version": "gemm"}
+    else:
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits,
+                                         "group_size": group, "desc_act": act_order,
+                                         "sym": fmt == "gptq", "checkpoint_format": fmt}
+    (packed_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(packed_dir), str(plain_dir)

@@ -1,0 +1,179 @@
+"""AWQ and GPTQ checkpoints run from their own packed weights.
+
+What must hold: a checkpoint whose config.json names AWQ or GPTQ runs quantized without
+being asked, and its outputs are those of its exactly dequantized fp32 weights (token ids,
+texts and logprobs, greedy and seeded) bit for bit, whatever the bits and the zero-point
+convention; act-order groups run their fp32 weights, still exact; tensor parallel cuts the
+packed weights as it cuts the fp32 ones; anything else is refused, naming what is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from engine_helpers import make_llm
+from packed_helpers import write_packed
+
+from cadence import EngineArgs, SamplingParams
+
+# The quantized kernel shares the fp32 tiled GEMM's bits (docs/quantization.md).
+TILED = {"overlap": "sync", "linear": "tiled"}
+PROMPTS = ["the cat runs over the", "café 中文 😀 and", "one two three four five"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True, logprobs=2)
+
+
+def _outputs(llm) -> list:
+    got = []
+    for params in (GREEDY, SEEDED):
+        for o in llm.generate(PROMPTS, params, use_tqdm=False):
+            got.append((o.outputs[0].token_ids, o.outputs[0].text,
+                        [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]))
+    return got
+
+
+def _run(path: str, **kw) -> tuple[list, dict]:
+    llm = make_llm(path, **kw)
+    try:
+        return _outputs(llm), llm.engine.backend.env_info()
+    finally:
+        llm.shutdown()
+
+
+CASES = {
+    "awq-llama": ("llama", "awq", 4, "gptq"),
+    "gptq4-qwen2": ("qwen2", "gptq", 4, "gptq"),  # biases beside the packed weights
+    "gptq8v2-llama-tied": ("llama-tied", "gptq", 8, "gptq_v2"),
+    "gptq2-mistral": ("mistral", "gptq", 2, "gptq"),
+}
+
+
+@pytest.mark.parametrize("case,overlap", [("awq-llama", "process"), ("gptq4-qwen2", "sync"),
+                                          ("gptq8v2-llama-tied", "sync"),
+                                          ("gptq2-mistral", "sync")])
+def test_a_packed_checkpoint_gives_its_dequantized_weights_outputs(case, overlap,
+                                                                   tiny_model_dir, tmp_path):
+    kind, method, bits, fmt = CASES[case]
+    packed, plain = write_packed(tiny_model_dir(kind), tmp_path, method, bits, fmt=fmt)
+    options = {**TILED, "overlap": overlap}
+    want, _ = _run(plain, dtype="float32", backend_options=options)
+    # No --quantization: the checkpoint's quantization_config says it.
+    got, info = _run(packed, backend_options=options)
+    # qkv, o, gate/up (fused) and down in each of the two layers; the head stays as it is.
+    assert info["cpu_quantized_linears"] == "8", info
+    assert info["dtype"] == "float32"
+    assert got == want
+
+
+def test_act_order_groups_run_their_exact_fp32_weights(tiny_model_dir, tmp_path, caplog):
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "gptq", 4, act_order=True)
+    want, _ = _run(plain, dtype="float32", backend_options=TILED)
+    with caplog.at_level(logging.WARNING):
+        got, info = _run(packed, quantization="gptq", backend_options=TILED)
+    assert info["cpu_quantized_linears"] == "0", info
+    assert any("use act-order groups (desc_act)" in r.getMessage() for r in caplog.records)
+    assert got == want
+
+
+def test_packed_weights_split_over_tensor_parallel_ranks(tiny_model_dir, tmp_path):
+    """Two ranks give the dequantized fp32 model's two-rank outputs bit for bit."""
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    kw = {"tensor_parallel_size": 2, "num_kv_blocks": 64, "backend_options": TILED}
+    want, _ = _run(plain, dtype="float32", **kw)
+    got, info = _run(packed, **kw)
+    assert info["executor"] == "mp" and info["cpu_quantized_linears"] == "8", info
+    assert got == want
+
+
+def test_the_reader_takes_a_linears_parts_in_any_order_and_across_files():
+    """A sharded checkpoint may store a linear's parts apart; each is kept until the rest
+    arrives, and GPTQ without ``g_idx`` has consecutive groups."""
+    import numpy as np
+    import torch
+    from packed_helpers import _pack
+
+    from cadence.quantization.checkpoint import PackedSpec
+    from cadence.quantization.packed import PackedReader
+
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 16, size=(16, 64))
+    zero = rng.integers(0, 16, size=(16, 2))
+    scale = rng.uniform(0.01, 0.1, size=(16, 2)).astype(np.float16)
+    parts = {"qweight": np.ascontiguousarray(_pack(q, 4).T), "qzeros": _pack(zero.T, 4),
+             "scales": np.ascontiguousarray(scale.T)}
+    stream = [("l.qzeros", parts["qzeros"]), ("norm.weight", np.ones(4, np.float32)),
+              ("l.scales", parts["scales"]), ("l.qweight", parts["qweight"])]
+    reader = PackedReader(PackedSpec("gptq", 4, 32, zero_offset=0))
+    out = dict(reader.read((n, torch.from_numpy(t)) for n, t in stream))
+    want = (scale.astype(np.float64).repeat(32, 1) * (q - zero.repeat(32, 1))).astype(np.float32)
+    assert list(out) == ["norm.weight", "l.weight"]
+    assert torch.equal(out["l.weight"], torch.from_numpy(want))
+    assert torch.equal(reader.blocks["l.weight"].dequantize(), torch.from_numpy(want))
+
+
+def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -> str:
+    import shutil
+
+    folder = tmp_path / f"checkpoint{name}"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    if quant is not None:
+        config["quantization_config"] = quant
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "fp8"}, ("quantized with 'fp8' (quantization_config in its config.json), "
+                               "which cadence does not read; it reads awq, gptq checkpoints")),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"},
+     "AWQ version 'gemv'; cadence reads AWQ's 'gemm' layout"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 32},
+     "GPTQ at 3 bits; cadence reads 2, 4 and 8 bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
+     "GPTQ in the 'marlin' format; cadence reads the 'gptq' and 'gptq_v2' formats"),
+])
+def test_methods_and_variants_not_read_are_refused(quant, message, tiny_model_dir, tmp_path):
+    folder = _with_config(tiny_model_dir, tmp_path, quant)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(model=folder).create_engine_config()
+
+
+def test_misuse_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
+    packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    with pytest.raises(ValueError, match="is already quantized with awq .* leave "
+                                         "--quantization unset or pass --quantization awq"):
+        EngineArgs(model=packed, quantization="int8").create_engine_config()
+    with pytest.raises(ValueError, match="--quantization gptq reads a checkpoint quantized "
+                                         "with GPTQ, and the config.json of .* has no "
+                                         "quantization_config naming it"):
+        EngineArgs(model=tiny_model_dir("llama"), quantization="gptq").create_engine_config()
+    assert EngineArgs(model=packed).create_engine_config().model_config.quantization == "awq"
+
+
+def test_a_linear_missing_a_part_is_named(tiny_model_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    tensors = load_file(f"{packed}/model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.qzeros"]
+    save_file(tensors, f"{packed}/model.safetensors")
+    with pytest.raises(ValueError, match=r"awq checkpoint: model.layers.1.mlp.down_proj has "
+                                         r"qweight, scales but no qzeros"):
+        make_llm(packed)
+
+
+def test_an_older_gptq_folders_quantize_config_is_read(tiny_model_dir, tmp_path):
+    """Before transformers kept it in config.json, AutoGPTQ wrote quantize_config.json."""
+    from pathlib import Path
+
+    packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "gptq")
+    config_path = Path(packed) / "config.json"
+    config = json.loads(config_path.read_text())
+    quant = config.pop("quantization_config")
+    quant.pop("quant_method")
+    config_path.write_text(json.dumps(config))
+    (Path(packed) / "quantize_config.json").write_text(json.dumps(quant))
+    assert EngineArgs(model=packed).create_engine_config().model_config.quantization == "gptq"
