@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import ClassVar
 
 import pytest
 from engine_helpers import make_llm
@@ -185,3 +186,76 @@ def test_serve_flag_builds_the_replicas(monkeypatch):
     assert cli.main(base + ["--data-parallel-size", "3"]) == 0
     assert built == [(3, 32)] and "3 replicas" in messages[0]
     assert cli.main(base + ["--data-parallel-size", "0"]) == 2
+
+
+
+class _FakeEngine:
+    """Stands in for ``LLMEngine`` in start-up tests: replica 1 loads until released, and
+    replica 2 fails to start."""
+
+    release = None
+    built: ClassVar[list] = []
+
+    def __init__(self, config) -> None:
+        rank = config.parallel_config.data_parallel_rank
+        if rank == 1:
+            assert self.release.wait(10), "never released"
+        if rank == 2:
+            raise ValueError("replica 2 cannot start")
+        self.rank, self.shut = rank, False
+        _FakeEngine.built.append(self)
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def _start(monkeypatch, size: int, interrupt: bool):
+    """``start_replicas`` on fake engines; with ``interrupt``, Ctrl-C lands while replica 1
+    still loads."""
+    import threading
+    import types
+
+    import cadence.engine
+    from cadence.data_parallel import replicas
+
+    _FakeEngine.release, _FakeEngine.built = threading.Event(), []
+    monkeypatch.setattr(cadence.engine, "LLMEngine", _FakeEngine)
+
+    def wait_all(threads):
+        if interrupt:
+            while not _FakeEngine.built:  # replica 0 is up
+                threading.Event().wait(0.01)
+            raise KeyboardInterrupt
+        _FakeEngine.release.set()
+        for t in threads:
+            t.join()
+
+    monkeypatch.setattr(replicas, "wait_all", wait_all)
+    configs = [types.SimpleNamespace(parallel_config=ParallelConfig(size, r))
+               for r in range(size)]
+    return replicas.start_replicas(configs)
+
+
+def _state() -> list:
+    return sorted((e.rank, e.shut) for e in _FakeEngine.built)
+
+
+def test_ctrl_c_during_start_shuts_down_every_replica_without_waiting(monkeypatch):
+    """The interrupt is raised while a replica still loads: the one already built is shut
+    down at once, and the one still loading shuts itself down once it is built."""
+    import time
+
+    with pytest.raises(KeyboardInterrupt):
+        _start(monkeypatch, 2, interrupt=True)
+    assert _state() == [(0, True)]
+    _FakeEngine.release.set()
+    deadline = time.monotonic() + 5
+    while _state() != [(0, True), (1, True)] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state() == [(0, True), (1, True)]
+
+
+def test_a_replica_that_fails_to_start_stops_the_others(monkeypatch):
+    with pytest.raises(ValueError, match="replica 2 cannot start"):
+        _start(monkeypatch, 3, interrupt=False)
+    assert _state() == [(0, True), (1, True)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, EngineDeadError
@@ -58,7 +58,6 @@ class DataParallelAsyncLLM(RequestFront):
     def from_engine_args(cls, args: EngineArgs, extra: dict | None = None, size: int = 2,
                          max_pending_requests: int | None = None) -> DataParallelAsyncLLM:
         """``size`` replicas of the engine ``args`` describe, started side by side."""
-        from cadence.engine import LLMEngine
         from cadence.plugins import get_registry
 
         config = args.create_engine_config(extra)
@@ -71,21 +70,7 @@ class DataParallelAsyncLLM(RequestFront):
                 f"--data-parallel-size {size}: backend {config.backend!r} cannot serve "
                 f"replicas side by side; backends that can: {', '.join(capable) or 'none'}")
         configs = replica_configs(config, size)
-        # Started together: each replica's model load (a worker process on the CPU) runs
-        # while the others load.
-        with ThreadPoolExecutor(max_workers=size) as pool:
-            futures = [pool.submit(LLMEngine, c) for c in configs]
-            engines, errors = [], []
-            for f in futures:
-                try:
-                    engines.append(f.result())
-                except Exception as e:
-                    errors.append(e)
-        if errors:
-            for engine in engines:
-                engine.shutdown()
-            raise errors[0]
-        return cls([AsyncLLM(e, max_pending_requests) for e in engines])
+        return cls([AsyncLLM(e, max_pending_requests) for e in start_replicas(configs)])
 
     # ---- the AsyncLLM calls ----------------------------------------------------------
     @property
@@ -146,6 +131,60 @@ class DataParallelAsyncLLM(RequestFront):
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
+
+
+def start_replicas(configs: Sequence[EngineConfig]) -> list[Any]:
+    """An ``LLMEngine`` per config, started side by side: each replica's model load (a
+    worker process on the CPU) runs while the others load. If one fails, the others are
+    shut down and its error raised. On Ctrl-C the interrupt is raised at once, not after
+    minutes of loading: the replicas already built are shut down now, and those still
+    loading shut themselves down when they are built (their threads are daemons, so an
+    exiting process does not wait for them; their workers leave with it)."""
+    from cadence.engine import LLMEngine
+
+    results: list[Any] = [None] * len(configs)
+    lock = threading.Lock()
+    abandoned = False
+
+    def start(i: int, config: EngineConfig) -> None:
+        try:
+            engine = LLMEngine(config)
+        except BaseException as e:  # noqa: BLE001  # raised by the caller below
+            results[i] = e
+            return
+        with lock:
+            keep = not abandoned
+            if keep:
+                results[i] = engine
+        if not keep:
+            engine.shutdown()
+
+    threads = [threading.Thread(target=start, args=(i, c), daemon=True,
+                                name=f"cadence-replica{i}-start")
+               for i, c in enumerate(configs)]
+    for t in threads:
+        t.start()
+    try:
+        wait_all(threads)
+    except BaseException:
+        with lock:
+            abandoned = True
+            built = [r for r in results if isinstance(r, LLMEngine)]
+        for engine in built:
+            engine.shutdown()
+        raise
+    engines = [r for r in results if isinstance(r, LLMEngine)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for engine in engines:
+            engine.shutdown()
+        raise errors[0]
+    return engines
+
+
+def wait_all(threads: Sequence[threading.Thread]) -> None:
+    for t in threads:
+        t.join()
 
 
 def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
