@@ -62,7 +62,8 @@ class LLMEngine:
                                  "or start without enable_lora")
         if config.speculative_config is not None:
             check_speculation_support(backend_cls, registry, config)
-        check_quantization_support(backend_cls, registry, config.model_config.quantization)
+        check_quantization_support(backend_cls, registry, config.model_config.quantization,
+                                   config.model_config.model)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         try:

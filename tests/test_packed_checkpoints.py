@@ -177,3 +177,17 @@ def test_an_older_gptq_folders_quantize_config_is_read(tiny_model_dir, tmp_path)
     config_path.write_text(json.dumps(config))
     (Path(packed) / "quantize_config.json").write_text(json.dumps(quant))
     assert EngineArgs(model=packed).create_engine_config().model_config.quantization == "gptq"
+
+
+def test_a_backend_that_does_not_run_the_checkpoints_method_says_so(tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    """Dropping --quantization is no way out for a checkpoint that is itself quantized."""
+    from cadence.engine import LLMEngine
+
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
+    packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "gptq")
+    config = EngineArgs(model=packed, backend="hpu", dtype="float32").create_engine_config()
+    with pytest.raises(ValueError, match=r"is quantized with gptq \(quantization_config in "
+                                         r"its config.json\), which backend 'hpu' does not "
+                                         r"run; backends that run it: cpu$"):
+        LLMEngine(config)

@@ -102,13 +102,22 @@ def check_speculation_support(backend_cls: type, registry: Any, config: EngineCo
                          "or start without speculative_config")
 
 
-def check_quantization_support(backend_cls: type, registry: Any, method: str | None) -> None:
+def check_quantization_support(backend_cls: type, registry: Any, method: str | None,
+                               model: str | None = None) -> None:
     """Refuse quantization ``method`` on a backend that does not run it
-    (``Backend.supports_quantization``), naming those that do."""
+    (``Backend.supports_quantization``), naming those that do. A checkpoint that is itself
+    quantized with it (``model``'s quantization_config) cannot drop it: the message says
+    so."""
     if method is None or method in backend_cls.supports_quantization:
         return
     able = _backends_where(registry,
                            lambda cls: method in getattr(cls, "supports_quantization", ()))
+    from cadence.quantization.checkpoint import PACKED_METHODS, checkpoint_quantization
+
+    if model is not None and method in PACKED_METHODS and checkpoint_quantization(model):
+        raise ValueError(f"model {model!r} is quantized with {method} (quantization_config "
+                         f"in its config.json), which backend {backend_cls.name!r} does not "
+                         f"run; backends that run it: {', '.join(able) or '(none)'}")
     raise ValueError(f"quantization {method!r} is not supported by backend "
                      f"{backend_cls.name!r}; backends that run it: {', '.join(able) or '(none)'} "
                      "(or drop --quantization)")
