@@ -307,7 +307,7 @@ def _with_adapters(llm, adapters, params) -> list:
     return got
 
 
-@pytest.mark.parametrize("method", ["int8", "gguf"])
+@pytest.mark.parametrize("method", ["int8", "gguf", "awq"])
 def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_dir, tmp_path):
     """An adapter's update adds to the quantized linear's output: the base model and two
     adapters (some projections; all, rank-stabilized) in one batch give what the same
@@ -318,6 +318,11 @@ def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_d
         model = str(quant_gguf)
         reference = EngineArgs(model=model).resolve_model()  # the fp32 folder converted
         options = {"overlap": "process"}
+    elif method == "awq":
+        from packed_helpers import write_packed
+
+        model, reference = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+        options = {"overlap": "sync"}
     else:
         model = tiny_model_dir("llama")
         reference = _round_linears(model, tmp_path / "rounded")
