@@ -123,7 +123,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "possible, SPREAD on as many as possible (both best effort), "
                         "STRICT_PACK all on one node, STRICT_SPREAD each on a node of its "
                         "own; start-up fails if the cluster cannot place them within "
-                        "--step-timeout (default: %(default)s)")
+                        "--startup-timeout (default: %(default)s)")
     p.add_argument("--pooling-type", default=None, choices=POOLING_TYPES,
                    help="embeddings: pool the last prompt token's final hidden state, "
                         "the mean over the prompt, or the first token's (default: the "
