@@ -102,7 +102,7 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
 
         packed = PackedReader(checkpoint_quantization(model_config.model))
         weights = packed.read(weights)
-    model.load_weights(weights)
+    model.load_weights(weights, optional=packed.zero_biases if packed is not None else ())
     if packed is not None:
         from cadence.quantization.weights import attach_blocks
 

@@ -33,8 +33,11 @@ def _pack(values: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -
     return words.astype(np.uint32).view(np.int32)
 
 
-def _quantize(w: np.ndarray, groups: np.ndarray, n_groups: int, bits: int, sym: bool):
-    """Round-to-nearest per (output, group): (q [N, K], zero [N, G], fp16 scale [N, G])."""
+def _quantize(w: np.ndarray, groups: np.ndarray, n_groups: int, bits: int, sym: bool,
+              min_zero: int = 0):
+    """Round-to-nearest per (output, group): (q [N, K], zero [N, G], fp16 scale [N, G]).
+    ``min_zero`` 1 keeps every zero point storable as GPTQ's original format stores it
+    (minus one)."""
     maxq = (1 << bits) - 1
     n = w.shape[0]
     scale = np.zeros((n, n_groups), dtype=np.float16)
@@ -48,7 +51,7 @@ def _quantize(w: np.ndarray, groups: np.ndarray, n_groups: int, bits: int, sym: 
             z = np.full(n, (maxq + 1) // 2)
         else:
             s = ((hi - lo) / maxq).astype(np.float16)
-            z = np.clip(np.round(-lo / np.maximum(s.astype(np.float64), 1e-8)), 0, maxq)
+            z = np.clip(np.round(-lo / np.maximum(s.astype(np.float64), 1e-8)), min_zero, maxq)
         scale[:, g] = np.where(s > 0, s, np.float16(1e-3))
         zero[:, g] = z
     s64 = scale.astype(np.float64)[:, groups]
@@ -57,10 +60,11 @@ def _quantize(w: np.ndarray, groups: np.ndarray, n_groups: int, bits: int, sym: 
 
 
 def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int = 32,
-                 fmt: str = "gptq", act_order: bool = False, seed: int = 0
-                 ) -> tuple[str, str]:
+                 fmt: str = "gptq", act_order: bool = False, seed: int = 0,
+                 sym: bool = False, zero_biases: bool = False) -> tuple[str, str]:
     """(the packed checkpoint's folder, the folder of its dequantized fp32 weights), both
-    copies of ``source`` whose decoder linears are quantized."""
+    copies of ``source`` whose decoder linears are quantized. ``zero_biases``: an all-zero
+    bias beside every quantized linear that has none, as AutoGPTQ saves them."""
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(seed)
@@ -79,8 +83,8 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
         groups = np.arange(k) // group
         if act_order:
             groups = groups[rng.permutation(k)]
-        q, zero, scale = _quantize(w, groups, n_groups, bits, sym=(method == "gptq"
-                                                                    and fmt == "gptq"))
+        q, zero, scale = _quantize(w, groups, n_groups, bits, sym,
+                                   min_zero=1 if method == "gptq" and fmt == "gptq" else 0)
         deq = (scale.astype(np.float64)[:, groups] * (q - zero[:, groups])).astype(np.float32)
         plain[name] = deq
         prefix = name[: -len(".weight")]
@@ -95,6 +99,8 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
             packed[f"{prefix}.qzeros"] = _pack(stored.T, bits)
             packed[f"{prefix}.g_idx"] = groups.astype(np.int32)
         packed[f"{prefix}.scales"] = np.ascontiguousarray(scale.T)
+        if zero_biases and f"{prefix}.bias" not in tensors:
+            packed[f"{prefix}.bias"] = np.zeros(w.shape[0], dtype=np.float16)
     save_file(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(plain, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((packed_dir / "config.json").read_text())
@@ -105,6 +111,6 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
     else:
         config["quantization_config"] = {"quant_method": "gptq", "bits": bits,
                                          "group_size": group, "desc_act": act_order,
-                                         "sym": fmt == "gptq", "checkpoint_format": fmt}
+                                         "sym": sym, "checkpoint_format": fmt}
     (packed_dir / "config.json").write_text(json.dumps(config, indent=2))
     return str(packed_dir), str(plain_dir)

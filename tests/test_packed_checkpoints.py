@@ -42,21 +42,27 @@ def _run(path: str, **kw) -> tuple[list, dict]:
         llm.shutdown()
 
 
+# (family, method, bits, format, extra write_packed arguments)
 CASES = {
-    "awq-llama": ("llama", "awq", 4, "gptq"),
-    "gptq4-qwen2": ("qwen2", "gptq", 4, "gptq"),  # biases beside the packed weights
-    "gptq8v2-llama-tied": ("llama-tied", "gptq", 8, "gptq_v2"),
-    "gptq2-mistral": ("mistral", "gptq", 2, "gptq"),
+    "awq-llama": ("llama", "awq", 4, "gptq", {}),
+    # The model's own biases beside the packed weights, and AutoGPTQ's all-zero ones beside
+    # the linears that have none.
+    "gptq4-qwen2": ("qwen2", "gptq", 4, "gptq", {"zero_biases": True}),
+    "gptq8v2-llama-tied": ("llama-tied", "gptq", 8, "gptq_v2", {}),
+    "gptq2-mistral": ("mistral", "gptq", 2, "gptq", {}),
+    "gptq4sym-llama": ("llama", "gptq", 4, "gptq", {"sym": True, "zero_biases": True}),
 }
 
 
 @pytest.mark.parametrize("case,overlap", [("awq-llama", "process"), ("gptq4-qwen2", "sync"),
                                           ("gptq8v2-llama-tied", "sync"),
-                                          ("gptq2-mistral", "sync")])
+                                          ("gptq2-mistral", "sync"),
+                                          ("gptq4sym-llama", "sync")])
 def test_a_packed_checkpoint_gives_its_dequantized_weights_outputs(case, overlap,
                                                                    tiny_model_dir, tmp_path):
-    kind, method, bits, fmt = CASES[case]
-    packed, plain = write_packed(tiny_model_dir(kind), tmp_path, method, bits, fmt=fmt)
+    kind, method, bits, fmt, extra = CASES[case]
+    packed, plain = write_packed(tiny_model_dir(kind), tmp_path, method, bits, fmt=fmt,
+                                 **extra)
     options = {**TILED, "overlap": overlap}
     want, _ = _run(plain, dtype="float32", backend_options=options)
     # No --quantization: the checkpoint's quantization_config says it.
@@ -134,6 +140,8 @@ def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -
      "GPTQ at 3 bits; cadence reads 2, 4 and 8 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
      "GPTQ in the 'marlin' format; cadence reads the 'gptq' and 'gptq_v2' formats"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "is_marlin_format": True},
+     "GPTQ in the 'marlin' format"),
 ])
 def test_methods_and_variants_not_read_are_refused(quant, message, tiny_model_dir, tmp_path):
     folder = _with_config(tiny_model_dir, tmp_path, quant)
@@ -191,3 +199,22 @@ def test_a_backend_that_does_not_run_the_checkpoints_method_says_so(tiny_model_d
                                          r"its config.json\), which backend 'hpu' does not "
                                          r"run; backends that run it: cpu$"):
         LLMEngine(config)
+
+
+def test_without_the_cpu_kernels_the_dequantized_weights_run(tiny_model_dir, tmp_path,
+                                                             monkeypatch, caplog):
+    """Where the kernels did not build, the checkpoint still runs, from its exact fp32
+    weights (one warning), rather than being refused."""
+    from cadence.backends.cpu import kernels
+
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        got, info = _run(packed, backend_options={"overlap": "sync"})  # --cpu-linear auto
+    assert info["cpu_quantized_linears"] == "0", info
+    want, _ = _run(plain, dtype="float32",
+                   backend_options={"overlap": "sync", "linear": info["cpu_linear"]})
+    assert any("linears run their dequantized fp32 weights" in r.getMessage()
+               for r in caplog.records)
+    assert got == want

@@ -118,7 +118,7 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     # quantized ones, auto takes the tiled GEMM, whose bits the quantized kernel shares: the
     # model's outputs are then those of its fp32 weights with --cpu-linear tiled.
     requested = str(config.backend_option("linear", "auto"))
-    if config.model_config.quantization is not None and requested == "auto":
+    if quantized and requested == "auto":
         requested = "tiled"
     if any(isinstance(m, Linear) for m in runner.model.modules()):
         linear = choose_linear(requested, runner.model, runner.dtype)

@@ -10,7 +10,7 @@ then checks that every parameter was loaded exactly from the checkpoint.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -155,9 +155,12 @@ class CausalLM(nn.Module):
             return [size, size]
         raise NotImplementedError(f"{type(self).__name__} names no shard sizes for {fused}")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     optional: Container[str] = ()) -> None:
         """Copy HF-named checkpoint tensors in, filling fused parameters shard by shard, and
-        refuse a checkpoint with an unknown, misshapen or missing weight."""
+        refuse a checkpoint with an unknown, misshapen or missing weight. Names in
+        ``optional`` (read once ``weights`` is exhausted) may be unknown: they are
+        skipped."""
         params = dict(self.named_parameters(remove_duplicate=False))
         owned = dict(self.named_parameters())  # a tied head's weight counts once
         shared = set(params) - set(owned)
@@ -197,6 +200,7 @@ class CausalLM(nn.Module):
                                      f"{tuple(dest.shape)}")
                 dest.copy_(tensor)
                 loaded.add(target if shard is None else f"{target}#{shard}")
+        unexpected = [n for n in unexpected if n not in optional]
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
         missing = [n for n in owned if not self._is_loaded(n, loaded)]

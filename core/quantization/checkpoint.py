@@ -90,7 +90,9 @@ def checkpoint_quantization(model: str) -> PackedSpec | None:
             raise ValueError(f"{where} with AWQ without zero points; cadence reads AWQ "
                              "with zero points (AutoAWQ's default)")
         return PackedSpec("awq", 4, group)
-    fmt = str(quant.get("checkpoint_format", "gptq")).lower()
+    # Older AutoGPTQ releases said Marlin with a flag of their own.
+    fmt = "marlin" if quant.get("is_marlin_format") else \
+        str(quant.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where} with GPTQ in the {fmt!r} format; cadence reads the "
                          "'gptq' and 'gptq_v2' formats")

@@ -48,6 +48,9 @@ class PackedReader:
         self.blocks: dict[str, QuantizedWeight] = {}
         #: Linears whose groups are not consecutive inputs (act-order): fp32 only.
         self.dense: list[str] = []
+        #: All-zero biases: AutoGPTQ saves one for every quantized linear, also in models
+        #: whose linears have none; such a bias adds nothing, so a model without it skips it.
+        self.zero_biases: set[str] = set()
 
     def read(self, weights: Iterator[tuple[str, torch.Tensor]]
              ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,6 +59,8 @@ class PackedReader:
         for name, tensor in weights:
             prefix, _, part = name.rpartition(".")
             if part not in _PARTS:
+                if part == "bias" and not torch.count_nonzero(tensor):
+                    self.zero_biases.add(name)
                 yield name, tensor
                 continue
             parts = pending.setdefault(prefix, {})
