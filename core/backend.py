@@ -299,6 +299,25 @@ class Backend(ABC):
         """
         return self.to_host(self._submitted.pop(0))
 
+    def discard_in_flight(self) -> None:
+        """Drop every step submitted and not yet collected.
+
+        Called after an interrupt (Ctrl-C) left the engine's step between a ``submit`` and
+        its ``collect`` (or between ``execute``'s own two halves), once the engine has
+        ended those steps' requests: their samples are not wanted, and no later ``collect``
+        may return them as its own. Wait for a step still computing where the next one
+        would not run after it anyway (a worker's reply must be read off its pipe). A
+        backend whose exchange with its worker was cut short raises
+        ``WorkerLostError(..., interrupted=True)``, and the engine restarts it. The default
+        empties the default ``submit``'s queue; a backend that overrides ``submit`` without
+        overriding this is restarted, since what it holds is unknown here.
+        """
+        if type(self).submit is not Backend.submit:
+            raise WorkerLostError(f"a step was interrupted, and backend {self.name!r} names "
+                                  "no way to drop the steps it holds (discard_in_flight); "
+                                  "it is restarted", interrupted=True)
+        self._submitted.clear()
+
     def check_health(self, deep: bool = False) -> None:
         """Raise ``WorkerLostError`` if the device or its worker is known to be gone.
 

@@ -316,19 +316,22 @@ class LLMEngine:
 
     def after_interrupt(self) -> list[RequestOutput]:
         """Call when a ``KeyboardInterrupt`` (or another ``BaseException`` that is not an
-        ``Exception``) has left ``step()``, after aborting what should not go on. A backend
-        that stopped its worker because the interrupt cut a step's exchange short is found
-        now, so its restart comes before the next requests instead of failing them.
-        Returns the final outputs of the requests that ended."""
+        ``Exception``) has left ``step()``, after aborting the requests it was running.
+        The steps still in flight are dropped (``Backend.discard_in_flight``): their
+        samples would otherwise be read as a later step's. A backend that stopped its
+        worker because the interrupt cut their exchange short is restarted before the next
+        step runs, rather than failing its requests. Returns the final outputs of the
+        requests that ended."""
         if self._loop is not None:
-            # Steps planned ahead may sit on the backend where the loop no longer tracks
-            # them (the interrupt fell between the backend taking one and the loop
-            # recording it); only a restart is sure to leave none to be read as a later
-            # step's.
+            self._loop.discard()
+        try:
+            self.backend.discard_in_flight()
+        except WorkerLostError as e:
+            self.guard.recover(e)
+        except Exception as e:  # noqa: BLE001  # the device state is unknown: start afresh
             self.guard.recover(WorkerLostError(
-                "a step was interrupted while steps planned ahead were in flight; the "
-                "backend is restarted so that none of them is taken for a later step",
-                interrupted=True))
+                f"a step was interrupted, and dropping the steps in flight failed ({e!r}); "
+                "the backend is restarted", interrupted=True))
         else:
             self.guard.check_health()
         return self.output_processor.take_ready()

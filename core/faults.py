@@ -123,20 +123,29 @@ class StepGuard:
         self._fail_all(message)
         if not can_restart:
             raise EngineFailedError(message) from error
+        # A loss already waiting for its restart keeps it counted.
+        self._restart_counts = (self.restart_pending and self._restart_counts) \
+            or not error.interrupted
         self.restart_pending = True
-        self._restart_counts = not error.interrupted
 
     def repair(self) -> None:
         """Restart the backend if ``recover`` planned it; a no-op otherwise."""
         if not self.restart_pending:
             return
         if self._restart_counts:
-            self.restarts += 1
-            logger.warning("restarting the backend (%d of %d restarts)", self.restarts,
+            logger.warning("restarting the backend (%d of %d restarts)", self.restarts + 1,
                            self.max_restarts)
         else:
             logger.warning("restarting the backend after an interrupted step")
-        self._reset_kv(self.backend.restart())
+        try:
+            num_blocks = self.backend.restart()
+        except Exception:
+            self.restarts += int(self._restart_counts)
+            raise
+        # Counted once it ends: a restart that an interrupt cut short is tried again at the
+        # next step, not spent twice.
+        self.restarts += int(self._restart_counts)
+        self._reset_kv(num_blocks)
         self.restart_pending = False
         logger.warning("the backend is serving again")
 

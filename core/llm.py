@@ -190,8 +190,11 @@ class LLM:
             self._run_until_done(None)
             raise
         except BaseException:  # another failure, or Ctrl-C, between two requests
-            for rid in added:
+            # The request being added may be half in: aborting it too is harmless.
+            for rid in ids[:len(added) + 1]:
                 self.engine.abort_request(rid)
+            with contextlib.suppress(Exception):
+                self.engine.after_interrupt()
             raise
         return self._run_until_done(ids, use_tqdm)
 

@@ -53,17 +53,43 @@ def _check_clean_after(llm, expected: list[list[int]]) -> None:
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
+@pytest.mark.parametrize("overlap", ["sync", "thread"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling):
-    """In-process forward (``sync``): nothing to stop; the call's requests are aborted."""
-    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling)
+def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overlap):
+    """In-process forward: the call's requests are aborted and the steps in flight (async
+    scheduling's next one) dropped; nothing is restarted."""
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling,
+                   backend_options={"overlap": overlap})
     try:
         backend = llm.engine.backend
+        runner = backend.runner
         calls = _interrupt_call(backend, "execute" if not async_scheduling else "collect", 4)
         with pytest.raises(KeyboardInterrupt):
             generate(llm, PROMPTS, GREEDY)
         assert calls[0] == 4
+        assert not llm.engine.guard.restart_pending
         _check_clean_after(llm, clean)
+        assert backend.runner is runner, "the backend was restarted"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ctrl_c_between_exchanges_drains_the_worker_without_a_restart(model, clean,
+                                                                      async_scheduling):
+    """An interrupt in the engine's own work (here its commit of a step's tokens) leaves
+    the worker's pipe whole: the replies of the steps still in flight are read and dropped,
+    and the same worker serves the next call."""
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling,
+                   backend_options={"overlap": "process", "kv_cache_gb": 0.1})
+    try:
+        pid = llm.engine.backend.worker_pid
+        _interrupt_call(llm.engine.output_processor, "commit", 3)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, GREEDY)
+        assert not llm.engine.guard.restart_pending
+        _check_clean_after(llm, clean)
+        assert llm.engine.backend.worker_pid == pid, "the worker was restarted"
     finally:
         llm.shutdown()
 
@@ -91,11 +117,14 @@ def test_ctrl_c_while_the_worker_computes_stops_and_restarts_it(model, clean,
         llm.shutdown()
 
 
-@pytest.mark.parametrize("where", ["_send_all", "_wait"])
-def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where):
+@pytest.mark.parametrize("where,async_scheduling", [("_send_all", False), ("_wait", False),
+                                                    ("_wait", True)])
+def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where,
+                                                                async_scheduling):
     """The ``mp`` executor (tensor parallel, two ranks): the same, for every rank, whether
     the interrupt lands while a step goes out or while its replies are awaited."""
-    llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2)
+    llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2,
+                   async_scheduling=async_scheduling)
     try:
         reference = [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, GREEDY)]
         backend = llm.engine.backend
@@ -129,3 +158,41 @@ def test_the_reason_is_what_the_next_health_check_says(model):
             worker.check_alive()
     finally:
         llm.shutdown()
+
+
+def test_interrupted_restarts_are_not_spent_and_real_losses_stay_counted():
+    """An interrupt's restart is free; one planned for a real loss stays counted when an
+    interrupt follows it; a restart that an interrupt cut short is tried again and counted
+    once."""
+    from cadence.backend import WorkerLostError
+    from cadence.faults import StepGuard
+
+    class Backend:
+        fail_next = False
+
+        def restart(self):
+            if self.fail_next:
+                self.fail_next = False
+                raise KeyboardInterrupt
+            return 8
+
+    backend, reset = Backend(), []
+    guard = StepGuard(backend, 1, None, None, lambda message: None, reset.append)
+    guard.recover(WorkerLostError("interrupted", interrupted=True))
+    guard.repair()
+    assert (guard.restarts, guard.restart_pending, reset) == (0, False, [8])
+    guard.recover(WorkerLostError("died"))
+    guard.recover(WorkerLostError("interrupted", interrupted=True))
+    backend.fail_next = True
+    with pytest.raises(KeyboardInterrupt):
+        guard.repair()
+    assert (guard.restarts, guard.restart_pending) == (0, True)
+    guard.repair()
+    assert (guard.restarts, guard.restart_pending, reset) == (1, False, [8, 8])
+    # The budget (1) is spent: a real loss now ends the engine, an interrupt does not.
+    guard.recover(WorkerLostError("interrupted", interrupted=True))
+    guard.repair()
+    from cadence.faults import EngineFailedError
+
+    with pytest.raises(EngineFailedError, match="1 restarts used of max_worker_restarts=1"):
+        guard.recover(WorkerLostError("died"))

@@ -17,6 +17,7 @@ overlap needs a second worker. Strategies (``backend_options["overlap"]``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -237,6 +238,20 @@ class CpuBackend(Backend):
         if self.overlap == "thread":
             return self._futures.popleft().result()
         return super().collect()
+
+    def discard_in_flight(self) -> None:
+        if self._worker is not None:
+            self._bitmask_failures.clear()
+            self._worker.discard_in_flight()
+        elif self.overlap == "thread":
+            # The forward thread runs them in order anyway; waited for so that none is
+            # still writing the KV cache of a request that ended.
+            futures, self._futures = list(self._futures), deque()
+            for future in futures:
+                with contextlib.suppress(Exception):  # a step that failed is dropped too
+                    future.result()
+        else:
+            self._submitted.clear()  # the base class's queue (sync: computed already)
 
     def _send_bitmask(self, grammar: Any) -> BaseException | None:
         """Send a submitted step's bitmask. One that cannot be computed is returned, not

@@ -261,6 +261,17 @@ class ForwardWorker:
             raise RuntimeError(f"the CPU forward worker failed:\n{out[1]}")
         return out
 
+    def discard_in_flight(self) -> None:
+        """Read and drop the reply of every step in flight (the engine no longer wants
+        them); ``WorkerLostError`` if an interrupt already stopped the worker."""
+        while self._in_flight:
+            try:
+                self.result()
+            except RuntimeError as e:
+                if isinstance(e, WorkerLostError):
+                    raise
+                # That step failed in the worker; the later one still answers.
+
     def _interrupted(self, error: BaseException) -> None:
         self.kill()
         self._in_flight = 0

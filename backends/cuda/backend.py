@@ -356,6 +356,13 @@ class CudaBackend(Backend):
             raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
             raise
 
+    def discard_in_flight(self) -> None:
+        try:
+            self._rt.discard_in_flight(self)
+        except Exception as e:
+            raise_if_device_lost(e, CUDA_STICKY_ERRORS, "the CUDA context")
+            raise
+
     def shutdown(self) -> None:
         self._rt.shutdown(self)
 

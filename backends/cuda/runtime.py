@@ -271,6 +271,15 @@ def collect(be: CudaBackend) -> SamplerOutput:
     return out
 
 
+def discard_in_flight(be: CudaBackend) -> None:
+    """Wait for each step in flight (its copy's event) and drop its samples, so the copier's
+    buffers are free again for the next submit."""
+    while be.in_flight:
+        handle, _ = be.in_flight.popleft()
+        be.copier.finish(handle)
+    be.lost_samples = False
+
+
 def _no_note(_: str) -> None:
     pass
 

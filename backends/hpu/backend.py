@@ -249,6 +249,17 @@ class HpuBackend(BucketedSteps, Backend):
         self._lost_samples = False
         return out
 
+    def discard_in_flight(self) -> None:
+        # Waited for: the device then holds nothing the next step could mistake for its own.
+        while self._in_flight:
+            parts, _ = self._in_flight.popleft()
+            try:
+                self.to_host(parts)
+            except Exception as e:
+                raise_if_device_lost(e, HPU_STICKY_ERRORS, "the HPU device")
+                raise
+        self._lost_samples = False
+
     def _execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         parts = self.forward(model_input)
         if self.lazy:

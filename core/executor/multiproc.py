@@ -73,6 +73,7 @@ class MultiprocExecutor(RankGroup):
     # -- start-up ---------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        self._start_began = time.monotonic()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._procs = []
         self._in_flight = 0

@@ -82,6 +82,7 @@ class RankGroup(Backend):
         limit = config.fault_config.startup_timeout_s
         #: How long the ranks may take to be placed and loaded; None: no limit.
         self.startup_timeout_s: float | None = limit if math.isfinite(limit) else None
+        self._start_began = time.monotonic()  # load_model's start: one deadline for all
         self._in_flight = 0
         # Per step in flight, oldest first: why its late bitmask could not be computed
         # (None: it was, or it needed none). Raised when the step is collected.
@@ -107,7 +108,7 @@ class RankGroup(Backend):
     def allocate_kv_cache(self) -> int:
         # Bounded: a rank stuck in its start (a lock held by a stuck process) must fail the
         # start, not hold it forever.
-        replies = self._gather(timeout=self.startup_timeout_s, starting=True)
+        replies = self._gather(timeout=self._startup_left(), starting=True)
         errors = [(r, rep) for r, rep in enumerate(replies) if rep and rep[0] == "error"]
         if errors:
             self._kill_ranks()  # the others may be waiting for it in the rendezvous
@@ -152,6 +153,13 @@ class RankGroup(Backend):
         tell, or no rank died."""
         return None
 
+    def _startup_left(self) -> float | None:
+        """What is left of the start-up deadline (counted from ``load_model``); None: no
+        deadline."""
+        if self.startup_timeout_s is None:
+            return None
+        return max(0.0, self._start_began + self.startup_timeout_s - time.monotonic())
+
     def _lost(self, message: str, interrupted: bool = False) -> WorkerLostError:
         self._kill_ranks()
         self._in_flight = 0
@@ -183,8 +191,9 @@ class RankGroup(Backend):
                 logger.warning("rank(s) %s of %d still starting after %.0f s (a first start "
                                "builds the CPU kernels; the start gives up after %s s, "
                                "--startup-timeout)", waiting, self.world_size,
-                               time.monotonic() - began, "no" if timeout is None else
-                               f"{timeout:g}")
+                               time.monotonic() - self._start_began,
+                               "no" if self.startup_timeout_s is None else
+                               f"{self.startup_timeout_s:g}")
                 continue
             if not ready:
                 late = waiting
@@ -195,8 +204,9 @@ class RankGroup(Backend):
                                      f"stopped:\n{replies[failed_rank][1]}")
                 what = "were not ready" if starting else "gave no reply"
                 limit = "--startup-timeout, startup_timeout" if starting else "step_timeout"
+                seconds = self.startup_timeout_s if starting else timeout
                 raise self._lost(f"rank(s) {late} of {self.world_size} {what} within "
-                                 f"{timeout:g} s ({limit}); every rank was killed")
+                                 f"{seconds:g} s ({limit}); every rank was killed")
             for rank in ready:
                 try:
                     replies[rank] = self._read(rank)
@@ -216,18 +226,19 @@ class RankGroup(Backend):
             raise self._failure_error()
         assert self._in_flight < self.max_in_flight, \
             f"at most {self.max_in_flight} steps in flight"
-        with on_interrupt(self._interrupted):
-            self._submit(model_input)
-
-    def _submit(self, model_input: ModelInput) -> None:
         grammar = model_input.sampling.grammar
         late = grammar is not None and not grammar.is_ready and self.sends_bitmask_late
         if grammar is not None and not late:
             grammar.get()  # inside the step, computed before it goes out
+        with on_interrupt(self._interrupted):  # from here on, the ranks hold a step
+            self._submit(model_input, grammar if late else None)
+
+    def _submit(self, model_input: ModelInput, grammar: Any) -> None:
+        """Send the step, then its bitmask when ``grammar`` (one not computed yet) is given."""
         self._send_all(model_input)
         self._in_flight += 1
         failure = None
-        if late:
+        if grammar is not None:
             # Structured output: the ranks run the forward while the bitmask is computed
             # here; it follows the step down their pipes, and they wait for it to sample.
             try:
@@ -236,6 +247,17 @@ class RankGroup(Backend):
                 value, failure = None, e
             self._send_all(("bitmask", value))  # None: the ranks fail the step
         self._bitmask_failures.append(failure)
+
+    def discard_in_flight(self) -> None:
+        """Read and drop every rank's reply to each step in flight; ``WorkerLostError`` if
+        an interrupt already stopped the ranks (or one dies meanwhile)."""
+        if self._failure is not None:
+            raise self._failure_error()
+        with on_interrupt(self._interrupted):
+            while self._in_flight:
+                self._in_flight -= 1
+                self._gather(self.step_timeout_s)  # a step that failed is dropped too
+        self._bitmask_failures.clear()
 
     def _interrupted(self, error: BaseException) -> None:
         self._lost(f"a step was interrupted ({type(error).__name__}) while the ranks ran "

@@ -85,6 +85,7 @@ class RayExecutor(RankGroup):
                              "'cadence[ray]' (or pip install ray)") from None
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._start_began = time.monotonic()
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, log_to_driver=False)
         self._in_flight = 0
@@ -99,7 +100,7 @@ class RayExecutor(RankGroup):
         self._queues = [deque() for _ in self._actors]
         try:
             places = ray.get([a.placement.remote() for a in self._actors],
-                             timeout=self.startup_timeout_s)
+                             timeout=self._startup_left())
         except Exception as e:
             self._kill_ranks()
             raise RuntimeError(f"Ray could not start the {self.world_size} ranks: "
@@ -134,7 +135,7 @@ class RayExecutor(RankGroup):
         began = time.monotonic()
         notice = RESERVE_NOTICE_S
         while True:
-            left = None if limit is None else limit - (time.monotonic() - began)
+            left = self._startup_left()
             if left is not None and left <= 0:
                 break
             if self._group.wait(timeout_seconds=notice if left is None else min(notice, left)):

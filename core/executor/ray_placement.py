@@ -6,7 +6,7 @@ Before any rank starts, the executor reserves a placement group with one bundle 
 group's collectives stay inside a node where it fits; vLLM does the same). Bundle ``r`` holds
 rank ``r``; ranks are stage-major (``ParallelConfig.rank``), so the ranks of one
 tensor-parallel group are consecutive bundles, which PACK fills node by node. The group is
-all or nothing: if the cluster cannot hold it within the step timeout, nothing starts and
+all or nothing: if the cluster cannot hold it within the start-up timeout, nothing starts and
 the error says what was asked and what the cluster has.
 
 Pure functions of plain data here; the Ray calls are in ray_executor.py.
