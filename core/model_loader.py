@@ -97,7 +97,7 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     weights = iterate_weights(model_config.model, skip)
     packed = None
     if model_config.quantization in PACKED_METHODS:
-        from cadence.quantization.checkpoint import checkpoint_quantization
+        from cadence.quantization.checkpoint import checkpoint_quantization, method_label
         from cadence.quantization.packed import PackedReader
 
         packed = PackedReader(checkpoint_quantization(model_config.model))
@@ -107,7 +107,7 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         from cadence.quantization.weights import attach_blocks
 
         packed.report()
-        attach_blocks(model, packed.blocks, model_config.quantization.upper())
+        attach_blocks(model, packed.blocks, method_label(model_config.quantization))
     elif model_config.quantization == "gguf":
         from cadence.quantization.weights import attach_gguf_blocks
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
-    p.add_argument("--method", default="awq", choices=("awq", "gptq"))
+    p.add_argument("--method", default="awq", choices=("awq", "gptq", "compressed-tensors"))
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=512)

@@ -1,11 +1,14 @@
-"""AWQ and GPTQ checkpoints of a tiny model, written as AutoAWQ and AutoGPTQ write them, with
-the fp32 folder of their exactly dequantized weights beside each.
+"""AWQ, GPTQ and compressed-tensors checkpoints of a tiny model, written as AutoAWQ, AutoGPTQ
+and llm-compressor write them, with the fp32 folder of their exactly dequantized weights
+beside each.
 
 The packing follows the published layouts, written here independently of the reader
 (core/quantization/packed.py): AutoAWQ's GEMM packs eight 4-bit values of consecutive
 outputs into an int32 in the column order 0, 2, 4, 6, 1, 3, 5, 7; AutoGPTQ packs
 ``32 / bits`` consecutive inputs into an int32, lowest bits first, and its zero points
-along the outputs the same way, stored minus one in its original format.
+along the outputs the same way, stored minus one in its original format; compressed-tensors'
+``pack-quantized`` packs a row's inputs as AutoGPTQ does but keeps the weight [N, K / 8],
+stores signed values plus ``2^(bits - 1)``, and packs zero points along the outputs.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
             continue
         w = t.astype(np.float64)
         k = w.shape[1]
-        n_groups = k // group
-        groups = np.arange(k) // group
+        n_groups = 1 if group == -1 else k // group  # -1: one group a row (by channel)
+        groups = np.arange(k) // (k // n_groups)
         if act_order:
             groups = groups[rng.permutation(k)]
         q, zero, scale = _quantize(w, groups, n_groups, bits, sym,
@@ -88,6 +91,17 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
         deq = (scale.astype(np.float64)[:, groups] * (q - zero[:, groups])).astype(np.float32)
         plain[name] = deq
         prefix = name[: -len(".weight")]
+        if method == "compressed-tensors":
+            # Signed values plus 2^(bits - 1) are q, and likewise the zero points.
+            packed[f"{prefix}.weight_packed"] = _pack(q, bits)
+            packed[f"{prefix}.weight_scale"] = scale
+            packed[f"{prefix}.weight_shape"] = np.array(w.shape, dtype=np.int32)
+            if not sym:
+                packed[f"{prefix}.weight_zero_point"] = np.ascontiguousarray(
+                    _pack(zero.T, bits).T)
+            if act_order:
+                packed[f"{prefix}.weight_g_idx"] = groups.astype(np.int32)
+            continue
         if method == "awq":
             # [K, N / 8] and [G, N / 8]: along the outputs.
             packed[f"{prefix}.qweight"] = _pack(q.T, bits, AWQ_ORDER)
@@ -104,7 +118,17 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
     save_file(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(plain, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((packed_dir / "config.json").read_text())
-    if method == "awq":
+    if method == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym,
+                   "strategy": "channel" if group == -1 else "group",
+                   "group_size": None if group == -1 else group,
+                   "actorder": "group" if act_order else None}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None}},
+            "ignore": ["lm_head"], "quantization_status": "compressed"}
+    elif method == "awq":
         config["quantization_config"] = {"quant_method": "awq", "bits": bits,
                                          "group_size": group, "zero_point": True,
                                          "version": "gemm"}

@@ -51,13 +51,17 @@ CASES = {
     "gptq8v2-llama-tied": ("llama-tied", "gptq", 8, "gptq_v2", {}),
     "gptq2-mistral": ("mistral", "gptq", 2, "gptq", {}),
     "gptq4sym-llama": ("llama", "gptq", 4, "gptq", {"sym": True, "zero_biases": True}),
+    # llm-compressor's W4A16 (symmetric, by group) and W8A16 by channel, asymmetric
+    "ct4-qwen3": ("qwen3", "compressed-tensors", 4, "", {"sym": True}),
+    "ct8ch-llama": ("llama", "compressed-tensors", 8, "", {"group": -1}),
 }
 
 
 @pytest.mark.parametrize("case,overlap", [("awq-llama", "process"), ("gptq4-qwen2", "sync"),
                                           ("gptq8v2-llama-tied", "sync"),
                                           ("gptq2-mistral", "sync"),
-                                          ("gptq4sym-llama", "sync")])
+                                          ("gptq4sym-llama", "sync"),
+                                          ("ct4-qwen3", "process"), ("ct8ch-llama", "sync")])
 def test_a_packed_checkpoint_gives_its_dequantized_weights_outputs(case, overlap,
                                                                    tiny_model_dir, tmp_path):
     kind, method, bits, fmt, extra = CASES[case]
@@ -73,11 +77,13 @@ def test_a_packed_checkpoint_gives_its_dequantized_weights_outputs(case, overlap
     assert got == want
 
 
-def test_act_order_groups_run_their_exact_fp32_weights(tiny_model_dir, tmp_path, caplog):
-    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "gptq", 4, act_order=True)
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_act_order_groups_run_their_exact_fp32_weights(method, tiny_model_dir, tmp_path,
+                                                       caplog):
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, method, 4, act_order=True)
     want, _ = _run(plain, dtype="float32", backend_options=TILED)
     with caplog.at_level(logging.WARNING):
-        got, info = _run(packed, quantization="gptq", backend_options=TILED)
+        got, info = _run(packed, quantization=method, backend_options=TILED)
     assert info["cpu_quantized_linears"] == "0", info
     assert any("use act-order groups (desc_act)" in r.getMessage() for r in caplog.records)
     assert got == want
@@ -133,7 +139,8 @@ def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -
 
 @pytest.mark.parametrize("quant,message", [
     ({"quant_method": "fp8"}, ("quantized with 'fp8' (quantization_config in its config.json), "
-                               "which cadence does not read; it reads awq, gptq checkpoints")),
+                               "which cadence does not read; it reads awq, gptq, "
+                              "compressed-tensors checkpoints")),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"},
      "AWQ version 'gemv'; cadence reads AWQ's 'gemm' layout"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 32},
@@ -142,6 +149,17 @@ def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -
      "GPTQ in the 'marlin' format; cadence reads the 'gptq' and 'gptq_v2' formats"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "is_marlin_format": True},
      "GPTQ in the 'marlin' format"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}},
+     "compressed-tensors in the 'float-quantized' format; cadence reads 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"},
+                              "input_activations": {"num_bits": 8, "type": "int"}}}},
+     "compressed-tensors that quantizes activations too; cadence reads weight-only"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                          "strategy": "block"}}}},
+     "compressed-tensors by 'block'; cadence reads the 'group' and 'channel' strategies"),
 ])
 def test_methods_and_variants_not_read_are_refused(quant, message, tiny_model_dir, tmp_path):
     folder = _with_config(tiny_model_dir, tmp_path, quant)

@@ -62,7 +62,7 @@ class CpuBackend(Backend):
     supports_pooling = True
     supports_lora = True
     supports_speculative = True
-    supports_quantization = ("gguf", "int8", "awq", "gptq")
+    supports_quantization = ("gguf", "int8", "awq", "gptq", "compressed-tensors")
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -96,14 +96,16 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
     if config.model_config.quantization is not None:
         from cadence.backends.cpu.kernels import load_kernels
         from cadence.backends.cpu.quantized import run_quantized
+        from cadence.quantization.checkpoint import PACKED_METHODS, method_label
 
         ops = load_kernels()
         method = config.model_config.quantization
-        if ops is None and method in ("awq", "gptq"):
+        if ops is None and method in PACKED_METHODS:
             # The checkpoint cannot run unquantized otherwise: its exact fp32 weights do.
             logger.warning("the %s checkpoint's linears run their dequantized fp32 weights: "
                            "the compiled CPU kernels that run packed weights did not build "
-                           "here or are turned off (CADENCE_CPU_KERNELS=0)", method.upper())
+                           "here or are turned off (CADENCE_CPU_KERNELS=0)",
+                           method_label(method))
         elif ops is None:
             raise ValueError(f"quantization {config.model_config.quantization!r} runs on the "
                              "compiled CPU kernels, which did not build here (see the warning "

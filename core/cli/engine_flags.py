@@ -37,7 +37,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="keep the weights compressed in memory: 'gguf' runs a GGUF "
                         "model's linear weights from their own blocks, with the outputs "
                         "of its fp32 weights; 'int8' rounds any model's linears to int8 "
-                        "at load; 'awq', 'gptq' run such a checkpoint's packed weights "
+                        "at load; 'awq', 'gptq', 'compressed-tensors' run such a "
+                        "checkpoint's packed weights "
                         "(docs/quantization.md; default: the checkpoint's own "
                         "quantization_config, else off)")
     p.add_argument("--seed", type=int, default=0,

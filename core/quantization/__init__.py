@@ -21,7 +21,7 @@ This module imports no torch: configuration checks it at start.
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("gguf", "int8", "awq", "gptq")
+QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "compressed-tensors")
 # Inputs per int8 scale: llama.cpp's Q8_0 block, whose error on trained weights is known to
 # be negligible; a row whose width is not a multiple of it has one scale for the whole row.
 INT8_GROUP = 32

@@ -1,10 +1,11 @@
 """What a quantized checkpoint says of itself: ``quantization_config`` in its config.json (or
 an older AutoGPTQ folder's ``quantize_config.json``), read before anything loads.
 
-Two methods are read as they are stored (``packed.py`` unpacks them): ``awq`` (AutoAWQ's GEMM
-layout, 4 bits) and ``gptq`` (AutoGPTQ, GPTQModel and optimum: 2, 4 or 8 bits, the v1 and
-v2 zero-point conventions). Any other method is refused here with the ones that are read,
-never loaded as if it were a plain checkpoint.
+Three methods are read as they are stored (``packed.py`` unpacks them): ``awq`` (AutoAWQ's
+GEMM layout, 4 bits), ``gptq`` (AutoGPTQ, GPTQModel and optimum: 2, 4 or 8 bits, the v1 and
+v2 zero-point conventions) and ``compressed-tensors`` (llm-compressor's ``pack-quantized``
+weight-only schemes, W4A16 and W8A16, by group or by channel). Any other method or scheme is
+refused here with the ones that are read, never loaded as if it were a plain checkpoint.
 
 This module imports no torch: configuration checks it at start.
 """
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PACKED_METHODS = ("awq", "gptq")
+PACKED_METHODS = ("awq", "gptq", "compressed-tensors")
+_LABELS = {"awq": "AWQ", "gptq": "GPTQ"}
+
+
+def method_label(method: str) -> str:
+    """How messages name a packed method: AWQ, GPTQ, compressed-tensors."""
+    return _LABELS.get(method, method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +40,8 @@ class PackedSpec:
     bits: int
     group_size: int  # inputs per group; -1: a row is one group
     zero_offset: int = 0
-    desc_act: bool = False  # GPTQ act-order: groups are not runs of consecutive inputs
+    desc_act: bool = False  # act-order: groups are not runs of consecutive inputs
+    symmetric: bool = True  # compressed-tensors: no zero points stored
 
 
 def _read(folder: Path) -> dict[str, Any] | None:
@@ -73,6 +81,8 @@ def checkpoint_quantization(model: str) -> PackedSpec | None:
                          f"in its config.json), which cadence does not read; it reads "
                          f"{', '.join(PACKED_METHODS)} checkpoints, and runs any plain "
                          "checkpoint in int8 with --quantization int8")
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, where)
     bits = int(quant.get("bits", quant.get("w_bit", 0)))
     group = int(quant.get("group_size", quant.get("q_group_size", -1)))
     if group == 0 or group < -1:
@@ -103,6 +113,39 @@ def checkpoint_quantization(model: str) -> PackedSpec | None:
                       desc_act=bool(quant.get("desc_act", False)))
 
 
+def _compressed_tensors(quant: dict[str, Any], where: str) -> PackedSpec:
+    """llm-compressor's weight-only integer schemes in its ``pack-quantized`` format."""
+    groups = quant.get("config_groups") or {}
+    schemes = [g for g in groups.values() if isinstance(g, dict)]
+    if not schemes:
+        raise ValueError(f"{where} with compressed-tensors without config_groups")
+    weights = [s.get("weights") or {} for s in schemes]
+    if any(w != weights[0] for w in weights):
+        raise ValueError(f"{where} with compressed-tensors schemes that differ between "
+                         "layers; cadence reads one weight scheme for every quantized layer")
+    for scheme in schemes:
+        fmt = scheme.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"{where} with compressed-tensors in the {fmt!r} format; cadence "
+                             "reads 'pack-quantized' (llm-compressor's W4A16 and W8A16)")
+        if scheme.get("input_activations") or scheme.get("output_activations"):
+            raise ValueError(f"{where} with compressed-tensors that quantizes activations "
+                             "too; cadence reads weight-only schemes (W4A16, W8A16)")
+    w = weights[0]
+    bits, kind = int(w.get("num_bits", 0)), str(w.get("type", "int"))
+    strategy = str(w.get("strategy", "group"))
+    if kind != "int" or bits not in (4, 8):
+        raise ValueError(f"{where} with compressed-tensors {kind} weights of {bits} bits; "
+                         "cadence reads int weights of 4 or 8 bits")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"{where} with compressed-tensors by {strategy!r}; cadence reads "
+                         "the 'group' and 'channel' strategies")
+    group = int(w.get("group_size") or -1) if strategy == "group" else -1
+    return PackedSpec("compressed-tensors", bits, group,
+                      desc_act=w.get("actorder") == "group",
+                      symmetric=bool(w.get("symmetric", True)))
+
+
 def resolve_packed(requested: str | None, model: str) -> str | None:
     """The quantization a model runs with: a packed checkpoint's own method when none is
     asked for (as vLLM does), the one asked for otherwise; ValueError where they
@@ -111,7 +154,7 @@ def resolve_packed(requested: str | None, model: str) -> str | None:
     if spec is None:
         if requested in PACKED_METHODS:
             raise ValueError(f"--quantization {requested} reads a checkpoint quantized with "
-                             f"{requested.upper()}, and the config.json of {model!r} has no "
+                             f"{method_label(requested)}, and the config.json of {model!r} has no "
                              "quantization_config naming it")
         return requested
     if requested is not None and requested != spec.method:

@@ -1,17 +1,21 @@
-"""AWQ and GPTQ checkpoints read as they are stored (``checkpoint.py`` says which).
+"""AWQ, GPTQ and compressed-tensors checkpoints read as they are stored (``checkpoint.py``
+says which).
 
 ``PackedReader.read`` stands between the checkpoint's tensors and the model's
-``load_weights``: each quantized linear's ``qweight``, ``qzeros``, ``scales`` (and GPTQ's
-``g_idx``) become its fp32 ``weight``, ``scale * (q - zero)``, and the same values are kept
-as a ``QuantizedWeight`` (``w = s * q + o``, ``o = -s * zero``) for the backend to run.
+``load_weights``: each quantized linear's parts (AWQ's and GPTQ's ``qweight``, ``qzeros``,
+``scales`` and GPTQ's ``g_idx``; compressed-tensors' ``weight_packed``, ``weight_scale``,
+``weight_shape`` and, where stored, ``weight_zero_point`` and ``weight_g_idx``) become its
+fp32 ``weight``, ``scale * (q - zero)``, and the same values are kept as a
+``QuantizedWeight`` (``w = s * q + o``, ``o = -s * zero``) for the backend to run.
 
-Both forms are exact: ``q - zero`` needs at most 9 bits and an fp16 scale 11, so every
-product, and the sum ``s * q + o``, is an fp32 number with nothing rounded. The outputs are
-those of the fp32 model whose weights are the checkpoint's dequantized values, bit for bit;
-an fp16 dequantization (the GPU kernels') rounds some of them.
+Both forms are exact: ``q - zero`` needs at most 9 bits and an fp16 or bf16 scale at most
+11, so every product, and the sum ``s * q + o``, is an fp32 number with nothing rounded. The
+outputs are those of the fp32 model whose weights are the checkpoint's dequantized values,
+bit for bit; an fp16 dequantization (the GPU kernels') rounds some of them.
 
-GPTQ's act-order (``desc_act``) puts inputs of one group anywhere in a row; the kernel wants
-groups of consecutive inputs, so such a linear runs its exact fp32 weight instead.
+Act-order (GPTQ's ``desc_act``, compressed-tensors' ``actorder: group``) puts inputs of one
+group anywhere in a row; the kernel wants groups of consecutive inputs, so such a linear
+runs its exact fp32 weight instead.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from cadence.quantization.checkpoint import PackedSpec
+from cadence.quantization.checkpoint import PackedSpec, method_label
 from cadence.quantization.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -29,7 +33,11 @@ logger = logging.getLogger(__name__)
 # AutoAWQ packs the 8 values of an int32 in this column order (slot i holds column
 # AWQ_ORDER[i] of its 8): the reverse picks, for column j, the slot that holds it.
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+# Per method: (the parts every quantized linear stores, those it may store too).
+_PARTS = {"awq": (("qweight", "qzeros", "scales"), ()),
+          "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+          "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"),
+                                 ("weight_zero_point", "weight_g_idx"))}
 
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -54,24 +62,38 @@ class PackedReader:
 
     def read(self, weights: Iterator[tuple[str, torch.Tensor]]
              ) -> Iterator[tuple[str, torch.Tensor]]:
+        required, optional = _PARTS[self.spec.method]
+        # What completes a linear as it streams past; a part that may be missing (GPTQ's
+        # g_idx) waits for the end of the checkpoint.
+        complete = set(required) | {p for p in optional if self._expects(p)}
         # A linear's parts usually sit together, but a sharded checkpoint may split them.
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             prefix, _, part = name.rpartition(".")
-            if part not in _PARTS:
+            if part not in required and part not in optional:
                 if part == "bias" and not torch.count_nonzero(tensor):
                     self.zero_biases.add(name)
                 yield name, tensor
                 continue
             parts = pending.setdefault(prefix, {})
             parts[part] = tensor
-            if len(parts) == (4 if self.spec.method == "gptq" else 3):
+            if complete <= parts.keys():
                 yield f"{prefix}.weight", self._linear(prefix, pending.pop(prefix))
-        for prefix, parts in pending.items():  # GPTQ without g_idx: consecutive groups
+        for prefix, parts in pending.items():
             yield f"{prefix}.weight", self._linear(prefix, parts)
 
+    def _expects(self, part: str) -> bool:
+        if part == "g_idx":
+            return True  # AutoGPTQ stores it; a checkpoint without it ends at the end
+        if part == "weight_zero_point":
+            return not self.spec.symmetric
+        return self.spec.desc_act  # weight_g_idx
+
     def _linear(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        missing = [p for p in _PARTS[:3] if p not in parts]
+        required, _ = _PARTS[self.spec.method]
+        missing = [p for p in required if p not in parts]
+        if not self.spec.symmetric and "weight_zero_point" not in parts:
+            missing.append("weight_zero_point")
         if missing:
             raise ValueError(f"{self.spec.method} checkpoint: {prefix} has "
                              f"{', '.join(sorted(parts))} but no {', '.join(missing)}")
@@ -81,30 +103,36 @@ class PackedReader:
         if k % groups:
             raise ValueError(f"{self.spec.method} checkpoint: {prefix} has {k} inputs and "
                              f"{groups} groups of scales, which do not divide them")
-        g_idx = parts.get("g_idx")
+        g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
         consecutive = torch.arange(k, dtype=torch.int64) // (k // groups)
         if g_idx is not None and g_idx.shape != (k,):
-            raise ValueError(f"{self.spec.method} checkpoint: {prefix}.g_idx has shape "
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix} has a g_idx of shape "
                              f"{tuple(g_idx.shape)}, expected ({k},)")
         if g_idx is None or torch.equal(g_idx.long(), consecutive):
             weight = self._blocks(q, zeros, scales)
             self.blocks[f"{prefix}.weight"] = weight
             return weight.dequantize()
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-            raise ValueError(f"{self.spec.method} checkpoint: {prefix}.g_idx names groups "
+            raise ValueError(f"{self.spec.method} checkpoint: {prefix}'s g_idx names groups "
                              f"outside 0..{groups - 1}")
         self.dense.append(prefix)
         g = g_idx.long()
-        return scales[:, g] * (q - zeros[:, g]).float()
+        codes = q if zeros is None else q - zeros[:, g]
+        return scales[:, g] * codes.float()
 
     def _unpack(self, prefix: str, parts: dict[str, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [N, K] int32, zero points [N, G] int32, scales [N, G] fp32)."""
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(q [N, K] int32, zero points [N, G] int32 or None, scales [N, G] fp32)."""
         bits, spec = self.spec.bits, self.spec
+        words = [n for n in ("qweight", "qzeros", "weight_packed", "weight_zero_point")
+                 if n in parts]
+        wrong = [n for n in words if parts[n].dtype != torch.int32]
+        if wrong:
+            raise ValueError(f"{spec.method} checkpoint: {prefix}.{wrong[0]} must be int32, "
+                             f"got {parts[wrong[0]].dtype}")
+        if spec.method == "compressed-tensors":
+            return self._unpack_compressed(prefix, parts)
         qweight, qzeros = parts["qweight"], parts["qzeros"]
-        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-            raise ValueError(f"{spec.method} checkpoint: {prefix}.qweight and .qzeros must be "
-                             f"int32, got {qweight.dtype} and {qzeros.dtype}")
         scales = parts["scales"].float()
         if spec.method == "awq":
             # [K, N / 8] and [G, N / 8]: packed along the outputs, in AWQ's order.
@@ -123,12 +151,40 @@ class PackedReader:
                              f"{bits}-bit packing")
         return q.contiguous(), zeros.contiguous(), scales.contiguous()
 
-    def _blocks(self, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+    def _unpack_compressed(self, prefix: str, parts: dict[str, torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        # weight_packed [N, ceil(K * bits / 32)] along the inputs, in order, each value
+        # stored plus 2^(bits - 1); weight_zero_point [ceil(N * bits / 32), G] the same
+        # along the outputs; weight_scale [N, G]; weight_shape the unpadded [N, K].
+        bits, half = self.spec.bits, 1 << (self.spec.bits - 1)
+        n, k = (int(v) for v in parts["weight_shape"].tolist())
+        scales = parts["weight_scale"].float().reshape(n, -1)
+        q = _unpack_words(parts["weight_packed"], bits).flatten(1)
+        if q.shape[0] != n or q.shape[1] < k:
+            raise ValueError(f"compressed-tensors checkpoint: {prefix}.weight_packed has shape "
+                             f"{tuple(parts['weight_packed'].shape)}, which does not hold "
+                             f"weight_shape [{n}, {k}] at {bits} bits")
+        q = q[:, :k] - half
+        zeros = None
+        if "weight_zero_point" in parts:
+            zeros = _unpack_words(parts["weight_zero_point"].t(), bits).flatten(1)[:, :n].t()
+            zeros = zeros - half
+            if zeros.shape != scales.shape:
+                raise ValueError(f"compressed-tensors checkpoint: {prefix}.weight_zero_point "
+                                 f"gives {tuple(zeros.shape)} zero points for "
+                                 f"{tuple(scales.shape)} scales")
+        return q.contiguous(), None if zeros is None else zeros.contiguous(), \
+            scales.contiguous()
+
+    def _blocks(self, q: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor
                 ) -> QuantizedWeight:
-        # int8 holds 4-bit values as they are; 8-bit ones shifted by 128, the shift folded
-        # into the offset (exact, like the rest).
-        shift = 128 if self.spec.bits == 8 else 0
-        offset = scales * (shift - zeros).float()
+        # int8 holds 4-bit values and signed 8-bit ones as they are; unsigned 8-bit ones
+        # shifted by 128, the shift folded into the offset (exact, like the rest).
+        shift = 128 if int(q.max()) > 127 else 0
+        if zeros is None and not shift:
+            return QuantizedWeight(q.to(torch.int8), scales, None)
+        base = zeros if zeros is not None else torch.zeros_like(scales, dtype=torch.int32)
+        offset = scales * (shift - base).float()
         return QuantizedWeight((q - shift).to(torch.int8), scales, offset)
 
     def report(self) -> None:
@@ -136,5 +192,5 @@ class PackedReader:
             logger.warning("%d %s linear(s) use act-order groups (desc_act), which are not "
                            "runs of consecutive inputs; they run their exact fp32 weights, "
                            "not the packed ones: %s", len(self.dense),
-                           self.spec.method.upper(), ", ".join(self.dense[:3]) +
+                           method_label(self.spec.method), ", ".join(self.dense[:3]) +
                            (", ..." if len(self.dense) > 3 else ""))
