@@ -160,6 +160,10 @@ def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
                                           "strategy": "block"}}}},
      "compressed-tensors by 'block'; cadence reads the 'group' and 'channel' strategies"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "sparsity_config": {"format": "sparse-24-bitmask"},
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     "compressed-tensors sparsity ('sparse-24-bitmask')"),
 ])
 def test_methods_and_variants_not_read_are_refused(quant, message, tiny_model_dir, tmp_path):
     folder = _with_config(tiny_model_dir, tmp_path, quant)

@@ -115,6 +115,10 @@ def checkpoint_quantization(model: str) -> PackedSpec | None:
 
 def _compressed_tensors(quant: dict[str, Any], where: str) -> PackedSpec:
     """llm-compressor's weight-only integer schemes in its ``pack-quantized`` format."""
+    sparsity = quant.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError(f"{where} with compressed-tensors sparsity ({sparsity['format']!r}); "
+                         "cadence reads dense pack-quantized weights")
     groups = quant.get("config_groups") or {}
     schemes = [g for g in groups.values() if isinstance(g, dict)]
     if not schemes:
