@@ -3,7 +3,7 @@ packed 4-bit weights, from its dequantized weights in fp32, and in bf16, alterna
 
 Without a quantized checkpoint at hand (nothing is downloaded here), it writes one: the
 model's decoder linears rounded to nearest at ``--group-size`` and packed as AutoAWQ (or
-AutoGPTQ) lays them out (tests/packed_helpers.py), beside the folder of the dequantized
+AutoGPTQ) lays them out (cadence/testing/packed_checkpoint.py), beside the folder of the dequantized
 weights. Rounding to nearest is not AWQ's search for scales, but speed depends only on the
 layout, which is the same.
 
@@ -22,8 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,9 +36,8 @@ def main() -> int:
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
 
-    from packed_helpers import write_packed
-
     from cadence import EngineArgs
+    from cadence.testing.packed_checkpoint import write_packed
 
     source = EngineArgs(model=ns.model).resolve_model()
     out = Path(ns.out or tempfile.mkdtemp(prefix="cadence-packed-"))

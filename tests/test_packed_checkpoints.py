@@ -14,9 +14,9 @@ import logging
 
 import pytest
 from engine_helpers import make_llm
-from packed_helpers import write_packed
 
 from cadence import EngineArgs, SamplingParams
+from cadence.testing.packed_checkpoint import write_packed
 
 # The quantized kernel shares the fp32 tiled GEMM's bits (docs/quantization.md).
 TILED = {"overlap": "sync", "linear": "tiled"}
@@ -104,10 +104,10 @@ def test_the_reader_takes_a_linears_parts_in_any_order_and_across_files():
     arrives, and GPTQ without ``g_idx`` has consecutive groups."""
     import numpy as np
     import torch
-    from packed_helpers import _pack
 
     from cadence.quantization.checkpoint import PackedSpec
     from cadence.quantization.packed import PackedReader
+    from cadence.testing.packed_checkpoint import _pack
 
     rng = np.random.default_rng(5)
     q = rng.integers(0, 16, size=(16, 64))

@@ -319,7 +319,7 @@ def test_lora_adapters_run_on_quantized_weights(method, quant_gguf, tiny_model_d
         reference = EngineArgs(model=model).resolve_model()  # the fp32 folder converted
         options = {"overlap": "process"}
     elif method == "awq":
-        from packed_helpers import write_packed
+        from cadence.testing.packed_checkpoint import write_packed
 
         model, reference = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
         options = {"overlap": "sync"}

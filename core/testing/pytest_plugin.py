@@ -11,8 +11,10 @@ Loaded through the ``pytest11`` entry point named ``cadence.testing.pytest_plugi
   token to count as a near-tie rather than a bug (default 0.01);
 - the fixtures the checks use (``cadence_backend``, ``cadence_llm`` ...).
 
-The checks themselves are test functions in ``cadence.testing.conformance``. Run them with
-``pytest --pyargs cadence.testing.conformance --cadence-backend NAME``, or put
+The checks themselves are test functions in ``cadence.testing.conformance`` (those of the
+optional features are defined in ``cadence.testing.conformance_features`` and imported
+there). Run them with ``pytest --pyargs cadence.testing.conformance --cadence-backend
+NAME``, or put
 ``from cadence.testing.conformance import *`` in a test module of your own package and run
 ``pytest --cadence-backend NAME`` (docs/writing_a_backend.md). Either way their ids name the
 kit, ``cadence/testing/conformance.py::test_...[NAME]``, not the module that imported them.
@@ -67,6 +69,9 @@ def backend_names(config: pytest.Config) -> list[str]:
 
 
 KIT_MODULE = "cadence.testing.conformance"
+# Where the checks are defined: the kit module imports the optional features' checks from
+# the second, and collects them as its own.
+KIT_SOURCES = (KIT_MODULE, "cadence.testing.conformance_features")
 # The node id of the kit's checks however they were collected, so that an author's output
 # says whose check failed: cadence/testing/conformance.py::test_...[backend], never
 # tests/test_conformance.py::test_... as if the author had written it.
@@ -81,7 +86,7 @@ def _kit_path() -> Path | None:
 
 
 def _is_kit_check(obj: object) -> bool:
-    return (callable(obj) and getattr(obj, "__module__", None) == KIT_MODULE
+    return (callable(obj) and getattr(obj, "__module__", None) in KIT_SOURCES
             and getattr(obj, "__name__", "").startswith("test_"))
 
 

@@ -1,6 +1,7 @@
-"""AWQ, GPTQ and compressed-tensors checkpoints of a tiny model, written as AutoAWQ, AutoGPTQ
-and llm-compressor write them, with the fp32 folder of their exactly dequantized weights
-beside each.
+"""AWQ, GPTQ and compressed-tensors checkpoints of a model folder, written as AutoAWQ,
+AutoGPTQ and llm-compressor write them (round to nearest, not their searches for scales),
+with the fp32 folder of their exactly dequantized weights beside each: for the tests, the
+conformance kit and the benchmark of packed weights (scripts/packed_checkpoint_bench.py).
 
 The packing follows the published layouts, written here independently of the reader
 (core/quantization/packed.py): AutoAWQ's GEMM packs eight 4-bit values of consecutive
