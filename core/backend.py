@@ -302,10 +302,12 @@ class Backend(ABC):
     def discard_in_flight(self) -> None:
         """Drop every step submitted and not yet collected.
 
-        Called after an interrupt (Ctrl-C) left the engine's step between a ``submit`` and
-        its ``collect`` (or between ``execute``'s own two halves), once the engine has
-        ended those steps' requests: their samples are not wanted, and no later ``collect``
-        may return them as its own. Wait for a step still computing where the next one
+        Called after an interrupt (Ctrl-C) left the engine's step, once the engine has
+        ended the requests of the steps in flight: their samples are not wanted, and no
+        later ``collect`` may return them as its own. The engine calls it where it hands
+        steps over with ``submit`` (async scheduling, the pipeline), and otherwise only on
+        a backend that overrides it (one whose ``execute`` hands a step to a worker of its
+        own and reads the reply later). Wait for a step still computing where the next one
         would not run after it anyway (a worker's reply must be read off its pipe). A
         backend whose exchange with its worker was cut short raises
         ``WorkerLostError(..., interrupted=True)``, and the engine restarts it. The default

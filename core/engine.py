@@ -322,18 +322,33 @@ class LLMEngine:
         worker because the interrupt cut their exchange short is restarted before the next
         step runs, rather than failing its requests. Returns the final outputs of the
         requests that ended."""
-        if self._loop is not None:
-            self._loop.discard()
-        try:
-            self.backend.discard_in_flight()
-        except WorkerLostError as e:
-            self.guard.recover(e)
-        except Exception as e:  # noqa: BLE001  # the device state is unknown: start afresh
-            self.guard.recover(WorkerLostError(
-                f"a step was interrupted, and dropping the steps in flight failed ({e!r}); "
-                "the backend is restarted", interrupted=True))
-        else:
-            self.guard.check_health()
+        # Only async scheduling and the pipeline hand steps over with ``submit``; otherwise
+        # only a backend that overrides ``discard_in_flight`` can hold one (a worker of its
+        # own between ``execute``'s halves), and the default would restart it needlessly.
+        if self._loop is not None or \
+                type(self.backend).discard_in_flight is not Backend.discard_in_flight:
+            if self._loop is not None:
+                self._loop.discard()
+            logger.info("interrupted: dropping the steps in flight (an interrupt while "
+                        "they finish restarts the backend instead)")
+            try:
+                self.backend.discard_in_flight()
+            except WorkerLostError as e:
+                self.guard.recover(e)
+                return self.output_processor.take_ready()
+            except Exception as e:  # noqa: BLE001  # the device state is unknown: start afresh
+                self.guard.recover(WorkerLostError(
+                    f"a step was interrupted, and dropping the steps in flight failed "
+                    f"({e!r}); the backend is restarted", interrupted=True))
+                return self.output_processor.take_ready()
+            except BaseException:
+                # A second interrupt: what it cut short is unknown, so start afresh.
+                self.guard.recover(WorkerLostError(
+                    "a step was interrupted twice; the backend is restarted",
+                    interrupted=True))
+                self.output_processor.take_ready()  # the aborted requests' last outputs
+                raise
+        self.guard.check_health()
         return self.output_processor.take_ready()
 
     def repair(self) -> None:

@@ -139,8 +139,15 @@ class StepGuard:
             logger.warning("restarting the backend after an interrupted step")
         try:
             num_blocks = self.backend.restart()
-        except Exception:
-            self.restarts += int(self._restart_counts)
+        except Exception as e:
+            # A restart that fails is a failure whatever it was owed to; past the budget the
+            # engine stops retrying it.
+            self.restarts += 1
+            if self.restarts >= self.max_restarts:
+                self.restart_pending = False
+                raise EngineFailedError(
+                    f"restarting the backend failed ({e!r}); {self.restarts} restarts used of "
+                    f"max_worker_restarts={self.max_restarts}") from e
             raise
         # Counted once it ends: a restart that an interrupt cut short is tried again at the
         # next step, not spent twice.

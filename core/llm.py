@@ -189,12 +189,13 @@ class LLM:
                 self.engine.abort_request(rid)
             self._run_until_done(None)
             raise
-        except BaseException:  # another failure, or Ctrl-C, between two requests
+        except BaseException as e:  # another failure, or Ctrl-C, between two requests
             # The request being added may be half in: aborting it too is harmless.
             for rid in ids[:len(added) + 1]:
                 self.engine.abort_request(rid)
-            with contextlib.suppress(Exception):
-                self.engine.after_interrupt()
+            if not isinstance(e, Exception):
+                with contextlib.suppress(Exception):
+                    self.engine.after_interrupt()
             raise
         return self._run_until_done(ids, use_tqdm)
 

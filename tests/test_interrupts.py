@@ -74,22 +74,45 @@ def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overl
         llm.shutdown()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_ctrl_c_between_exchanges_drains_the_worker_without_a_restart(model, clean,
-                                                                      async_scheduling):
-    """An interrupt in the engine's own work (here its commit of a step's tokens) leaves
-    the worker's pipe whole: the replies of the steps still in flight are read and dropped,
-    and the same worker serves the next call."""
-    llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling,
-                   backend_options={"overlap": "process", "kv_cache_gb": 0.1})
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(model, clean, ranks):
+    """Async scheduling, the interrupt in the engine's own work (its commit of a step's
+    tokens) while the next step computes: the pipes are whole, so the replies of the step
+    still in flight are read and dropped (the CPU worker's; each ``mp`` rank's), and the
+    same processes serve the next call."""
+    options = {"overlap": "process", "kv_cache_gb": 0.1} if ranks == 1 else {"overlap": "sync"}
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=True, backend_options=options,
+                   tensor_parallel_size=ranks)
     try:
-        pid = llm.engine.backend.worker_pid
+        backend = llm.engine.backend
+        pids = list(backend.worker_pids) if ranks > 1 else [backend.worker_pid]
+        reference = clean if ranks == 1 else \
+            [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, GREEDY)]
         _interrupt_call(llm.engine.output_processor, "commit", 3)
         with pytest.raises(KeyboardInterrupt):
             generate(llm, PROMPTS, GREEDY)
+        assert llm.engine._loop.in_flight == type(llm.engine._loop.in_flight)()
         assert not llm.engine.guard.restart_pending
+        _check_clean_after(llm, reference)
+        now = list(backend.worker_pids) if ranks > 1 else [backend.worker_pid]
+        assert now == pids, "the workers were restarted"
+    finally:
+        llm.shutdown()
+
+
+def test_a_second_ctrl_c_while_steps_are_dropped_restarts_before_the_next_call(model, clean):
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=True,
+                   backend_options={"overlap": "process", "kv_cache_gb": 0.1})
+    try:
+        backend = llm.engine.backend
+        pid = backend.worker_pid
+        _interrupt_call(llm.engine.output_processor, "commit", 3)
+        _interrupt_call(backend, "discard_in_flight", 1)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, GREEDY)
+        assert llm.engine.guard.restart_pending
         _check_clean_after(llm, clean)
-        assert llm.engine.backend.worker_pid == pid, "the worker was restarted"
+        assert backend.worker_pid != pid and llm.engine.guard.restarts == 0
     finally:
         llm.shutdown()
 
@@ -196,3 +219,24 @@ def test_interrupted_restarts_are_not_spent_and_real_losses_stay_counted():
 
     with pytest.raises(EngineFailedError, match="1 restarts used of max_worker_restarts=1"):
         guard.recover(WorkerLostError("died"))
+
+
+def test_a_restart_that_keeps_failing_ends_the_engine_at_the_budget():
+    """Even one owed to an interrupt: a failed restart is a failure, counted, and past the
+    budget the engine stops retrying it instead of trying at every step."""
+    from cadence.backend import WorkerLostError
+    from cadence.faults import EngineFailedError, StepGuard
+
+    class Backend:
+        def restart(self):
+            raise RuntimeError("the device is gone")
+
+    guard = StepGuard(Backend(), 2, None, None, lambda message: None, lambda n: None)
+    guard.recover(WorkerLostError("interrupted", interrupted=True))
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        guard.repair()
+    assert (guard.restarts, guard.restart_pending) == (1, True)
+    with pytest.raises(EngineFailedError, match="restarting the backend failed .* 2 restarts "
+                                                "used of max_worker_restarts=2"):
+        guard.repair()
+    assert not guard.restart_pending

@@ -161,6 +161,10 @@ def _with_config(tiny_model_dir, tmp_path, quant: dict | None, name: str = "") -
                                           "strategy": "block"}}}},
      "compressed-tensors by 'block'; cadence reads the 'group' and 'channel' strategies"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     "compressed-tensors that quantizes the KV cache (kv_cache_scheme)"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "sparsity_config": {"format": "sparse-24-bitmask"},
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
      "compressed-tensors sparsity ('sparse-24-bitmask')"),
@@ -240,3 +244,51 @@ def test_without_the_cpu_kernels_the_dequantized_weights_run(tiny_model_dir, tmp
     assert any("linears run their dequantized fp32 weights" in r.getMessage()
                for r in caplog.records)
     assert got == want
+
+
+def test_a_symmetric_schemes_stored_zero_points_are_dropped_when_zero():
+    """Some writers store a symmetric compressed-tensors scheme's zero points anyway; zero
+    ones are dropped (wherever they stream past), others refused."""
+    import numpy as np
+    import torch
+
+    from cadence.quantization.checkpoint import PackedSpec
+    from cadence.quantization.packed import PackedReader
+    from cadence.testing.packed_checkpoint import _pack
+
+    rng = np.random.default_rng(7)
+    q = rng.integers(0, 16, size=(16, 64))
+    scale = rng.uniform(0.01, 0.1, size=(16, 2)).astype(np.float16)
+    parts = {"weight_packed": _pack(q, 4), "weight_scale": scale,
+             "weight_shape": np.array([16, 64], dtype=np.int32)}
+    spec = PackedSpec("compressed-tensors", 4, 32)
+    want = (scale.astype(np.float64).repeat(32, 1) * (q - 8)).astype(np.float32)
+    for zero in (np.full((2, 2), 0x88888888, dtype=np.uint32).view(np.int32),
+                 np.zeros((16, 2), dtype=np.int8)):
+        stream = [*parts.items(), ("weight_zero_point", zero)]
+        reader = PackedReader(spec)
+        out = dict(reader.read((f"l.{n}", torch.from_numpy(t)) for n, t in stream))
+        assert list(out) == ["l.weight"]
+        assert torch.equal(out["l.weight"], torch.from_numpy(want))
+    bad = np.full((2, 2), 0x88888889, dtype=np.uint32).view(np.int32)
+    with pytest.raises(ValueError, match="l.weight_zero_point holds zero points other than "
+                                         "zero, but the scheme is symmetric"):
+        dict(PackedReader(spec).read((f"l.{n}", torch.from_numpy(t))
+                                     for n, t in [*parts.items(), ("weight_zero_point", bad)]))
+
+
+def test_a_last_group_shorter_than_the_others_is_refused():
+    import numpy as np
+    import torch
+
+    from cadence.quantization.checkpoint import PackedSpec
+    from cadence.quantization.packed import PackedReader
+    from cadence.testing.packed_checkpoint import _pack
+
+    q = np.zeros((8, 96), dtype=np.int64)  # 96 inputs, group_size 64: groups of 64 and 32
+    parts = {"weight_packed": _pack(q, 4), "weight_scale": np.ones((8, 2), np.float16),
+             "weight_shape": np.array([8, 96], dtype=np.int32)}
+    with pytest.raises(ValueError, match="96 inputs and 2 groups of scales, which are not "
+                                         "whole groups of group_size 64"):
+        dict(PackedReader(PackedSpec("compressed-tensors", 4, 64)).read(
+            (f"l.{n}", torch.from_numpy(t)) for n, t in parts.items()))

@@ -33,6 +33,7 @@ from cadence.backend import (
     WorkerLostError,
 )
 from cadence.config import EngineConfig
+from cadence.executor.pipes import on_interrupt
 
 # torch is imported inside methods: registering and probing this backend (engine backends,
 # engine --help) must not load torch.
@@ -195,8 +196,10 @@ class CpuBackend(Backend):
             # Structured output: the worker runs the forward while the bitmask is computed
             # here, and waits for it before sampling.
             late = grammar is not None and not grammar.is_ready
-            self._worker.submit(model_input)
-            failure = self._send_bitmask(grammar) if late else None
+            # One exchange: cut between the step and its bitmask, the worker would wait.
+            with on_interrupt(self._worker.interrupted):
+                self._worker.submit(model_input)
+                failure = self._send_bitmask(grammar) if late else None
             try:
                 if failure is None:
                     post_sample()
@@ -219,11 +222,12 @@ class CpuBackend(Backend):
         starts it as soon as the step before it is done; ``thread``: queued on the one
         forward thread; ``sync``: forward and sample run now (the base class)."""
         if self._worker is not None:
-            self._worker.submit(model_input)
             grammar = model_input.sampling.grammar
             late = grammar is not None and not grammar.is_ready
-            # The worker may be computing meanwhile.
-            self._bitmask_failures.append(self._send_bitmask(grammar) if late else None)
+            with on_interrupt(self._worker.interrupted):  # the step and its bitmask: one
+                self._worker.submit(model_input)
+                # The worker may be computing meanwhile.
+                self._bitmask_failures.append(self._send_bitmask(grammar) if late else None)
         elif self.overlap == "thread":
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="cadence-cpu-forward")
@@ -244,8 +248,9 @@ class CpuBackend(Backend):
             self._bitmask_failures.clear()
             self._worker.discard_in_flight()
         elif self.overlap == "thread":
-            # The forward thread runs them in order anyway; waited for so that none is
-            # still writing the KV cache of a request that ended.
+            # The one forward thread runs every step after the ones before it, so none of
+            # these can write a block its next owner has written; waited for all the same,
+            # so that their results are gone when the next step starts.
             futures, self._futures = list(self._futures), deque()
             for future in futures:
                 with contextlib.suppress(Exception):  # a step that failed is dropped too

@@ -213,7 +213,7 @@ class ForwardWorker:
         """Between steps: a worker that does not answer within the step deadline is frozen
         (it is killed, and ``WorkerLostError`` raised)."""
         assert not self._in_flight, "ping() while a step is in flight"
-        with on_interrupt(self._interrupted):
+        with on_interrupt(self.interrupted):
             try:
                 send(self._out, "ping")
             except OSError:
@@ -227,7 +227,7 @@ class ForwardWorker:
         if self._failure is not None:
             raise WorkerLostError(self._failure, interrupted=True)
         assert self._in_flight < 2, "at most two steps in flight"
-        with on_interrupt(self._interrupted):
+        with on_interrupt(self.interrupted):
             try:
                 send(self._out, model_input)
             except OSError:  # a broken pipe: the worker is gone
@@ -238,7 +238,7 @@ class ForwardWorker:
         """Compute the grammar bitmask of the step just submitted and send it; the worker
         waits for it before sampling. If computing it fails the worker is told, so the step
         fails there too instead of waiting for a bitmask that never comes."""
-        with on_interrupt(self._interrupted):
+        with on_interrupt(self.interrupted):
             try:
                 value = grammar.get()
             except Exception:
@@ -255,7 +255,7 @@ class ForwardWorker:
             raise WorkerLostError(self._failure, interrupted=True)
         assert self._in_flight, "result() without submit()"
         self._in_flight -= 1
-        with on_interrupt(self._interrupted):
+        with on_interrupt(self.interrupted):
             out = self._recv(self.step_timeout_s)
         if isinstance(out, tuple):  # ("error", the worker's traceback)
             raise RuntimeError(f"the CPU forward worker failed:\n{out[1]}")
@@ -263,16 +263,18 @@ class ForwardWorker:
 
     def discard_in_flight(self) -> None:
         """Read and drop the reply of every step in flight (the engine no longer wants
-        them); ``WorkerLostError`` if an interrupt already stopped the worker."""
+        them), each within the step deadline. A worker an interrupt stopped holds none;
+        ``check_alive`` reports it."""
         while self._in_flight:
             try:
                 self.result()
-            except RuntimeError as e:
-                if isinstance(e, WorkerLostError):
-                    raise
-                # That step failed in the worker; the later one still answers.
+            except WorkerLostError:
+                raise
+            except RuntimeError:  # noqa: S110  # that step failed; the later one answers
+                pass
 
-    def _interrupted(self, error: BaseException) -> None:
+    def interrupted(self, error: BaseException) -> None:
+        """Stop the worker: an interrupt cut an exchange with it short (``on_interrupt``)."""
         self.kill()
         self._in_flight = 0
         self._failure = (f"a step was interrupted ({type(error).__name__}) while the CPU "

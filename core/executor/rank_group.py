@@ -256,7 +256,13 @@ class RankGroup(Backend):
         with on_interrupt(self._interrupted):
             while self._in_flight:
                 self._in_flight -= 1
-                self._gather(self.step_timeout_s)  # a step that failed is dropped too
+                replies = self._gather(self.step_timeout_s)
+                # A step that failed is dropped too, unless only some ranks failed it.
+                errors = [r for r, rep in enumerate(replies) if isinstance(rep, tuple)]
+                if errors and len(errors) < len(replies):
+                    raise self._lost(f"rank(s) {errors} failed a step the others ran, so "
+                                     "the group's state is inconsistent; every rank was "
+                                     f"stopped:\n{replies[errors[0]][1]}")
         self._bitmask_failures.clear()
 
     def _interrupted(self, error: BaseException) -> None:

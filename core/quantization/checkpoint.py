@@ -115,6 +115,9 @@ def checkpoint_quantization(model: str) -> PackedSpec | None:
 
 def _compressed_tensors(quant: dict[str, Any], where: str) -> PackedSpec:
     """llm-compressor's weight-only integer schemes in its ``pack-quantized`` format."""
+    if quant.get("kv_cache_scheme"):
+        raise ValueError(f"{where} with compressed-tensors that quantizes the KV cache "
+                         "(kv_cache_scheme); cadence reads weight-only schemes (W4A16, W8A16)")
     sparsity = quant.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise ValueError(f"{where} with compressed-tensors sparsity ({sparsity['format']!r}); "
@@ -146,7 +149,7 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> PackedSpec:
                          "the 'group' and 'channel' strategies")
     group = int(w.get("group_size") or -1) if strategy == "group" else -1
     return PackedSpec("compressed-tensors", bits, group,
-                      desc_act=w.get("actorder") == "group",
+                      desc_act=w.get("actorder") in ("group", "dynamic"),
                       symmetric=bool(w.get("symmetric", True)))
 
 

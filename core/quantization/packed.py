@@ -70,6 +70,12 @@ class PackedReader:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             prefix, _, part = name.rpartition(".")
+            if part == "weight_zero_point" and self.spec.symmetric:
+                # Some writers store a symmetric scheme's zero points anyway: all zero.
+                if torch.count_nonzero(tensor - self._stored_zero(tensor)):
+                    raise ValueError(f"compressed-tensors checkpoint: {name} holds zero points "
+                                     "other than zero, but the scheme is symmetric")
+                continue
             if part not in required and part not in optional:
                 if part == "bias" and not torch.count_nonzero(tensor):
                     self.zero_biases.add(name)
@@ -81,6 +87,16 @@ class PackedReader:
                 yield f"{prefix}.weight", self._linear(prefix, pending.pop(prefix))
         for prefix, parts in pending.items():
             yield f"{prefix}.weight", self._linear(prefix, parts)
+
+    def _stored_zero(self, tensor: torch.Tensor) -> torch.Tensor | int:
+        """What a zero point of zero looks like in ``tensor``: packed int32 words of
+        2^(bits - 1) each, or 0 where it is stored unpacked (any other dtype)."""
+        if tensor.dtype != torch.int32:
+            return 0
+        word = 0
+        for i in range(32 // self.spec.bits):
+            word |= (1 << (self.spec.bits - 1)) << (i * self.spec.bits)
+        return torch.tensor(word, dtype=torch.int64).to(torch.int32)
 
     def _expects(self, part: str) -> bool:
         if part == "g_idx":
@@ -100,9 +116,12 @@ class PackedReader:
         q, zeros, scales = self._unpack(prefix, parts)
         k = q.shape[1]
         groups = scales.shape[1]
-        if k % groups:
+        size = self.spec.group_size
+        if k % groups or (size > 0 and groups > 1 and k // groups != size):
             raise ValueError(f"{self.spec.method} checkpoint: {prefix} has {k} inputs and "
-                             f"{groups} groups of scales, which do not divide them")
+                             f"{groups} groups of scales, which are not whole groups of "
+                             f"group_size {size}; a last group shorter than the others is "
+                             "not read")
         g_idx = parts.get("g_idx", parts.get("weight_g_idx"))
         consecutive = torch.arange(k, dtype=torch.int64) // (k // groups)
         if g_idx is not None and g_idx.shape != (k,):
