@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.backend import Backend, ModelInput, PostSample, WorkerLostError
+from cadence.backend import Backend, ModelInput, PostSample
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
 from cadence.executor import create_executor
@@ -320,36 +320,13 @@ class LLMEngine:
         The steps still in flight are dropped (``Backend.discard_in_flight``): their
         samples would otherwise be read as a later step's. A backend that stopped its
         worker because the interrupt cut their exchange short is restarted before the next
-        step runs, rather than failing its requests. Returns the final outputs of the
-        requests that ended."""
-        # Only async scheduling and the pipeline hand steps over with ``submit``; otherwise
-        # only a backend that overrides ``discard_in_flight`` can hold one (a worker of its
-        # own between ``execute``'s halves), and the default would restart it needlessly.
-        if self._loop is not None or \
-                type(self.backend).discard_in_flight is not Backend.discard_in_flight:
-            if self._loop is not None:
-                self._loop.discard()
-            logger.info("interrupted: dropping the steps in flight (an interrupt while "
-                        "they finish restarts the backend instead)")
-            try:
-                self.backend.discard_in_flight()
-            except WorkerLostError as e:
-                self.guard.recover(e)
-                return self.output_processor.take_ready()
-            except Exception as e:  # noqa: BLE001  # the device state is unknown: start afresh
-                self.guard.recover(WorkerLostError(
-                    f"a step was interrupted, and dropping the steps in flight failed "
-                    f"({e!r}); the backend is restarted", interrupted=True))
-                return self.output_processor.take_ready()
-            except BaseException:
-                # A second interrupt: what it cut short is unknown, so start afresh.
-                self.guard.recover(WorkerLostError(
-                    "a step was interrupted twice; the backend is restarted",
-                    interrupted=True))
-                self.output_processor.take_ready()  # the aborted requests' last outputs
-                raise
-        self.guard.check_health()
-        return self.output_processor.take_ready()
+        step runs, rather than failing its requests (``StepGuard.after_interrupt``).
+        Returns the final outputs of the requests that ended."""
+        try:
+            self.guard.after_interrupt(self._loop)
+        finally:
+            ended = self.output_processor.take_ready()
+        return ended
 
     def repair(self) -> None:
         """Restart a lost backend now, if one is waiting for it (``step`` does it too)."""

@@ -104,6 +104,40 @@ class StepGuard:
         except WorkerLostError as e:
             self.recover(e)
 
+    def after_interrupt(self, loop: Any) -> None:
+        """After an interrupt left the engine's step (``LLMEngine.after_interrupt``): drop
+        the steps in flight, the engine's record of them (``loop``, the step loop of async
+        scheduling or the pipeline, or None) and the backend's; a backend that cannot
+        (its worker stopped, a second interrupt) gets a restart, not counted against the
+        budget."""
+        # Only async scheduling and the pipeline hand steps over with ``submit``; otherwise
+        # only a backend that overrides ``discard_in_flight`` can hold one (a worker of its
+        # own between ``execute``'s halves), and the default would restart it needlessly.
+        if loop is None and \
+                type(self.backend).discard_in_flight is Backend.discard_in_flight:
+            self.check_health()
+            return
+        if loop is not None:
+            loop.discard()
+        logger.info("interrupted: dropping the steps in flight (an interrupt while they "
+                    "finish restarts the backend instead)")
+        try:
+            self.backend.discard_in_flight()
+        except WorkerLostError as e:
+            self.recover(e)
+            return
+        except Exception as e:  # noqa: BLE001  # the device state is unknown: start afresh
+            self.recover(WorkerLostError(
+                f"a step was interrupted, and dropping the steps in flight failed ({e!r}); "
+                "the backend is restarted", interrupted=True))
+            return
+        except BaseException:
+            # A second interrupt: what it cut short is unknown, so start afresh.
+            self.recover(WorkerLostError("a step was interrupted twice; the backend is "
+                                         "restarted", interrupted=True))
+            raise
+        self.check_health()
+
     def recover(self, error: WorkerLostError) -> None:
         """End every request with the error; plan a restart, or give up (raises
         ``EngineFailedError``)."""
