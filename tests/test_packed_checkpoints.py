@@ -292,3 +292,17 @@ def test_a_last_group_shorter_than_the_others_is_refused():
                                          "whole groups of group_size 64"):
         dict(PackedReader(PackedSpec("compressed-tensors", 4, 64)).read(
             (f"l.{n}", torch.from_numpy(t)) for n, t in parts.items()))
+
+
+def test_experts_run_from_their_packed_weights(tmp_path, tokenizer_dir):
+    """A mixture-of-experts checkpoint that packs each expert's linears (Qwen3-MoE's
+    ``experts.N.gate_proj`` ...) runs them packed, with the dequantized model's outputs."""
+    from family_factory import build_family_model
+
+    packed, plain = write_packed(build_family_model("qwen3_moe", tmp_path / "m",
+                                                    tokenizer_dir), tmp_path, "gptq")
+    want, _ = _run(plain, dtype="float32", backend_options=TILED)
+    got, info = _run(packed, backend_options=TILED)
+    # Beyond the two layers' qkv and o: the experts' (the routers stay as they are).
+    assert int(info["cpu_quantized_linears"]) > 4, info
+    assert got == want
