@@ -102,13 +102,17 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
 
         packed = PackedReader(checkpoint_quantization(model_config.model))
         weights = packed.read(weights)
-    model.load_weights(weights, optional=packed.zero_biases if packed is not None else ())
     if packed is not None:
         from cadence.quantization.weights import attach_blocks
 
+        model.load_weights(weights, optional=packed.zero_biases, shape_only=packed.shape_only)
         packed.report()
-        attach_blocks(model, packed.blocks, method_label(model_config.quantization))
-    elif model_config.quantization == "gguf":
+        attached = attach_blocks(model, packed.blocks, method_label(model_config.quantization),
+                                 verify=False)
+        packed.fill_unattached(model, attached)
+        return model.eval(), hf_config
+    model.load_weights(weights)
+    if model_config.quantization == "gguf":
         from cadence.quantization.weights import attach_gguf_blocks
 
         attach_gguf_blocks(model, model_config.model)

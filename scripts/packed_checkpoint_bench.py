@@ -9,7 +9,10 @@ layout, which is the same.
 
     python scripts/packed_checkpoint_bench.py [--model FOLDER] [--method awq] \\
         [--group-size 64] [--rounds 3] [--input-len 512] [--output-len 256] \\
-        [--num-prompts 1] [--out DIR] [--output-json FILE]
+        [--num-prompts 1] [--out DIR] [--output-json FILE] [--memory]
+
+``--memory``: instead, each of the three loaded in a process of its own (in-process
+forward, a 0.25 GiB KV cache), its peak and settled resident memory.
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+_MEMORY = """
+import resource, sys
+from cadence import LLM
+model, dtype = sys.argv[1:]
+llm = LLM(model=model, dtype=dtype, max_model_len=2048,
+          backend_options={"overlap": "sync", "kv_cache_gb": 0.25})
+now = next(int(line.split()[1]) for line in open("/proc/self/status")
+           if line.startswith("VmRSS")) // 1024
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+quantized = llm.engine.backend.env_info().get("cpu_quantized_linears")
+print(f"{model} ({dtype}): peak {peak} MiB, settled {now} MiB, {quantized} linears packed")
+"""
 
 
 def main() -> int:
@@ -34,6 +50,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=1)
     p.add_argument("--out", default=None, help="where the checkpoints go (default: a temp dir)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--memory", action="store_true", help="resident memory, not speed")
     ns = p.parse_args()
 
     from cadence import EngineArgs
@@ -48,6 +65,12 @@ def main() -> int:
     runs = {"packed": [str(packed)], "fp32": [str(plain), "--dtype", "float32"],
             "bf16": [str(plain), "--dtype", "bfloat16"]}
     names = list(runs)
+    if ns.memory:
+        for name in names:
+            model, *extra = runs[name]
+            dtype = extra[1] if extra else "auto"
+            subprocess.run([sys.executable, "-c", _MEMORY, model, dtype], check=True)
+        return 0
     results: dict[str, list[float]] = {n: [] for n in names}
     records = []
     for r in range(ns.rounds):

@@ -102,6 +102,9 @@ def build_runtime(config: EngineConfig, kv_cache_bytes: int) -> CpuRuntime:
         method = config.model_config.quantization
         if ops is None and method in PACKED_METHODS:
             # The checkpoint cannot run unquantized otherwise: its exact fp32 weights do.
+            from cadence.quantization.weights import materialize
+
+            materialize(runner.model)
             logger.warning("the %s checkpoint's linears run their dequantized fp32 weights: "
                            "the compiled CPU kernels that run packed weights did not build "
                            "here or are turned off (CADENCE_CPU_KERNELS=0)",

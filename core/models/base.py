@@ -156,11 +156,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} names no shard sizes for {fused}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     optional: Container[str] = ()) -> None:
+                     optional: Container[str] = (), shape_only: Container[str] = (),
+                     partial: bool = False) -> None:
         """Copy HF-named checkpoint tensors in, filling fused parameters shard by shard, and
         refuse a checkpoint with an unknown, misshapen or missing weight. Names in
         ``optional`` (read once ``weights`` is exhausted) may be unknown: they are
-        skipped."""
+        skipped. A tensor named in ``shape_only`` (read as it arrives) carries only its
+        shape: checked and counted as loaded, never copied, so its weight's memory is not
+        touched; whoever passes it fills that weight (a packed checkpoint's linears,
+        ``cadence.quantization.packed``). ``partial``: some weights only, none missing."""
         params = dict(self.named_parameters(remove_duplicate=False))
         owned = dict(self.named_parameters())  # a tied head's weight counts once
         shared = set(params) - set(owned)
@@ -198,12 +202,13 @@ class CausalLM(nn.Module):
                     raise ValueError(f"checkpoint weight {ckpt_name} has shape "
                                      f"{tuple(tensor.shape)}, the model expects "
                                      f"{tuple(dest.shape)}")
-                dest.copy_(tensor)
+                if ckpt_name not in shape_only:
+                    dest.copy_(tensor)
                 loaded.add(target if shard is None else f"{target}#{shard}")
         unexpected = [n for n in unexpected if n not in optional]
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {unexpected[:5]}")
-        missing = [n for n in owned if not self._is_loaded(n, loaded)]
+        missing = [] if partial else [n for n in owned if not self._is_loaded(n, loaded)]
         if missing == ["lm_head.weight"] and is_base_model(
                 getattr(self.config, "architectures", None)):
             missing = self._stand_in_head()

@@ -4,9 +4,12 @@ says which).
 ``PackedReader.read`` stands between the checkpoint's tensors and the model's
 ``load_weights``: each quantized linear's parts (AWQ's and GPTQ's ``qweight``, ``qzeros``,
 ``scales`` and GPTQ's ``g_idx``; compressed-tensors' ``weight_packed``, ``weight_scale``,
-``weight_shape`` and, where stored, ``weight_zero_point`` and ``weight_g_idx``) become its
-fp32 ``weight``, ``scale * (q - zero)``, and the same values are kept as a
-``QuantizedWeight`` (``w = s * q + o``, ``o = -s * zero``) for the backend to run.
+``weight_shape`` and, where stored, ``weight_zero_point`` and ``weight_g_idx``) become a
+``QuantizedWeight`` (``w = s * q + o``, ``o = -s * zero``) for the backend to run, and the
+model is handed only the weight's shape: its fp32 ``weight``, ``scale * (q - zero)``, is
+never written, so a model's linears never sit in memory in fp32 (``fill_unattached``
+writes those that cannot run packed; a backend without the kernel writes the rest,
+``weights.materialize``).
 
 Both forms are exact: ``q - zero`` needs at most 9 bits and an fp16 or bf16 scale at most
 11, so every product, and the sum ``s * q + o``, is an fp32 number with nothing rounded. The
@@ -59,6 +62,9 @@ class PackedReader:
         #: All-zero biases: AutoGPTQ saves one for every quantized linear, also in models
         #: whose linears have none; such a bias adds nothing, so a model without it skips it.
         self.zero_biases: set[str] = set()
+        #: The weights ``read`` passed as their shape only (``blocks`` holds their values):
+        #: the model never holds them in fp32 unless ``fill_unattached`` has to.
+        self.shape_only: set[str] = set()
 
     def read(self, weights: Iterator[tuple[str, torch.Tensor]]
              ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,7 +136,9 @@ class PackedReader:
         if g_idx is None or torch.equal(g_idx.long(), consecutive):
             weight = self._blocks(q, zeros, scales)
             self.blocks[f"{prefix}.weight"] = weight
-            return weight.dequantize()
+            self.shape_only.add(f"{prefix}.weight")
+            # Its shape only, in no memory (a stride-0 view): the values stay packed.
+            return torch.zeros((), dtype=torch.float32).expand(weight.shape)
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
             raise ValueError(f"{self.spec.method} checkpoint: {prefix}'s g_idx names groups "
                              f"outside 0..{groups - 1}")
@@ -205,6 +213,16 @@ class PackedReader:
         base = zeros if zeros is not None else torch.zeros_like(scales, dtype=torch.int32)
         offset = scales * (shift - base).float()
         return QuantizedWeight((q - shift).to(torch.int8), scales, offset)
+
+    def fill_unattached(self, model: torch.nn.Module, attached: set[str]) -> None:
+        """Write the fp32 weights of the linears read as their shape only that did not get
+        their packed values attached (a fused projection one of whose parts is act-order, a
+        tensor-parallel share that would split a group, a name the model converts): they
+        run their exact fp32 weights."""
+        left = sorted(self.shape_only - attached)
+        if left:
+            model.load_weights(((name, self.blocks[name].dequantize()) for name in left),
+                               partial=True)
 
     def report(self) -> None:
         if self.dense:

@@ -7,7 +7,8 @@ Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in 
 stacked as its rows are); a backend that runs quantized weights swaps those modules for its
 kernel (backends/cpu/quantized.py), and one that does not ignores the attribute. The module's
 fp32 weight stays until then: it is what the blocks are checked against, bit for bit, before
-they are attached.
+they are attached. A packed checkpoint's linears are the exception: their fp32 weights are
+never written (``packed.py``), so a backend that does not run them calls ``materialize``.
 """
 
 from __future__ import annotations
@@ -151,14 +152,16 @@ def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
             offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
             weights[hf_name] = QuantizedWeight(f.get_tensor(f"{hf_name}.q"),
                                                f.get_tensor(f"{hf_name}.s"), offset)
-    return attach_blocks(model, weights, "GGUF")
+    return len(attach_blocks(model, weights, "GGUF"))
 
 
-def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: str) -> int:
+def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: str,
+                  verify: bool = True) -> set[str]:
     """Attach quantized ``weights`` (by checkpoint weight name) to ``model``'s linears
     (module docstring): a fused module's parts stacked, this rank's share cut, the result
-    checked against the module's fp32 weight. Returns how many modules got one; ``what``
-    names the source in warnings."""
+    checked against the module's fp32 weight (``verify``; off where that weight was never
+    written because it is the blocks' own dequantization). Returns the names of the
+    weights attached; ``what`` names the source in warnings."""
     embed = f"{model._body}.{model._embed}.weight"
     # Tied: the head's weight is the embeddings' (a pipeline stage may hold either alone).
     head = getattr(model, "lm_head", None)
@@ -169,12 +172,14 @@ def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: s
     pattern = fused_pattern(model.fused_parts)
     modules = dict(model.named_modules())
     found: dict[str, dict[int | None, QuantizedWeight]] = {}
+    names: dict[str, list[str]] = {}
     for hf_name, weight in weights.items():
         target = _target(model, hf_name, embed, tied, pattern)
         if target is None or not isinstance(modules.get(target[0]), Linear):
             continue
         found.setdefault(target[0], {})[target[1]] = weight
-    count = 0
+        names.setdefault(target[0], []).append(hf_name)
+    attached: set[str] = set()
     for module_name, shards in found.items():
         module = modules[module_name]
         if None not in shards:
@@ -189,14 +194,26 @@ def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: s
                            "start and end on whole blocks; it stays fp32", what, module_name)
             continue
         weight = _stack(parts)
-        if weight.shape != module.weight.shape or not torch.equal(weight.dequantize(),
-                                                                  module.weight.detach()):
+        if weight.shape != module.weight.shape or (verify and not torch.equal(
+                weight.dequantize(), module.weight.detach())):
             logger.warning("%s blocks for %s do not give its weight; it stays fp32", what,
                            module_name)
             continue
         module.quantized = weight
-        count += 1
-    return count
+        attached.update(names[module_name])
+    return attached
+
+
+def materialize(model: nn.Module) -> None:
+    """Write every quantized linear's fp32 weight from its quantized values and drop them:
+    for a backend that does not run them (where a packed checkpoint's linears were never
+    written in fp32)."""
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        if isinstance(module, Linear) and weight is not None:
+            with torch.no_grad():
+                module.weight.copy_(weight.dequantize())
+            del module.quantized
 
 
 def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> QuantizedWeight:
