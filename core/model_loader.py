@@ -97,10 +97,13 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     weights = iterate_weights(model_config.model, skip)
     packed = None
     if model_config.quantization in PACKED_METHODS:
+        from cadence.models.base import CausalLM
         from cadence.quantization.checkpoint import checkpoint_quantization, method_label
         from cadence.quantization.packed import PackedReader
 
-        packed = PackedReader(checkpoint_quantization(model_config.model))
+        # Lean only where checkpoint tensors reach the model as they are (see PackedReader).
+        lean = type(model).convert_weight is CausalLM.convert_weight
+        packed = PackedReader(checkpoint_quantization(model_config.model), lean=lean)
         weights = packed.read(weights)
     if packed is not None:
         from cadence.quantization.weights import attach_blocks
@@ -108,7 +111,7 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
         model.load_weights(weights, optional=packed.zero_biases, shape_only=packed.shape_only)
         packed.report()
         attached = attach_blocks(model, packed.blocks, method_label(model_config.quantization),
-                                 verify=False)
+                                 verify=not lean)
         packed.fill_unattached(model, attached)
         return model.eval(), hf_config
     model.load_weights(weights)

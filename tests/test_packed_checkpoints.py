@@ -300,15 +300,61 @@ def test_a_last_group_shorter_than_the_others_is_refused():
             (f"l.{n}", torch.from_numpy(t)) for n, t in parts.items()))
 
 
-def test_experts_run_from_their_packed_weights(tmp_path, tokenizer_dir):
-    """A mixture-of-experts checkpoint that packs each expert's linears (Qwen3-MoE's
-    ``experts.N.gate_proj`` ...) runs them packed, with the dequantized model's outputs."""
+def test_a_family_that_converts_its_tensors_gets_the_dequantized_weights(tmp_path,
+                                                                          tokenizer_dir):
+    """Qwen3-MoE's loader joins each expert's gate and up into one tensor a layer: such a
+    family is handed the dequantized weights (not their shapes), its experts run those,
+    and its other linears still run packed; the outputs are the dequantized model's."""
     from family_factory import build_family_model
 
+    from cadence.models.base import CausalLM
+    from cadence.models.moe import Qwen3MoeForCausalLM
+
+    assert Qwen3MoeForCausalLM.convert_weight is not CausalLM.convert_weight
     packed, plain = write_packed(build_family_model("qwen3_moe", tmp_path / "m",
                                                     tokenizer_dir), tmp_path, "gptq")
     want, _ = _run(plain, dtype="float32", backend_options=TILED)
     got, info = _run(packed, backend_options=TILED)
-    # Beyond the two layers' qkv and o: the experts' (the routers stay as they are).
-    assert int(info["cpu_quantized_linears"]) > 4, info
+    assert int(info["cpu_quantized_linears"]) > 0, info
+    assert got == want
+
+
+def test_a_tied_head_stays_the_embeddings_beside_a_stored_packed_head(tiny_model_dir,
+                                                                      tmp_path):
+    """A checkpoint of a tied model that also stores a packed head (as llm-compressor may):
+    the head stays the embeddings, as the model ties them, and the stored one is not run."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    def packed_of(source, out):
+        return write_packed(source, out, "compressed-tensors", 4, sym=True)
+
+    packed, plain = packed_of(tiny_model_dir("llama-tied"), tmp_path)
+    # The stored head: half the embeddings, packed as a linear named like a projection.
+    donor = tmp_path / "donor"
+    shutil.copytree(tiny_model_dir("llama-tied"), donor)
+    tensors = load_file(str(donor / "model.safetensors"))
+    tensors["lm_head.proj.weight"] = tensors["model.embed_tokens.weight"] * 0.5
+    save_file(tensors, str(donor / "model.safetensors"))
+    head_packed, _ = packed_of(str(donor), tmp_path / "h")
+    extra = {k.replace("lm_head.proj.", "lm_head."): v
+             for k, v in load_file(f"{head_packed}/model.safetensors").items()
+             if k.startswith("lm_head.proj.")}
+    assert "lm_head.weight_packed" in extra
+    mine = load_file(f"{packed}/model.safetensors")
+    save_file({**mine, **extra}, f"{packed}/model.safetensors")
+    want, _ = _run(plain, dtype="float32", backend_options=TILED)
+    got, _ = _run(packed, backend_options=TILED)
+    assert got == want
+
+
+def test_packed_weights_over_pipeline_stages(tiny_model_dir, tmp_path):
+    """Each stage reads its own layers' packed tensors only, and the two stages give the
+    dequantized model's two-stage outputs."""
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "gptq")
+    kw = {"pipeline_parallel_size": 2, "num_kv_blocks": 64, "backend_options": TILED}
+    want, _ = _run(plain, dtype="float32", **kw)
+    got, info = _run(packed, **kw)
+    assert int(info["cpu_quantized_linears"]) > 0, info
     assert got == want

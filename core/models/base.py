@@ -157,28 +157,34 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      optional: Container[str] = (), shape_only: Container[str] = (),
-                     partial: bool = False) -> None:
+                     partial: bool = False) -> set[str]:
         """Copy HF-named checkpoint tensors in, filling fused parameters shard by shard, and
         refuse a checkpoint with an unknown, misshapen or missing weight. Names in
         ``optional`` (read once ``weights`` is exhausted) may be unknown: they are
         skipped. A tensor named in ``shape_only`` (read as it arrives) carries only its
         shape: checked and counted as loaded, never copied, so its weight's memory is not
         touched; whoever passes it fills that weight (a packed checkpoint's linears,
-        ``cadence.quantization.packed``). ``partial``: some weights only, none missing."""
+        ``cadence.quantization.packed``), and only where ``convert_weight`` is the default
+        (one that reorders or joins tensors would be handed no data). ``partial``: some
+        weights only, none missing. Returns the checkpoint names settled: written, or not
+        this model's to hold (another stage's, a head tied to the embeddings)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         owned = dict(self.named_parameters())  # a tied head's weight counts once
         shared = set(params) - set(owned)
         fused_re = fused_pattern(self.fused_parts)
         modules = dict(self.named_modules())
         loaded: set[str] = set()
+        written: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, ckpt_tensor in weights:
             for converted, tensor in self.convert_weight(self.body_weight_name(ckpt_name),
                                                          ckpt_tensor):
                 name = self.stage_weight_name(converted)
                 if name is None:
+                    written.add(ckpt_name)
                     continue  # another pipeline stage's weight
                 if name in shared:
+                    written.add(ckpt_name)
                     continue  # the head tied to the embeddings: loaded under their name
                 target, shard = name, None
                 match = fused_re.match(name) if fused_re is not None else None
@@ -204,6 +210,7 @@ class CausalLM(nn.Module):
                                      f"{tuple(dest.shape)}")
                 if ckpt_name not in shape_only:
                     dest.copy_(tensor)
+                    written.add(ckpt_name)
                 loaded.add(target if shard is None else f"{target}#{shard}")
         unexpected = [n for n in unexpected if n not in optional]
         if unexpected:
@@ -214,6 +221,7 @@ class CausalLM(nn.Module):
             missing = self._stand_in_head()
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+        return written
 
     def body_weight_name(self, name: str) -> str:
         """Checkpoint name -> the HF name under the model's body: a base model saved alone

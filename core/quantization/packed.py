@@ -54,8 +54,12 @@ class PackedReader:
     """Turns a packed checkpoint's linears into fp32 weights as they stream past, keeping
     their ``QuantizedWeight`` under the weight's checkpoint name in ``blocks``."""
 
-    def __init__(self, spec: PackedSpec) -> None:
+    def __init__(self, spec: PackedSpec, lean: bool = True) -> None:
         self.spec = spec
+        #: Hand the model each packed weight's shape only (``load_weights``' ``shape_only``);
+        #: off for a family whose ``convert_weight`` reorders or joins tensors, which then
+        #: gets the dequantized weights, checked against the blocks like GGUF's.
+        self.lean = lean
         self.blocks: dict[str, QuantizedWeight] = {}
         #: Linears whose groups are not consecutive inputs (act-order): fp32 only.
         self.dense: list[str] = []
@@ -136,6 +140,8 @@ class PackedReader:
         if g_idx is None or torch.equal(g_idx.long(), consecutive):
             weight = self._blocks(q, zeros, scales)
             self.blocks[f"{prefix}.weight"] = weight
+            if not self.lean:
+                return weight.dequantize()
             self.shape_only.add(f"{prefix}.weight")
             # Its shape only, in no memory (a stride-0 view): the values stay packed.
             return torch.zeros((), dtype=torch.float32).expand(weight.shape)
@@ -221,8 +227,11 @@ class PackedReader:
         run their exact fp32 weights."""
         left = sorted(self.shape_only - attached)
         if left:
-            model.load_weights(((name, self.blocks[name].dequantize()) for name in left),
-                               partial=True)
+            written = model.load_weights(
+                ((name, self.blocks[name].dequantize()) for name in left), partial=True)
+            if set(left) - written:  # a weight neither packed nor written: never run it
+                raise RuntimeError(f"{method_label(self.spec.method)} weights neither run "
+                                   f"packed nor written in fp32: {sorted(set(left) - written)[:5]}")
 
     def report(self) -> None:
         if self.dense:

@@ -5,10 +5,10 @@ values computed at load (``attach_int8``).
 Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
 ``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
 stacked as its rows are); a backend that runs quantized weights swaps those modules for its
-kernel (backends/cpu/quantized.py), and one that does not ignores the attribute. The module's
-fp32 weight stays until then: it is what the blocks are checked against, bit for bit, before
-they are attached. A packed checkpoint's linears are the exception: their fp32 weights are
-never written (``packed.py``), so a backend that does not run them calls ``materialize``.
+kernel (backends/cpu/quantized.py). The module's fp32 weight stays until then: it is what
+the blocks are checked against, bit for bit, before they are attached. A packed checkpoint's
+linears are the exception: their fp32 weights are never written (``packed.py``), so a
+backend that does not run them calls ``materialize`` rather than ignore the attribute.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _target(model: nn.Module, hf_name: str, embed: str, tied: bool, pattern: Any
     """(our module name, shard index or None) for checkpoint weight ``hf_name``; None when
     no linear of this model (stage) takes it. ``pattern``: the model's fused-name pattern."""
     name = model.stage_weight_name(model.body_weight_name(hf_name))
-    if name is None:
-        return None
+    if name is None or (tied and name == "lm_head.weight"):
+        return None  # another stage's; or a stored head the embeddings stand in for
     if name == embed:
         if not tied:
             return None  # the embedding lookup itself stays fp32
