@@ -7,7 +7,7 @@ never turns into a hub download.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +66,23 @@ def safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str, skip: Callable[[str], bool] | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: str, skip: Callable[[str], bool] | None = None,
+                    shape_only: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the folder's safetensors files, one at a time;
-    a tensor whose name ``skip`` rejects is never read."""
+    a tensor whose name ``skip`` rejects is never read, and one named in ``shape_only`` is
+    not read either: its shape comes as a stride-0 view (``CausalLM.load_weights``)."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = f.keys()  # a safetensors handle is not iterable itself
             for name in names:
-                if skip is None or not skip(name):
+                if skip is not None and skip(name):
+                    continue
+                if name in shape_only:
+                    shape = f.get_slice(name).get_shape()
+                    yield name, torch.zeros((), dtype=torch.float32).expand(shape)
+                else:
                     yield name, f.get_tensor(name)
 
 
@@ -114,12 +120,13 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
                                  verify=not lean)
         packed.fill_unattached(model, attached)
         return model.eval(), hf_config
-    model.load_weights(weights)
     if model_config.quantization == "gguf":
-        from cadence.quantization.weights import attach_gguf_blocks
+        from cadence.quantization.weights import load_with_gguf_blocks
 
-        attach_gguf_blocks(model, model_config.model)
-    elif model_config.quantization == "int8":
+        load_with_gguf_blocks(model, model_config.model, skip)
+        return model.eval(), hf_config
+    model.load_weights(weights)
+    if model_config.quantization == "int8":
         from cadence.quantization.weights import attach_int8
 
         attach_int8(model)

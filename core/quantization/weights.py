@@ -1,13 +1,14 @@
 """Quantized weights attached to the linear modules of a loaded model: exported GGUF blocks
-(``gguf_export``), an AWQ or GPTQ checkpoint's packed values (``packed.py``), or int8
+(``gguf_export``, ``load_with_gguf_blocks``), an AWQ or GPTQ checkpoint's packed values (``packed.py``), or int8
 values computed at load (``attach_int8``).
 
 Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
 ``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
 stacked as its rows are); a backend that runs quantized weights swaps those modules for its
 kernel (backends/cpu/quantized.py). The module's fp32 weight stays until then: it is what
-the blocks are checked against, bit for bit, before they are attached. A packed checkpoint's
-linears are the exception: their fp32 weights are never written (``packed.py``), so a
+the blocks are checked against, bit for bit, before they are attached. Where the export or
+the checkpoint already holds them exactly (GGUF blocks, a packed checkpoint's linears) and
+the family takes tensors as they are, the fp32 weights are never written instead, so a
 backend that does not run them calls ``materialize`` rather than ignore the attribute.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,23 +138,51 @@ def rank_share(module: nn.Module, part: int | None, weight: QuantizedWeight
     return None
 
 
-def attach_gguf_blocks(model: nn.Module, folder: str) -> int:
-    """Attach ``folder``'s exported blocks to ``model``'s linears (module docstring); returns
-    how many modules got one."""
+def load_with_gguf_blocks(model: nn.Module, folder: str,
+                          skip: Callable[[str], bool] | None = None) -> int:
+    """Load the converted ``folder``'s weights into ``model`` and attach its exported GGUF
+    blocks (module docstring); returns how many modules got blocks. ``skip``: the names
+    another pipeline stage or expert-parallel rank reads.
+
+    Where the family takes checkpoint tensors as they are, a linear weight the blocks hold
+    is never read: the export checked the blocks against it bit for bit, so the model is
+    handed its shape only (``CausalLM.load_weights``' ``shape_only``) and the fp32 weight
+    never takes memory. One that does not run from its blocks (a fused projection with a
+    part in another format, a tensor-parallel share that would split a group) is then read
+    after all. Other families read every weight, and each module's blocks are checked
+    against it at load."""
     from safetensors import safe_open
+
+    from cadence.model_loader import iterate_weights
+    from cadence.models.base import CausalLM
 
     where = blocks_dir(folder)
     index = json.loads((where / INDEX_FILE).read_text())
-    if not index["formats"]:
-        return 0
     weights: dict[str, QuantizedWeight] = {}
-    with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
-        keys = set(f.keys())
-        for hf_name in index["formats"]:
-            offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
-            weights[hf_name] = QuantizedWeight(f.get_tensor(f"{hf_name}.q"),
-                                               f.get_tensor(f"{hf_name}.s"), offset)
-    return len(attach_blocks(model, weights, "GGUF"))
+    if index["formats"]:
+        with safe_open(str(Path(where) / TENSORS_FILE), framework="pt") as f:
+            keys = set(f.keys())
+            for hf_name in index["formats"]:
+                offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
+                weights[hf_name] = QuantizedWeight(f.get_tensor(f"{hf_name}.q"),
+                                                   f.get_tensor(f"{hf_name}.s"), offset)
+    lean = type(model).convert_weight is CausalLM.convert_weight
+    embed = f"{model._body}.{model._embed}.weight"
+    # The embedding table is looked up, not multiplied: always read (a tied head shares it).
+    shape_only = {n for n in weights if model.body_weight_name(n) != embed} if lean else set()
+    model.load_weights(iterate_weights(folder, skip, shape_only), shape_only=shape_only)
+    attached = attach_blocks(model, weights, "GGUF", verify=not lean)
+    left = shape_only - attached
+    if left:
+        def unread(name: str) -> bool:
+            return name not in left or (skip is not None and skip(name))
+
+        written = model.load_weights(iterate_weights(folder, unread), partial=True)
+        streamed = {n for n in left if skip is None or not skip(n)}
+        if streamed - written:  # a weight neither run from blocks nor read: never run it
+            raise RuntimeError("GGUF weights neither run from their blocks nor read: "
+                               f"{sorted(streamed - written)[:5]}")
+    return sum(1 for m in model.modules() if getattr(m, "quantized", None) is not None)
 
 
 def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: str,
