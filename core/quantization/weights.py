@@ -1,6 +1,7 @@
 """Quantized weights attached to the linear modules of a loaded model: exported GGUF blocks
-(``gguf_export``, ``load_with_gguf_blocks``), an AWQ or GPTQ checkpoint's packed values (``packed.py``), or int8
-values computed at load (``attach_int8``).
+(``gguf_export``, ``load_with_gguf_blocks``), an AWQ, GPTQ or compressed-tensors
+checkpoint's packed values (``packed.py``), or int8 values computed at load
+(``attach_int8``).
 
 Each ``cadence.layers.linear.Linear`` whose checkpoint weights were all kept in blocks gets a
 ``quantized`` attribute, a ``QuantizedWeight`` of its own shape (a fused projection's parts
@@ -9,7 +10,8 @@ kernel (backends/cpu/quantized.py). The module's fp32 weight stays until then: i
 the blocks are checked against, bit for bit, before they are attached. Where the export or
 the checkpoint already holds them exactly (GGUF blocks, a packed checkpoint's linears) and
 the family takes tensors as they are, the fp32 weights are never written instead, so a
-backend that does not run them calls ``materialize`` rather than ignore the attribute.
+backend that does not run them must call ``materialize`` rather than ignore the attribute
+(or refuse, as the CPU backend refuses ``gguf`` without its kernels).
 """
 
 from __future__ import annotations
