@@ -103,12 +103,10 @@ def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     weights = iterate_weights(model_config.model, skip)
     packed = None
     if model_config.quantization in PACKED_METHODS:
-        from cadence.models.base import CausalLM
         from cadence.quantization.checkpoint import checkpoint_quantization, method_label
         from cadence.quantization.packed import PackedReader
 
-        # Lean only where checkpoint tensors reach the model as they are (see PackedReader).
-        lean = type(model).convert_weight is CausalLM.convert_weight
+        lean = model.takes_tensors_as_they_are  # see PackedReader
         packed = PackedReader(checkpoint_quantization(model_config.model), lean=lean)
         weights = packed.read(weights)
     if packed is not None:

@@ -6,25 +6,9 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import generate, make_llm
-from test_faults import _gone
 
-from cadence import SamplingParams
-
-PROMPTS = ["the quick brown fox", "a small bird sings", "hello there", "once upon a time"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def clean(model):
-    llm = make_llm(model)
-    outs = generate(llm, PROMPTS, GREEDY)
-    llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs]
+# The model, its prompts and each prompt's clean greedy tokens: test_faults.py's.
+from test_faults import GREEDY, PROMPTS, _gone, clean, model  # noqa: F401  (fixtures)
 
 
 def _interrupt_call(obj, name: str, at: int) -> list[int]:
@@ -43,19 +27,25 @@ def _interrupt_call(obj, name: str, at: int) -> list[int]:
     return calls
 
 
-def _check_clean_after(llm, expected: list[list[int]]) -> None:
+def _tokens(llm, outs=None) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens (of ``outs``, or of a fresh run)."""
+    outs = outs or generate(llm, PROMPTS, GREEDY)
+    return {p: list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)}
+
+
+def _check_clean_after(llm, expected: dict[str, list[int]]) -> None:
     eng = llm.engine
     assert not eng.has_unfinished_requests(), "the interrupted call's requests stayed"
     assert eng.block_manager.num_free_blocks == eng.num_blocks
     outs = generate(llm, PROMPTS, GREEDY)
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert _tokens(llm, outs) == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
 @pytest.mark.parametrize("overlap", ["sync", "thread"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overlap):
+def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overlap):  # noqa: F811
     """In-process forward: the call's requests are aborted and the steps in flight (async
     scheduling's next one) dropped; nothing is restarted."""
     llm = make_llm(model, num_kv_blocks=64, async_scheduling=async_scheduling,
@@ -75,7 +65,8 @@ def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overl
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(model, clean, ranks):
+def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(
+        model, clean, ranks):  # noqa: F811
     """Async scheduling, the interrupt in the engine's own work (its commit of a step's
     tokens) while the next step computes: the pipes are whole, so the replies of the step
     still in flight are read and dropped (the CPU worker's; each ``mp`` rank's), and the
@@ -86,8 +77,7 @@ def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(model, cl
     try:
         backend = llm.engine.backend
         pids = list(backend.worker_pids) if ranks > 1 else [backend.worker_pid]
-        reference = clean if ranks == 1 else \
-            [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, GREEDY)]
+        reference = clean if ranks == 1 else _tokens(llm)
         _interrupt_call(llm.engine.output_processor, "commit", 3)
         with pytest.raises(KeyboardInterrupt):
             generate(llm, PROMPTS, GREEDY)
@@ -100,7 +90,8 @@ def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(model, cl
         llm.shutdown()
 
 
-def test_a_second_ctrl_c_while_steps_are_dropped_restarts_before_the_next_call(model, clean):
+def test_a_second_ctrl_c_while_steps_are_dropped_restarts_before_the_next_call(
+        model, clean):  # noqa: F811
     llm = make_llm(model, num_kv_blocks=64, async_scheduling=True,
                    backend_options={"overlap": "process", "kv_cache_gb": 0.1})
     try:
@@ -118,7 +109,7 @@ def test_a_second_ctrl_c_while_steps_are_dropped_restarts_before_the_next_call(m
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_ctrl_c_while_the_worker_computes_stops_and_restarts_it(model, clean,
+def test_ctrl_c_while_the_worker_computes_stops_and_restarts_it(model, clean,  # noqa: F811
                                                                 async_scheduling):
     """The ``process`` worker: the interrupt lands while the engine waits for a reply, which
     would be left in the pipe for the next step to read as its own. The worker is stopped at
@@ -142,14 +133,14 @@ def test_ctrl_c_while_the_worker_computes_stops_and_restarts_it(model, clean,
 
 @pytest.mark.parametrize("where,async_scheduling", [("_send_all", False), ("_wait", False),
                                                     ("_wait", True)])
-def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where,
+def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where,  # noqa: F811
                                                                 async_scheduling):
     """The ``mp`` executor (tensor parallel, two ranks): the same, for every rank, whether
     the interrupt lands while a step goes out or while its replies are awaited."""
     llm = make_llm(model, num_kv_blocks=64, tensor_parallel_size=2,
                    async_scheduling=async_scheduling)
     try:
-        reference = [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, GREEDY)]
+        reference = _tokens(llm)
         backend = llm.engine.backend
         pids = list(backend.worker_pids)
         _interrupt_call(backend, where, 3)
@@ -163,7 +154,7 @@ def test_ctrl_c_while_the_ranks_compute_stops_and_restarts_them(model, where,
         llm.shutdown()
 
 
-def test_the_reason_is_what_the_next_health_check_says(model):
+def test_the_reason_is_what_the_next_health_check_says(model):  # noqa: F811
     """Between the interrupt and the restart, the backend names why it stopped its worker."""
     from cadence.backend import WorkerLostError
 

@@ -145,6 +145,13 @@ class CausalLM(nn.Module):
         if "rotary_emb.inv_freq" not in name:
             yield name, tensor
 
+    @property
+    def takes_tensors_as_they_are(self) -> bool:
+        """Whether ``convert_weight`` is the default (renames nothing, reorders and joins
+        nothing): only then may a loader hand a weight's shape for its data
+        (``load_weights``' ``shape_only``)."""
+        return type(self).convert_weight is CausalLM.convert_weight
+
     def fused_sizes(self, fused: str) -> list[int]:
         """Rows of each shard of the fused module ``fused`` (see ``fused_parts``)."""
         if fused == "qkv_proj":

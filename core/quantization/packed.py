@@ -225,13 +225,11 @@ class PackedReader:
         their packed values attached (a fused projection one of whose parts is act-order, a
         tensor-parallel share that would split a group, a name the model converts): they
         run their exact fp32 weights."""
-        left = sorted(self.shape_only - attached)
-        if left:
-            written = model.load_weights(
-                ((name, self.blocks[name].dequantize()) for name in left), partial=True)
-            if set(left) - written:  # a weight neither packed nor written: never run it
-                raise RuntimeError(f"{method_label(self.spec.method)} weights neither run "
-                                   f"packed nor written in fp32: {sorted(set(left) - written)[:5]}")
+        from cadence.quantization.weights import write_unattached
+
+        left = self.shape_only - attached
+        write_unattached(model, left, ((n, self.blocks[n].dequantize()) for n in sorted(left)),
+                         method_label(self.spec.method))
 
     def report(self) -> None:
         if self.dense:

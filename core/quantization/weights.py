@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +156,6 @@ def load_with_gguf_blocks(model: nn.Module, folder: str,
     from safetensors import safe_open
 
     from cadence.model_loader import iterate_weights
-    from cadence.models.base import CausalLM
 
     where = blocks_dir(folder)
     index = json.loads((where / INDEX_FILE).read_text())
@@ -168,23 +167,30 @@ def load_with_gguf_blocks(model: nn.Module, folder: str,
                 offset = f.get_tensor(f"{hf_name}.o") if f"{hf_name}.o" in keys else None
                 weights[hf_name] = QuantizedWeight(f.get_tensor(f"{hf_name}.q"),
                                                    f.get_tensor(f"{hf_name}.s"), offset)
-    lean = type(model).convert_weight is CausalLM.convert_weight
+    lean = model.takes_tensors_as_they_are
     embed = f"{model._body}.{model._embed}.weight"
     # The embedding table is looked up, not multiplied: always read (a tied head shares it).
     shape_only = {n for n in weights if model.body_weight_name(n) != embed} if lean else set()
     model.load_weights(iterate_weights(folder, skip, shape_only), shape_only=shape_only)
     attached = attach_blocks(model, weights, "GGUF", verify=not lean)
-    left = shape_only - attached
-    if left:
-        def unread(name: str) -> bool:
-            return name not in left or (skip is not None and skip(name))
-
-        written = model.load_weights(iterate_weights(folder, unread), partial=True)
-        streamed = {n for n in left if skip is None or not skip(n)}
-        if streamed - written:  # a weight neither run from blocks nor read: never run it
-            raise RuntimeError("GGUF weights neither run from their blocks nor read: "
-                               f"{sorted(streamed - written)[:5]}")
+    # Another stage's names were never streamed: none of this stage's to write.
+    left = {n for n in shape_only - attached if skip is None or not skip(n)}
+    write_unattached(model, left, iterate_weights(folder, lambda name: name not in left),
+                     "GGUF")
     return sum(1 for m in model.modules() if getattr(m, "quantized", None) is not None)
+
+
+def write_unattached(model: nn.Module, names: set[str],
+                     tensors: Iterator[tuple[str, torch.Tensor]], what: str) -> None:
+    """Write the fp32 weights ``names`` from ``tensors``: weights loaded as their shape only
+    whose quantized values could not be attached, which run in fp32 instead. One that is
+    still not written is an error, never run."""
+    if not names:
+        return
+    left = names - model.load_weights(tensors, partial=True)
+    if left:
+        raise RuntimeError(f"{what} weights neither run quantized nor written in fp32: "
+                           f"{sorted(left)[:5]}")
 
 
 def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: str,

@@ -151,7 +151,7 @@ def test_int8_weights_match_cpu_reference_or_are_refused(
     backend's greedy tokens on int8 weights (near-ties excepted), every block free at the
     end; one that does not refuses it at start-up, naming the backends that run it."""
     from cadence.plugins import get_registry
-    from cadence.testing.pytest_plugin import REFERENCE_BACKEND, _make_llm
+    from cadence.testing.pytest_plugin import _make_llm
 
     cls = get_registry().backends[cadence_backend].cls
     if "int8" not in getattr(cls, "supports_quantization", ()):
@@ -159,17 +159,9 @@ def test_int8_weights_match_cpu_reference_or_are_refused(
             _make_llm(cadence_model_dir, cadence_backend, quantization="int8",
                       backend_options=cadence_backend_options)
         return
-    results = []
-    for backend, options in ((cadence_backend, cadence_backend_options),
-                             (REFERENCE_BACKEND, {})):
-        llm = _make_llm(cadence_model_dir, backend, quantization="int8", backend_options=options)
-        try:
-            results.append(run_workload(llm, "greedy"))
-            assert_all_blocks_free(llm)
-        finally:
-            llm.shutdown()
-    assert_same_tokens(results[0], results[1], cadence_logprob_atol,
-                       "int8 weights vs the CPU backend's")
+    assert_same_tokens(*_here_and_on_reference(cadence_model_dir, cadence_backend,
+                                               cadence_backend_options, quantization="int8"),
+                       cadence_logprob_atol, "int8 weights vs the CPU backend's")
 
 
 def test_packed_checkpoints_match_cpu_reference_or_are_refused(
@@ -181,7 +173,7 @@ def test_packed_checkpoints_match_cpu_reference_or_are_refused(
     that does not refuses the checkpoint at start-up, saying it is quantized with awq."""
     from cadence.plugins import get_registry
     from cadence.testing.packed_checkpoint import write_packed
-    from cadence.testing.pytest_plugin import REFERENCE_BACKEND, _make_llm
+    from cadence.testing.pytest_plugin import _make_llm
 
     packed, _ = write_packed(cadence_model_dir, tmp_path, "awq")
     cls = get_registry().backends[cadence_backend].cls
@@ -189,14 +181,23 @@ def test_packed_checkpoints_match_cpu_reference_or_are_refused(
         with pytest.raises(ValueError, match="is quantized with awq"):
             _make_llm(packed, cadence_backend, backend_options=cadence_backend_options)
         return
+    assert_same_tokens(*_here_and_on_reference(packed, cadence_backend,
+                                               cadence_backend_options),
+                       cadence_logprob_atol, "an AWQ checkpoint vs the CPU backend's")
+
+
+def _here_and_on_reference(model: str, backend: str, options: dict[str, Any],
+                           **engine_args: Any) -> tuple[Any, Any]:
+    """The greedy workload on ``backend`` and on the CPU reference, each engine with every
+    block free at the end."""
+    from cadence.testing.pytest_plugin import REFERENCE_BACKEND, _make_llm
+
     results = []
-    for backend, options in ((cadence_backend, cadence_backend_options),
-                             (REFERENCE_BACKEND, {})):
-        llm = _make_llm(packed, backend, backend_options=options)
+    for name, opts in ((backend, options), (REFERENCE_BACKEND, {})):
+        llm = _make_llm(model, name, backend_options=opts, **engine_args)
         try:
             results.append(run_workload(llm, "greedy"))
             assert_all_blocks_free(llm)
         finally:
             llm.shutdown()
-    assert_same_tokens(results[0], results[1], cadence_logprob_atol,
-                       "an AWQ checkpoint vs the CPU backend's")
+    return results[0], results[1]
