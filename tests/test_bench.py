@@ -260,6 +260,20 @@ def test_compare_quant_run(tiny_model_dir, tmp_path):
     assert runs["quant"]["ratio_to_async"] > 0
 
 
+def test_compare_quant_run_on_a_packed_checkpoint(tiny_model_dir, tmp_path):
+    """--quant-model: the quant run loads an AWQ checkpoint of the model, whose config
+    names the method."""
+    from cadence.testing.packed_checkpoint import write_packed
+
+    packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                 "--runs", "async,quant", "--quant-model", packed, "--cpu-overlap", "sync",
+                 *WORKLOAD], tmp_path / "cmp.json")
+    runs = {r["name"]: r for r in data["runs"]}
+    assert runs["async"]["quantization"] is None and runs["quant"]["quantization"] == "awq"
+    assert runs["quant"]["num_output_tokens"] == runs["async"]["num_output_tokens"] == 24
+
+
 def test_compare_with_hf_generate(tiny_model_dir, tmp_path):
     data = _run(["bench", "compare", "--model", tiny_model_dir("llama"), "--num-prompts", "3",
                  "--runs", "floor,hf_generate,hf_generate_batch", *WORKLOAD],

@@ -146,3 +146,20 @@ def test_the_speculative_decoding_flags_it_passes_exist() -> None:
     from cadence.bench import rounds
 
     assert ("spec", "async") in rounds.PAIRS  # the summary greps that pair's rows
+
+
+def test_the_quantized_weights_flags_it_passes_exist() -> None:
+    from cadence.cli.main import build_parser
+
+    text = SCRIPT.read_text()
+    cmd = re.search(r'limited quant "\$PY" -m cadence\.cli\.main (bench compare .*?) >"', text,
+                    re.DOTALL).group(1)
+    for name, value in {"$model_dir": "m", "$DTYPE": "bfloat16", "$results": "out",
+                        '"${weights[@]}"': "--quant-model awq"}.items():
+        cmd = cmd.replace(name, value)
+    ns = build_parser().parse_args(shlex.split(cmd.replace("\\\n", " ")))
+    assert ns.backend == "cuda" and ns.runs == "async,quant" and ns.quant_model == "awq"
+    assert ns.rounds == 2 and ns.batch_sizes == "1,64"
+    from cadence.bench import rounds
+
+    assert ("quant", "async") in rounds.PAIRS  # the summary greps that pair's rows

@@ -249,3 +249,36 @@ def test_lora_adapters_match_cpu(tiny_model_dir, tmp_path) -> None:
             llm.shutdown()
     assert got["cuda"] == got["cpu"]
     assert len({tuple(t) for t in got["cpu"][:3]}) == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_awq_checkpoint_on_the_gpu_kernel(tiny_model_dir, tmp_path, dtype: str) -> None:
+    """The compiled Triton GEMM on 4-bit weights (graphs and eager): in fp32 the CPU
+    backend's tokens; in bf16 (tensor cores, the tile rounded to bf16) the tokens of the
+    same engine on the dequantized weights, near-ties excepted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from cadence import SamplingParams
+    from cadence.testing.helpers import assert_same_tokens
+    from cadence.testing.packed_checkpoint import write_packed
+
+    packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, "awq")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    if dtype == "float32":
+        cpu = _run(packed, _greedy(), backend="cpu")
+        assert _run(packed, _greedy()) == cpu
+        assert _run(packed, _greedy(), backend_options={"enforce_eager": True}) == cpu
+        return
+    outs = []
+    for model in (packed, plain):
+        llm = _llm(model, dtype=dtype)
+        try:
+            outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+            if model == packed:
+                assert llm.engine.backend.env_info()["cuda_quantized_linears"] == \
+                    "8 at 4 bits"
+        finally:
+            llm.shutdown()
+    assert_same_tokens(outs[0], outs[1], 0.05, "bf16 AWQ vs its dequantized weights")

@@ -204,7 +204,8 @@ def test_a_backend_that_does_not_run_it_refuses_it(quant_gguf, monkeypatch):
     from cadence.engine import LLMEngine
 
     monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
-    refusal = "quantization 'gguf' is not supported by backend 'hpu'; backends that run it: cpu"
+    refusal = ("quantization 'gguf' is not supported by backend 'hpu'; backends that run "
+               "it: cpu, cuda")
     # Before the blocks are exported (that can take minutes)...
     with pytest.raises(ValueError, match=refusal):
         EngineArgs(model=str(quant_gguf), backend="hpu", quantization="gguf",

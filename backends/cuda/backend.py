@@ -217,6 +217,9 @@ class CudaBackend(Backend):
     supports_lora = True
     # Drafts' rows are not decode-only steps: they run eagerly, never a graph replay.
     supports_speculative = True
+    # Compressed linears run a Triton GEMM that dequantizes a tile at a time (quant.py,
+    # quant_kernels.py): 4-bit values packed two a byte where they fit, else int8.
+    supports_quantization = ("gguf", "int8", "awq", "gptq", "compressed-tensors")
     distributed_backend = "nccl"
     # Under the ray executor each rank's bundle holds one GPU, which Ray makes the actor's
     # only visible device (CUDA_VISIBLE_DEVICES): the rank then takes cuda:0 (rank_device).

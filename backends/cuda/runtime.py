@@ -7,6 +7,7 @@ probing the backend (``engine backends``, ``engine --help``) never imports torch
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from typing import TYPE_CHECKING
@@ -23,14 +24,18 @@ from cadence.backends.cuda.graphs import (
     pad_decode,
 )
 from cadence.backends.cuda.moe import install_fused_moe
+from cadence.backends.cuda.quant import drop_dense_weights, install_quantized
 from cadence.layers import sampler
 from cadence.layers.attention import check_supported
 from cadence.layers.sampler import host_tensor
 from cadence.model_runner import ModelRunner, PreparedInput, prompt_logprob_tensors
+from cadence.quantization.checkpoint import method_label
 
 if TYPE_CHECKING:
     from cadence.backend import ModelInput, SamplerOutput, SamplingMetadata
     from cadence.backends.cuda.backend import CudaBackend
+
+logger = logging.getLogger(__name__)
 
 
 def rank_device(local_rank: int, num_visible: int, rank: object = "?") -> int:
@@ -65,6 +70,7 @@ def init(be: CudaBackend) -> None:
         torch.cuda.set_device(device)
     be.device = device
     be.runner = ModelRunner(be.config, device)
+    be.quantized_linears = ""  # what runs on compressed weights, for env_info
     # Async scheduling: the last submitted step's sampled ids (device; None while a step
     # runs and after one failed), and the steps submitted, oldest first.
     be.last_sampled = None
@@ -73,7 +79,14 @@ def init(be: CudaBackend) -> None:
 
 
 def load_model(be: CudaBackend) -> None:
-    be.runner.load_model()
+    quantized = be.config.model_config.quantization is not None
+    be.runner.load_model(before_move=drop_dense_weights if quantized else None)
+    if quantized:
+        bits = install_quantized(be.runner.model, be.device)
+        be.quantized_linears = ", ".join(f"{n} at {b} bits" for b, n in sorted(bits.items()))
+        logger.info("%s weights: %s linears run compressed (Triton kernel)",
+                    method_label(be.config.model_config.quantization),
+                    be.quantized_linears or "no")
     # Mixture-of-experts layers run the fused Triton kernels here (the CPU path keeps the
     # core's expert loop).
     install_fused_moe(be.runner.model)
@@ -296,5 +309,8 @@ def env_info(be: CudaBackend) -> dict[str, str]:
     from importlib.metadata import version
 
     gpu = torch.cuda.get_device_name(be.device) if be.device.type == "cuda" else "none"
-    return {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+    info = {"torch": torch.__version__, "cuda": str(torch.version.cuda),
             "triton": version("triton"), "gpu": gpu}
+    if be.quantized_linears:
+        info["cuda_quantized_linears"] = be.quantized_linears
+    return info

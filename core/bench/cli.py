@@ -120,6 +120,10 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
                     default="async,async_sched,sync,floor,hf_generate,hf_generate_batch",
                     help="comma list of runs to measure")
     cp.add_argument("--skip-hf", action="store_true", help="drop the transformers runs")
+    cp.add_argument("--quant-model", default=None, metavar="PATH",
+                    help="the quant run loads this quantized checkpoint of --model instead "
+                         "(an AWQ, GPTQ or compressed-tensors folder: its own "
+                         "quantization_config says the method)")
     cp.add_argument("--rounds", type=int, default=1, metavar="N",
                     help="> 1: keep every engine of a batch size alive and run them in N "
                          "interleaved rounds (fresh prompts each round, rotating order); "

@@ -83,6 +83,10 @@ def build_mode_engine(ns: argparse.Namespace, mode: str, overrides: dict, bs: in
         overrides = {**overrides, "speculative_config": ns.speculative_config}
     if overrides.get("quantization") and getattr(ns, "quantization", None):
         overrides = {**overrides, "quantization": ns.quantization}
+    if overrides.get("quantization") and getattr(ns, "quant_model", None):
+        # The checkpoint's quantization_config names its method unless --quantization does.
+        overrides = {**overrides, "model": ns.quant_model,
+                     "quantization": getattr(ns, "quantization", None)}
     try:
         return build_engine(ns, max_num_seqs=bs, **overrides), None
     except ValueError as e:

@@ -68,8 +68,14 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
                  sym: bool = False, zero_biases: bool = False) -> tuple[str, str]:
     """(the packed checkpoint's folder, the folder of its dequantized fp32 weights), both
     copies of ``source`` whose decoder linears are quantized. ``zero_biases``: an all-zero
-    bias beside every quantized linear that has none, as AutoGPTQ saves them."""
-    from safetensors.numpy import load_file, save_file
+    bias beside every quantized linear that has none, as AutoGPTQ saves them. The source
+    may hold any dtype (a bf16 model's other tensors stay bf16)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def torch_tensors(arrays: dict) -> dict:
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                for k, v in arrays.items()}
 
     rng = np.random.default_rng(seed)
     packed_dir, plain_dir = out / f"{method}-packed", out / f"{method}-dequantized"
@@ -81,7 +87,7 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
         if not (t.ndim == 2 and name.endswith("proj.weight")):
             packed[name] = plain[name] = t
             continue
-        w = t.astype(np.float64)
+        w = t.double().numpy()
         k = w.shape[1]
         n_groups = 1 if group == -1 else k // group  # -1: one group a row (by channel)
         groups = np.arange(k) // (k // n_groups)
@@ -116,8 +122,10 @@ def write_packed(source: str, out: Path, method: str, bits: int = 4, group: int 
         packed[f"{prefix}.scales"] = np.ascontiguousarray(scale.T)
         if zero_biases and f"{prefix}.bias" not in tensors:
             packed[f"{prefix}.bias"] = np.zeros(w.shape[0], dtype=np.float16)
-    save_file(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(plain, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(torch_tensors(packed), str(packed_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    save_file(torch_tensors(plain), str(plain_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     config = json.loads((packed_dir / "config.json").read_text())
     if method == "compressed-tensors":
         weights = {"num_bits": bits, "type": "int", "symmetric": sym,
