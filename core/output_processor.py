@@ -215,7 +215,8 @@ class OutputProcessor:
         if not new:
             return
         req.output_text += new
-        if sp.stop and i + 1 >= sp.min_tokens:
+        # As vLLM: a stop string ends the output only with a token past min_tokens.
+        if sp.stop and i + 1 > sp.min_tokens:
             hit = find_stop_string(req.output_text, len(new), sp.stop)
             if hit is not None:
                 stop, at = hit

@@ -17,6 +17,7 @@ from cadence.request_intake import (
     bad_words_token_ids,
     tokenize_prompt,
     truncate_prompt,
+    truncate_text_prompt,
     validate_request,
 )
 from cadence.sampling_params import FieldError, SamplingParams, shown
@@ -62,9 +63,10 @@ class RequestFactory:
         if lora_request is not None:
             lora_request = self.loras.check(lora_request)
         text, ids = tokenize_prompt(tokenizer, prompt)
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens)
-        if len(kept) < len(ids):
-            text, ids = None, kept  # the text would no longer be the prompt's
+        k = params.truncate_prompt_tokens
+        # The text stays the request's prompt, as in vLLM; given ids, the model's ids are cut.
+        ids = truncate_prompt(ids, k) if text is None or _ids_given(prompt) \
+            else truncate_text_prompt(tokenizer, text, ids, k)
         if pooling is not None:
             self.pooling.check(ids, pooling)
         validate_request(ids, params, self.config.scheduler_config, vocab_size)
@@ -103,3 +105,8 @@ class RequestFactory:
                              f"(--scheduling-policy priority); this engine schedules "
                              f"{policy!r}, which ignores it", "priority")
         return int(priority)
+
+
+def _ids_given(prompt: Any) -> bool:
+    """Whether the prompt came as token ids (a dict may carry a text beside them)."""
+    return isinstance(prompt, dict) and "prompt_token_ids" in prompt

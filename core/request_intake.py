@@ -104,6 +104,26 @@ def truncate_prompt(ids: list[int], k: int | None) -> list[int]:
     return ids if k is None or len(ids) <= k else ids[-k:]
 
 
+def truncate_text_prompt(tokenizer: Any, text: str, ids: list[int], k: int | None
+                         ) -> list[int]:
+    """A text prompt's ids (``ids``, its encoding) cut to ``k`` as vLLM cuts them, by the
+    tokenizer's truncation from the left: the special tokens the tokenizer puts around the
+    text (a BOS; BERT's CLS and SEP, which CLS pooling reads) stay, and the text's first
+    tokens go. Where the text's own ids are not found whole among ``ids``, or the special
+    tokens alone pass ``k``, the last ``k`` ids."""
+    if k is None or len(ids) <= k:
+        return ids
+    body = tokenizer.encode(text, add_special_tokens=False)
+    n = len(body)
+    for start in range(len(ids) - n + 1):
+        if ids[start:start + n] == body:
+            keep = k - (len(ids) - n)
+            if keep >= 0:
+                return ids[:start] + body[n - keep:] + ids[start + n:]
+            break
+    return ids[-k:]
+
+
 def vocab_size_from_config(model_dir: str) -> int | None:
     """``vocab_size`` from the model folder's config.json (or its text_config)."""
     import json

@@ -52,7 +52,9 @@ class SamplingParams:
     the last token of such a sequence may not be sampled where the output's last tokens
     are the rest of it (a one-token word never). Only output tokens count, as in vLLM.
     ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (vLLM's field: left
-    truncation, for inputs longer than the context).
+    truncation, for inputs longer than the context); a text prompt keeps the special
+    tokens its tokenizer adds (a BOS) and loses its first tokens, as vLLM's tokenizer cuts
+    it. The request's ``prompt`` stays the text.
     ``prompt_logprobs=k`` returns, per prompt token after the first, its log-probability
     given the tokens before it plus the ``k`` most likely tokens there (vLLM's field; the
     first entry is None, nothing predicts it). The prompt is then computed in full: a

@@ -3,7 +3,6 @@ that collide, and the post-sample hook seeing every output."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
 
@@ -220,7 +219,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir) ->
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         (short,) = generate(llm, ["the cat"], dataclasses.replace(
             greedy, truncate_prompt_tokens=100))
-        assert short.prompt == "the cat"  # nothing cut: the text is still the prompt's
+        assert short.prompt == "the cat"
+        # A text is cut as the tokenizer cuts it from the left: its BOS stays (vLLM).
+        tok = llm.get_tokenizer()
+        text = "the cat runs over the mat " * 20
+        body = tok.encode(text, add_special_tokens=False)
+        assert tok.encode(text) == [tok.bos_token_id, *body]
+        (cut,) = generate(llm, [text], dataclasses.replace(greedy, truncate_prompt_tokens=40))
+        assert cut.prompt_token_ids == [tok.bos_token_id, *body[-39:]] and cut.prompt == text
+        (want_cut,) = generate(llm, [{"prompt_token_ids": cut.prompt_token_ids}], greedy)
+        assert cut.outputs[0].token_ids == want_cut.outputs[0].token_ids
     finally:
         llm.shutdown()
     pytest.importorskip("httpx", reason="the server part needs httpx (the test extra)")

@@ -154,6 +154,19 @@ def test_min_tokens_bans_every_eos(llm_for, case, multi_eos_model):
                         min_new_tokens=min_tokens) == list(out.token_ids)
 
 
+def test_a_stop_string_ends_the_output_only_past_min_tokens(llm_for, case):
+    """vLLM's rule: the token that completes a stop string must come after the first
+    ``min_tokens``, as an EOS or a stop id may only come after them."""
+    llm = llm_for(case.model)
+    tok = llm.get_tokenizer()
+    stop = tok.decode(case.ref[:case.k + 1])  # complete with the output's (k + 1)-th token
+    out = _run(llm, case, stop=[stop], min_tokens=case.k)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert list(out.token_ids) == case.ref[:case.k + 1] and out.text == ""
+    out = _run(llm, case, stop=[stop], min_tokens=case.k + 1)
+    assert out.finish_reason == "length" and list(out.token_ids) == case.ref
+
+
 def test_eos_falls_back_to_the_tokenizer(case, tmp_path):
     llm = make_llm(_copy(case, tmp_path / "m", None))
     assert llm.engine.eos_token_ids == (case.eos,) and llm.engine.eos_token_id == case.eos

@@ -15,7 +15,7 @@ from cadence.async_stream import add_all, final_outputs
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput
 from cadence.pooling import PoolingParams
-from cadence.request_intake import truncate_prompt
+from cadence.request_intake import truncate_prompt, truncate_text_prompt
 from cadence.sampling_params import FieldError
 from cadence.server.chat_protocol import ChatMessage
 from cadence.server.protocol import RequestError
@@ -112,18 +112,18 @@ class EmbeddingServing:
             if isinstance(x, str):
                 check_unicode(x, field)
                 ids = self.tokenizer.encode(x, add_special_tokens=add_special_tokens)
+                kept = truncate_text_prompt(self.tokenizer, x, ids, truncate)
                 prompt = {"prompt": x, "prompt_token_ids": ids}
             else:
                 prompt = {"prompt": None, "prompt_token_ids": x}
-            kept = truncate_prompt(prompt["prompt_token_ids"], truncate)
+                kept = truncate_prompt(x, truncate)
             if len(kept) >= self.max_model_len:
                 raise RequestError(
                     f"this model's maximum context length is {self.max_model_len} tokens; an "
                     f"input has {len(kept)} (embedding inputs must be shorter; "
                     "truncate_prompt_tokens keeps an input's last tokens)", field,
                     code="context_length_exceeded")
-            prompts.append(prompt if len(kept) == len(prompt["prompt_token_ids"])
-                           else {"prompt": None, "prompt_token_ids": kept})
+            prompts.append({**prompt, "prompt_token_ids": kept})
         return prompts
 
     async def embed(self, prompts: list[dict], params: PoolingParams, priority: int,

@@ -14,7 +14,7 @@ from cadence.async_stream import add_all, final_outputs, merge
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
-from cadence.request_intake import truncate_prompt
+from cadence.request_intake import truncate_prompt, truncate_text_prompt
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
 from cadence.server.chat_protocol import ChatCompletionRequest, ChatMessage
@@ -106,13 +106,12 @@ class OpenAIServing:
                 if not p:
                     raise RequestError("prompt must not be empty", "prompt")
                 check_unicode(p, "prompt")
-                prompt = {"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)}
+                ids = truncate_text_prompt(self.tokenizer, p, self.tokenizer.encode(p),
+                                           req.truncate_prompt_tokens)
+                prompts.append({"prompt": p, "prompt_token_ids": ids})
             else:
-                prompt = {"prompt": None, "prompt_token_ids": list(p)}
-            kept = truncate_prompt(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
-            if len(kept) < len(prompt["prompt_token_ids"]):
-                prompt = {"prompt": None, "prompt_token_ids": kept}
-            prompts.append(prompt)
+                prompts.append({"prompt": None, "prompt_token_ids": truncate_prompt(
+                    list(p), req.truncate_prompt_tokens)})
         return prompts
 
     def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
