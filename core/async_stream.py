@@ -98,8 +98,17 @@ async def add_all(engine: Any, requests: list[tuple]) -> list[RequestStream]:
     other, a body of N prompts would enter the engine one per step (a 2048-input embedding
     body, 2048 steps). Queued together, they are applied before the same step.
     """
-    results = await asyncio.gather(*(engine.add_request(*args) for args in requests),
-                                   return_exceptions=True)
+    tasks = [asyncio.ensure_future(engine.add_request(*args)) for args in requests]
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        # Cancelled (a deadline, a client gone): by now every entry is done, and those
+        # already queued would keep their place in the engine, and their slot of
+        # max_pending_requests, with nobody left to read or abort them.
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for r in results:

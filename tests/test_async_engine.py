@@ -253,6 +253,38 @@ def test_cancelled_while_being_added_is_aborted(model):
     with_engine(model, body)
 
 
+def test_a_batch_cancelled_while_being_added_aborts_what_was_queued(model):
+    """``add_all`` cancelled (a server deadline, beam search's rounds) after some of its
+    requests were queued: those are aborted too, so they free their blocks and their slot
+    of max_pending_requests (which would otherwise fill up for good)."""
+    from cadence.async_stream import add_all
+
+    async def body(engine):
+        add = engine.engine.add_request
+
+        def slow_third(*args, **kwargs):
+            if args[1] == PROMPTS[2]:
+                time.sleep(0.5)
+            return add(*args, **kwargs)
+
+        engine.engine.add_request = slow_third
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(add_all(engine, [(p, params) for p in PROMPTS[:3]]))
+        await wait_until(lambda: engine.engine.has_unfinished_requests())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: engine.stats().finish_reasons.get("abort") == 3)
+        await wait_until(lambda: all_blocks_free(engine) and engine.num_pending_requests == 0)
+        # The slots are free again: a full batch fits.
+        streams = await add_all(engine, [(p, SamplingParams(max_tokens=2)) for p in PROMPTS])
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    with_engine(model, body, max_pending_requests=4)
+
+
 def test_stats_snapshot_is_independent_of_the_live_stats():
     """The engine thread keeps counting while the event loop reads the snapshot."""
     from cadence.metrics import EngineStats

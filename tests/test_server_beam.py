@@ -68,6 +68,8 @@ def test_completions_and_chat_return_the_beams(model, offline) -> None:
     ("/v1/completions", {"temperature": 0.7}, "temperature"),
     ("/v1/completions", {"stream": True}, "stream"),
     ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),  # 0 == False, yet it asks for some
+    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),  # the engine's own check
     ("/v1/completions", {"stop": ["x"]}, "stop"),
     ("/v1/completions", {"seed": 3}, "seed"),
     ("/v1/completions", {"n": 100}, "n"),
@@ -78,9 +80,10 @@ def test_completions_and_chat_return_the_beams(model, offline) -> None:
      "response_format"),
 ])
 def test_fields_beam_search_would_not_honour_are_400s(model, endpoint, extra, param) -> None:
-    body = {"use_beam_search": True, "n": 2, "max_tokens": 4, **extra}
+    body = {"use_beam_search": True, "n": 2, "max_tokens": 4}
     body.update({"prompt": "the cat"} if endpoint == "/v1/completions" else
                 {"messages": MESSAGES})
+    body.update(extra)
 
     async def run(client, engine):
         r = await client.post(endpoint, json=body)

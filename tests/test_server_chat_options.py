@@ -84,3 +84,12 @@ def test_misuse_is_a_400_naming_the_field(model, path, body, param) -> None:
     (r,) = _post(model, (path, body))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_messages_name_reaches_the_template() -> None:
+    """As vLLM hands it over: templates that know speakers' names render them."""
+    from cadence.server.chat_protocol import ChatMessage
+
+    named = ChatMessage(role="user", content="hi", name="ada").as_template_dict()
+    assert named == {"role": "user", "content": "hi", "name": "ada"}
+    assert "name" not in ChatMessage(role="user", content="hi").as_template_dict()

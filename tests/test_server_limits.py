@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server tests need the serve
 
 from test_async_engine import all_blocks_free, make_async, wait_until, with_engine
 from test_server import events
+from test_server import serve as serve_with
 from test_server_live import free_port, wait_for
 
 from cadence.cli import main as cli
@@ -428,3 +429,51 @@ def test_header_timeout_flag_is_checked_and_reaches_uvicorn(monkeypatch):
     with pytest.raises(ValueError, match="--header-timeout must be >= 0"):
         cadence.cli.serve.cmd_serve(cli.build_parser().parse_args(base + ["--header-timeout",
                                                                           "-1"]))
+
+
+def test_more_prompts_than_the_server_takes_at_once_is_a_400(model):
+    """A 429 would ask for a retry that can never succeed: the body's own prompts are what
+    fills --max-pending-requests."""
+    async def body(client, engine):
+        too_many = await client.post("/v1/completions", json={
+            "prompt": ["a b"] * 3, "max_tokens": 2})
+        assert not engine.engine.has_unfinished_requests()
+        fits = await client.post("/v1/completions", json={"prompt": ["a b"] * 2,
+                                                          "max_tokens": 2})
+        return too_many, fits
+
+    too_many, fits = serve_with(model, body, max_pending_requests=2)
+    assert too_many.status_code == 400, too_many.text
+    err = too_many.json()["error"]
+    assert err["param"] == "prompt" and "at most 2" in err["message"], err
+    assert fits.status_code == 200, fits.text
+
+
+def test_a_fault_while_streaming_ends_the_stream_with_an_error_event(model, monkeypatch):
+    """Not a connection cut mid-chunk: an error event and [DONE]; and a fault outside a
+    stream is a 500 in the error shape, not plain text."""
+    from cadence.server import formats
+
+    def broken(*args, **kwargs):
+        raise TypeError("a fault of ours")
+
+    monkeypatch.setattr(formats, "completion_choice_of", broken)
+
+    async def run(engine):
+        # Starlette answers the 500, then raises the fault again for the server to log:
+        # a real server logs it; this client must not raise it.
+        transport = httpx.ASGITransport(app=build_app(engine, "tiny"),
+                                        raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            streamed = await client.post("/v1/completions", json={
+                "prompt": "a b", "max_tokens": 3, "stream": True})
+            whole = await client.post("/v1/completions", json={"prompt": "a b",
+                                                                "max_tokens": 3})
+        await wait_until(lambda: not engine.engine.has_unfinished_requests())
+        assert all_blocks_free(engine)
+        return streamed, whole
+
+    streamed, whole = with_engine(model, run)
+    assert streamed.status_code == 200
+    assert "a fault of ours" in events(streamed.text)[-1]["error"]["message"]
+    assert whole.status_code == 500 and "a fault of ours" in whole.json()["error"]["message"]

@@ -100,7 +100,11 @@ def test_pythonic_parser() -> None:
         [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
     _, calls = p.extract("<|python_start|>[f(x=[1, 2], y=None)]<|python_end|>")
     assert json.loads(calls[0].arguments) == {"x": [1, 2], "y": None}
-    for plain in ("Hello", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]", "[]", "[f(x=1"):
+    for plain in ("Hello", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]", "[]", "[f(x=1",
+                  # Python literals JSON has no form for, and ones literal_eval refuses
+                  # with a TypeError: plain content, never a failed request.
+                  "[f(a={1})]", "[f(a=b'x')]", "[f(a=1j)]", "[f(a=1e999)]",
+                  "[f(a={(1, 2): 3})]", "[f(a={[1]: 2})]", "[f(a=[1, {2}])]"):
         assert p.extract(plain) == (plain, [])
     for held in ("", " [", "<|python"):
         assert p.streamable(held) == 0
@@ -199,7 +203,9 @@ def _post(model: str, *bodies, parser: str | None = None) -> list:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test", timeout=60) as client:
             for b in bodies:
-                r = await client.post("/v1/chat/completions", json=b)
+                # JSON's escapes, so that a lone surrogate travels as clients send it.
+                r = await client.post("/v1/chat/completions", content=json.dumps(b),
+                                      headers={"Content-Type": "application/json"})
                 replies.append((r.status_code, r.text if b.get("stream") else r.json()))
         return replies
 
@@ -232,6 +238,18 @@ def test_named_tool_choice_returns_a_call_with_valid_arguments(model) -> None:
     assert {d["index"] for d in got} == {0}
     assert chunks[-1]["finish_reason"] == "stop"
     assert not "".join(c["delta"].get("content") or "" for c in chunks)
+
+
+def test_a_named_call_cut_short_by_max_tokens_is_content(model) -> None:
+    """Its arguments do not parse: not a call (docs/server.md), as under "required"."""
+    _constrained()
+    body = {"messages": USER, "tools": [WEATHER], "max_tokens": 3, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    [(status, r)] = _post(model, body)
+    assert status == 200, r
+    (choice,) = r["choices"]
+    assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+    assert choice["message"]["content"].startswith("{")
 
 
 def test_required_tool_choice_returns_calls_of_the_tools(model) -> None:
@@ -291,12 +309,23 @@ def test_a_conversation_with_calls_is_served(model_rendering_tools) -> None:
      "tool_choice", "response_format"),
     ({"tools": [{"type": "function", "function": {"nam": "x"}}]}, "tools", ""),
     ({"tool_choice": "sometimes"}, "tool_choice", ""),
+    # A schema the grammar compiler refuses is the tools' fault, not a field never sent.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "foo"}}}], "tool_choice": "required"}, "tools", "foo"),
 ])
 def test_misuse_is_a_400_naming_the_field(model, body, param, words) -> None:
     [(status, r)] = _post(model, {"messages": USER, "max_tokens": 2, **body})
     assert status == 400, r
     assert r["error"]["param"].startswith(param), r
     assert words in r["error"]["message"], r
+
+
+def test_a_lone_surrogate_in_the_tools_is_a_400_naming_them(model) -> None:
+    body = {"messages": USER, "max_tokens": 2, "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f\ud800"}}]}
+    [(status, r)] = _post(model, body)
+    assert status == 400 and r["error"]["param"] == "tools", r
+    assert "lone surrogate" in r["error"]["message"], r
 
 
 def test_serve_flags_name_every_parser_and_go_together(model) -> None:

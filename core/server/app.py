@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -54,6 +55,8 @@ _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
            **POOLING_BODIES, **LORA_BODIES}
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 20,
@@ -213,7 +216,11 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except RuntimeError as e:  # EngineDeadError, DeadlineExceeded, a failure while streaming
+        except Exception as e:  # reported in the stream (see above)
+            # EngineDeadError, DeadlineExceeded, a request that failed; anything else is a
+            # fault of ours, logged, and still ends the stream as a stream, not a cut.
+            if not isinstance(e, RuntimeError):
+                logger.exception("a streamed reply failed")
             timed_out = isinstance(e, DeadlineExceeded)
             body = error_body(504 if timed_out else 500, str(e),
                               code="request_timeout" if timed_out else None)
@@ -281,7 +288,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc))
+        # A FieldError (the engine's own checks) names its field.
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
@@ -300,6 +308,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
         return error_response(504, str(exc), code="request_timeout")
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # A fault of ours: still the error shape clients parse, not Starlette's plain
+        # text (Starlette logs the traceback after this answer).
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
 
 def _body_problem(content_type: str, err: dict) -> str:
     """Why a body that is no request object was refused (its fields were not reached)."""
@@ -309,6 +323,9 @@ def _body_problem(content_type: str, err: dict) -> str:
                 f"'Content-Type: {content_type[:60]}'")
     if err.get("type") == "missing":
         return "the request has no body; it must be a JSON object"
+    if not content_type and isinstance(err.get("input"), (bytes, bytearray)):
+        return ("the body must be JSON sent with 'Content-Type: application/json'; the "
+                "request has no Content-Type")
     kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
              float: "a number", type(None): "null"}
     got = kinds.get(type(err.get("input")), "something else")

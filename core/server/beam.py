@@ -20,7 +20,7 @@ from cadence.beam_search import (
 )
 from cadence.sampling_params import FieldError
 from cadence.server import formats
-from cadence.server.embeddings import check_request_count
+from cadence.server.limits import check_request_count
 from cadence.server.protocol import RequestError
 
 # Field -> what the body may send with beam search (None or a neutral value).
@@ -49,7 +49,7 @@ def check_beam_request(req: Any) -> None:
                                "length_penalty")
         return
     for name, neutral in _NEUTRAL.items():
-        if name in type(req).model_fields and getattr(req, name) not in neutral:
+        if name in type(req).model_fields and not _is_neutral(getattr(req, name), neutral):
             raise RequestError(f"{name} does not apply with use_beam_search=true: beams are "
                                "ranked by the model's own log-probabilities and returned "
                                "whole; leave it out", name)
@@ -57,6 +57,12 @@ def check_beam_request(req: Any) -> None:
     if best_of is not None and best_of != req.n:
         raise RequestError("best_of must equal n or be omitted with use_beam_search=true",
                            "best_of")
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    # By type too: completions' logprobs=0 asks for the sampled token's logprob, though
+    # 0 == False (chat's logprobs=false is neutral).
+    return any(type(value) is type(n) and value == n for n in neutral)
 
 
 class BeamServing:

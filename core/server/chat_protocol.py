@@ -4,11 +4,12 @@ it shares with /v1/completions are ``protocol._Common``'s."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, is_valid_unicode
 from cadence.server.protocol import RequestError, _Common
 from cadence.server.tools import NamedToolChoice, ToolCallIn, ToolDef, constraint
 from cadence.structured_output.params import StructuredOutputsParams
@@ -40,6 +41,8 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:  # templates that know a speaker's name use it, as in vLLM
+            out["name"] = self.name
         return out
 
 
@@ -76,6 +79,10 @@ class ChatCompletionRequest(_Common):
                                    f"{self.top_logprobs}", "top_logprobs")
 
     def _check_tools(self) -> None:
+        if self.tools and not is_valid_unicode(json.dumps(
+                [t.model_dump() for t in self.tools], ensure_ascii=False)):
+            raise RequestError("tools must be valid Unicode text (it has a lone surrogate)",
+                               "tools")
         names = [t.function.name for t in self.tools or ()]
         if any(not n for n in names) or len(set(names)) != len(names):
             raise RequestError("tools must have non-empty, distinct function names",
@@ -111,6 +118,16 @@ class ChatCompletionRequest(_Common):
             raise RequestError(f"tool_choice {self.tool_choice_name!r} constrains the output "
                                f"already; drop {self.structured_field}", "tool_choice")
         return tool
+
+    @property
+    def structured_field(self) -> str:
+        """As the base's, but a grammar built from the tools (tool_choice "required" or a
+        named function) is theirs: its errors name ``tools``."""
+        asked = super().structured_field
+        if getattr(self, asked, None) is None and self.tools and \
+                self.effective_tool_choice not in ("auto", "none"):
+            return "tools"
+        return asked
 
     @property
     def requested_max_tokens(self) -> int | None:

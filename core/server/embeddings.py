@@ -18,6 +18,7 @@ from cadence.pooling import PoolingParams
 from cadence.request_intake import truncate_prompt, truncate_text_prompt
 from cadence.sampling_params import FieldError
 from cadence.server.chat_protocol import ChatMessage
+from cadence.server.limits import check_request_count
 from cadence.server.protocol import RequestError
 from cadence.server.serving import check_unicode, render_messages
 
@@ -173,12 +174,3 @@ def encode(vec: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vec
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
-
-
-def check_request_count(engine: Any, count: int, field: str) -> None:
-    """Refuse (400) a body that needs more requests at once than the server takes: a 429
-    would ask the client to retry what can never fit."""
-    limit = getattr(engine, "max_pending_requests", None)
-    if limit is not None and count > limit:
-        raise RequestError(f"{field} needs {count} requests at once; this server takes at most "
-                           f"{limit} (--max-pending-requests)", field)

@@ -225,3 +225,12 @@ class Deadline:
                 except StopAsyncIteration:
                     return
                 yield event
+
+
+def check_request_count(engine: Any, count: int, field: str) -> None:
+    """Refuse (400) a body that needs more requests at once than the server takes: a 429
+    would ask the client to retry what can never fit."""
+    limit = getattr(engine, "max_pending_requests", None)
+    if limit is not None and count > limit:
+        raise RequestError(f"{field} needs {count} requests at once; this server takes at most "
+                           f"{limit} (--max-pending-requests)", field)

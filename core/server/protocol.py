@@ -175,9 +175,9 @@ class _Common(BaseModel):
         for key, bias in self.logit_bias.items():
             token = token_id_key(key)
             if token is None:
-                raise RequestError(f"logit_bias keys must be token ids (strings of digits "
-                                   f"without leading zeros, such as \"50256\"), got "
-                                   f"{key[:40]!r}", "logit_bias")
+                raise RequestError(f"logit_bias keys must be token ids (strings of at most "
+                                   f"18 digits without leading zeros, such as \"50256\"), "
+                                   f"got {key[:40]!r}", "logit_bias")
             out[token] = bias
         return out
 

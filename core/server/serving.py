@@ -19,7 +19,7 @@ from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
 from cadence.server.chat_protocol import ChatCompletionRequest, ChatMessage
 from cadence.server.chat_reply import ChatReply
-from cadence.server.limits import ServerLimits
+from cadence.server.limits import ServerLimits, check_request_count
 from cadence.server.protocol import CompletionRequest, RequestError
 
 
@@ -151,6 +151,7 @@ class OpenAIServing:
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
                      ) -> list[RequestStream]:
         """Queue every prompt at once, or none: one prompt's error aborts the others."""
+        check_request_count(self.engine, len(inputs), "prompt")
         base = uuid.uuid4().hex
         try:
             lora = self.check_model(req.model)

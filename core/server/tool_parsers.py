@@ -188,7 +188,11 @@ class PythonicToolParser(ToolParser):
             if not isinstance(tree, ast.List) or not tree.elts:
                 return text, []
             calls = [self._call(node) for node in tree.elts]
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            # Not literals (a name, a **kwargs), literals JSON has no form for (a set,
+            # bytes, a complex number, inf, a dict keyed by tuples), or unhashable keys
+            # (TypeError from literal_eval): the reply is plain content, like any text
+            # that does not parse as calls.
             return text, []
         return None, calls
 
@@ -199,7 +203,7 @@ class PythonicToolParser(ToolParser):
         args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
         if None in args:
             raise ValueError("**kwargs")
-        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))
 
     def streamable(self, text: str) -> int:
         return 0 if _may_open_with(text, ("[", self.TAGS[0])) else len(text)

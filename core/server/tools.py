@@ -117,7 +117,11 @@ def calls_from_constrained(choice: str | NamedToolChoice, text: str) -> list[Too
     """The calls of a reply constrained by ``constraint`` (it parses by construction; a
     reply cut short by max_tokens may not, and then has none)."""
     if isinstance(choice, NamedToolChoice):
-        return [ToolCall(choice.function.name, text)]
+        try:
+            whole = isinstance(json.loads(text), dict)
+        except ValueError:
+            whole = False
+        return [ToolCall(choice.function.name, text)] if whole else []
     try:
         items = json.loads(text)
     except ValueError:
