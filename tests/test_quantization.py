@@ -126,6 +126,27 @@ def test_export_keeps_what_matches_and_says_why_the_rest_stays_fp32(quant_gguf):
     assert ensure_blocks(folder) == where  # once
 
 
+def test_blocks_are_exported_again_when_the_folders_weights_change(quant_gguf):
+    """The blocks stand in for the folder's weights unread (the lean load): weights
+    rewritten in place must not run as the blocks of the old ones."""
+    from safetensors.torch import load_file, save_file
+
+    from cadence.model_source import resolve_model_source
+
+    folder = Path(resolve_model_source(str(quant_gguf)))
+    where = ensure_blocks(str(folder))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert name in json.loads((where / INDEX_FILE).read_text())["formats"]
+    assert ensure_blocks(str(folder)) == where  # unchanged: kept
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(str(file))
+    tensors[name] = tensors[name] * 3
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    index = json.loads((ensure_blocks(str(folder)) / INDEX_FILE).read_text())
+    assert name not in index["formats"]
+    assert index["dense"][name] == "its Q4_1 blocks do not give the converted weight"
+
+
 def test_a_folder_converted_before_the_source_record_gets_one(quant_gguf):
     from cadence.model_source import resolve_model_source
 

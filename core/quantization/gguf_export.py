@@ -11,6 +11,7 @@ in fp32 and is listed in the index with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -126,8 +127,8 @@ def export_blocks(gguf_file: str | Path, folder: str | Path) -> Path:
         if tensors:
             save_file(tensors, str(tmp / TENSORS_FILE))
         (tmp / INDEX_FILE).write_text(json.dumps(
-            {"source": str(gguf_file), "formats": formats,
-             "dense": dense}, indent=1))
+            {"source": str(gguf_file), "formats": formats, "dense": dense,
+             "folder_files": folder_files(folder)}, indent=1))
         try:
             os.rename(tmp, target)  # atomic: a concurrent exporter either wins or finds it done
         except OSError:
@@ -157,12 +158,46 @@ def gguf_source(folder: str | Path) -> Path | None:
     return None
 
 
+def _recorded_files(index: Path) -> dict | None:
+    try:
+        return json.loads(index.read_text()).get("folder_files")
+    except (OSError, ValueError):
+        return None
+
+
+def folder_files(folder: str | Path) -> dict[str, list[int]]:
+    """The folder's safetensors files, each with its size and modification time: what the
+    blocks were checked against when they were exported."""
+    from cadence.model_loader import safetensors_files
+
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns]
+            for f in map(Path, safetensors_files(str(folder)))}
+
+
 def ensure_blocks(folder: str) -> Path:
     """``folder``'s exported blocks, exporting them on first use; ValueError when ``folder``
-    was not converted from a GGUF file."""
+    was not converted from a GGUF file.
+
+    The blocks stand in for the folder's weights without being read against them again
+    (weights.load_with_gguf_blocks), so blocks exported from other weights than the
+    folder's own now (its safetensors rewritten in place, or an export recorded before the
+    record existed) are exported again."""
     target = blocks_dir(folder)
-    if (target / INDEX_FILE).is_file():
-        return target
+    index = target / INDEX_FILE
+    if index.is_file():
+        now, recorded = folder_files(folder), _recorded_files(index)
+        if recorded == now:
+            return target
+        logger.warning("the blocks in %s %s; exporting them again", target,
+                       f"were exported from other weights than {folder} holds now"
+                       if recorded else "carry no record of the weights they were checked "
+                       "against (an older export)")
+        stale = Path(tempfile.mkdtemp(prefix=f".{BLOCKS_DIR}-stale-", dir=folder))
+        # Looked at again just before: another process may have exported them afresh.
+        if _recorded_files(index) != now:
+            with contextlib.suppress(OSError):  # or moved them away first
+                os.rename(target, stale / BLOCKS_DIR)
+        shutil.rmtree(stale, ignore_errors=True)
     source = gguf_source(folder)
     if source is None:
         raise ValueError(f"--quantization gguf runs a GGUF file's weights in their own blocks, "
