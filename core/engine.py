@@ -316,9 +316,11 @@ class LLMEngine:
 
     def after_interrupt(self) -> list[RequestOutput]:
         """Call when a ``KeyboardInterrupt`` (or another ``BaseException`` that is not an
-        ``Exception``) has left ``step()``, after aborting the requests it was running.
-        The steps still in flight are dropped (``Backend.discard_in_flight``): their
-        samples would otherwise be read as a later step's. A backend that stopped its
+        ``Exception``) has left ``step()``, after aborting the requests it was running that
+        the caller no longer wants (``LLM`` aborts its call's). The steps still in flight
+        are dropped (``Backend.discard_in_flight``): their samples would otherwise be read
+        as a later step's; the engine takes back its advance of them, so a request kept
+        computes those tokens again. A backend that stopped its
         worker because the interrupt cut their exchange short is restarted before the next
         step runs, rather than failing its requests (``StepGuard.after_interrupt``).
         Returns the final outputs of the requests that ended."""

@@ -64,6 +64,33 @@ def test_ctrl_c_in_process_aborts_the_call(model, clean, async_scheduling, overl
         llm.shutdown()
 
 
+@pytest.mark.parametrize("at", [3, 4, 6])
+def test_requests_an_engine_keeps_past_an_interrupt_finish_as_if_never_interrupted(
+        model, clean, at):  # noqa: F811
+    """``LLMEngine`` used directly, async scheduling: the caller keeps its requests after
+    ``after_interrupt``; the step in flight was dropped, its advance is undone, and every
+    request ends with the tokens of a run that was never interrupted."""
+    llm = make_llm(model, num_kv_blocks=64, async_scheduling=True)
+    try:
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        calls = _interrupt_call(engine.backend, "collect", at)
+        finals = {}
+        while engine.has_unfinished_requests():
+            try:
+                outs = engine.step()
+            except KeyboardInterrupt:
+                outs = engine.after_interrupt()
+            finals.update({o.request_id: o for o in outs if o.finished})
+        assert calls[0] > at
+        assert {PROMPTS[int(r)]: list(o.outputs[0].token_ids) for r, o in finals.items()} \
+            == {p: list(t) for p, t in clean.items()}
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_ctrl_c_between_exchanges_drains_the_workers_without_a_restart(
         model, clean, ranks):  # noqa: F811

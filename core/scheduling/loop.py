@@ -121,7 +121,11 @@ class AsyncSchedulingLoop:
         return e._finish_step()
 
     def discard(self) -> None:
-        """Forget the steps in flight: the backend lost them (a lost worker is restarted)."""
+        """Forget the steps in flight, which the backend dropped (an interrupt,
+        ``LLMEngine.after_interrupt``): the advance of the one advanced is undone, so a
+        request kept past the interrupt computes those tokens again."""
+        for step in self.in_flight:
+            _undo(step)
         self.in_flight.clear()
 
     def flush(self) -> None:
@@ -212,11 +216,7 @@ class AsyncSchedulingLoop:
                 return
             except Exception:  # noqa: BLE001, S110  # expected: it had no samples to read
                 pass
-        for req in failed.placeholders:
-            req.num_output_placeholders -= 1
-        for sr in failed.advanced:
-            if sr.request.status is RequestStatus.RUNNING:
-                sr.request.num_computed_tokens -= sr.num_new_tokens
+        _undo(failed)
         self._rerun(failed.plan)
 
     def _rerun(self, plan: StepPlan) -> None:
@@ -224,6 +224,17 @@ class AsyncSchedulingLoop:
         # request that commit's stop string ends is not run again.
         finalize_pending(self.engine)
         rerun_alone(self.engine, plan)
+
+
+def _undo(step: InFlightStep) -> None:
+    """Take back ``_advance``: the step's samples will never be read."""
+    for req in step.placeholders:
+        req.num_output_placeholders -= 1
+    for sr in step.advanced:
+        if sr.request.status is RequestStatus.RUNNING:
+            sr.request.num_computed_tokens -= sr.num_new_tokens
+    step.placeholders.clear()
+    step.advanced.clear()
 
 
 # Shared with the pipeline loop (pipeline.py).

@@ -219,7 +219,11 @@ class PipelineLoop:
         return e._finish_step()
 
     def discard(self) -> None:
-        """Forget the micro-batches in flight: the backend lost them."""
+        """Forget the micro-batches in flight, which the backend dropped (an interrupt,
+        ``LLMEngine.after_interrupt``): their requests go back to where their chunks began,
+        so one kept past the interrupt computes them again."""
+        for batch in self.in_flight:
+            self.engine.scheduler.roll_back(batch.plan)
         self.in_flight.clear()
         self.engine.scheduler.forget_in_flight()
 
