@@ -270,3 +270,31 @@ def test_int8_mixture_of_experts_runs_its_routed_experts_dense(tokenizer_dir, tm
         assert_same_as(want, got)
     finally:
         llm.shutdown()
+
+
+def test_a_family_that_converts_its_tensors_runs_compressed_in_fp16(tokenizer_dir, tmp_path,
+                                                                    monkeypatch) -> None:
+    """Qwen2-MoE loads the dequantized weights (its experts joined) and checks the packed
+    ones against them: in the model's 16-bit dtype they are the values rounded, and still
+    match; its attention and shared expert run compressed, with the tokens of the
+    dequantized model."""
+    from family_factory import build_family_model
+
+    from cadence.testing.helpers import assert_same_tokens
+    from cadence.testing.packed_checkpoint import write_packed
+
+    source = build_family_model("qwen2_moe", tmp_path / "src", tokenizer_dir)
+    # Groups of 16: the shared expert's 80 inputs are no whole groups of 32.
+    packed, plain = write_packed(source, tmp_path, "awq", group=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True)
+    outs = []
+    for model in (packed, plain):
+        llm = _cuda_llm(model, monkeypatch, dtype="float16")
+        try:
+            outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+            if model == packed:
+                info = llm.engine.backend.env_info()
+                assert info.get("cuda_quantized_linears", "").endswith("at 8 bits"), info
+        finally:
+            llm.shutdown()
+    assert_same_tokens(outs[0], outs[1], 0.05, "fp16 AWQ vs its dequantized weights")

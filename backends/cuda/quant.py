@@ -89,8 +89,10 @@ def _quantized_linears(model: nn.Module):
 
 
 def _dense(module: Linear) -> None:
-    with torch.no_grad():
-        module.weight.copy_(module.quantized.dequantize())
+    # A weight of its own, not a copy into the one it has: a tied head's is the embedding
+    # table, which the lookup reads as the checkpoint holds it.
+    module.weight = nn.Parameter(module.quantized.dequantize().to(module.weight.dtype),
+                                 requires_grad=False)
     del module.quantized
 
 

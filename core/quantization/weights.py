@@ -232,8 +232,11 @@ def attach_blocks(model: nn.Module, weights: dict[str, QuantizedWeight], what: s
                            "start and end on whole blocks; it stays fp32", what, module_name)
             continue
         weight = _stack(parts)
-        if weight.shape != module.weight.shape or (verify and not torch.equal(
-                weight.dequantize(), module.weight.detach())):
+        # Checked in the weight's dtype: a 16-bit model holds the dequantized values rounded
+        # to it (the CUDA backend's bf16 and fp16; fp32 elsewhere, where this is exact).
+        dense = module.weight.detach()
+        if weight.shape != dense.shape or (verify and not torch.equal(
+                weight.dequantize().to(dense.dtype), dense)):
             logger.warning("%s blocks for %s do not give its weight; it stays fp32", what,
                            module_name)
             continue

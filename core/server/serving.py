@@ -271,7 +271,10 @@ class OpenAIServing:
 
 
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    text = json.dumps(payload, ensure_ascii=False)
+    if not is_valid_unicode(text):  # escaped, it still goes out rather than cutting the stream
+        text = json.dumps(payload)
+    return f"data: {text}\n\n"
 
 
 def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,

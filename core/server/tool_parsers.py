@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from cadence.sampling_params import is_valid_unicode
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -74,8 +76,18 @@ def call_from(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str)
-                    else json.dumps(args, ensure_ascii=False))
+    try:
+        call = ToolCall(obj["name"], args if isinstance(args, str)
+                        else json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:  # NaN or an infinity: no JSON form
+        return None
+    return call if _sendable(call) else None
+
+
+def _sendable(call: ToolCall) -> bool:
+    """Whether the call can go out as JSON text: an escape the model wrote ("\\ud800")
+    decodes to a lone surrogate, which no UTF-8 body can carry; such a reply is content."""
+    return is_valid_unicode(call.name) and is_valid_unicode(call.arguments)
 
 
 class HermesToolParser(ToolParser):
@@ -203,7 +215,10 @@ class PythonicToolParser(ToolParser):
         args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
         if None in args:
             raise ValueError("**kwargs")
-        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))
+        call = ToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))
+        if not _sendable(call):
+            raise ValueError("a lone surrogate")
+        return call
 
     def streamable(self, text: str) -> int:
         return 0 if _may_open_with(text, ("[", self.TAGS[0])) else len(text)

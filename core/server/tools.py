@@ -184,6 +184,10 @@ class ToolStream:
         """The last delta of sample ``index`` (the content held back, the calls not sent
         yet) and its finish reason."""
         text, sent = self._text.get(index, ""), self._sent.get(index, 0)
+        if isinstance(self.choice, NamedToolChoice):
+            # Its arguments went out as they came: a call cut short stays one (docs/server.md).
+            calls = [self._named[index]] if index in self._named else []
+            return None, finish_reason_of(self.choice, calls, finish_reason)
         content, calls = reply_of(self.choice, self.parser, text)
         delta: dict[str, Any] = {}
         rest = (content or "")[sent:]
