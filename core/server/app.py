@@ -47,12 +47,19 @@ from cadence.server.lora_routes import LORA_BODIES, install_lora_routes, model_c
 from cadence.server.metrics import make_registry
 from cadence.server.pooling_routes import POOLING_BODIES, install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
+from cadence.server.responses import (
+    ResponsesRequest,
+    response_events,
+    response_field,
+    response_of,
+)
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 # Body fields whose values are JSON objects with keys of the client's choosing.
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/v1/responses": ResponsesRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
            **POOLING_BODIES, **LORA_BODIES}
 
@@ -161,6 +168,23 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
         if req.stream:
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Any:
+        deadline = Deadline.start(limits.request_timeout)
+        try:
+            chat = req.as_chat()
+            inputs = [serving.chat_input(chat)]
+            streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
+                                           else OutputKind.FINAL_ONLY)
+        except RequestError as e:  # named as the Responses body names the field
+            raise RequestError(str(e), response_field(e.param), e.status, e.code) from None
+        model = serving.response_model(chat)
+        if req.stream:
+            return _event_stream(response_events(
+                deadline.stream(serving.chat_events(streams, chat)), req, model))
+        body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
+        return response_of(body, req, model) if isinstance(body, dict) else body
 
     install_pooling_routes(app, engine, serving, limits, _unless_disconnected)
 
