@@ -147,3 +147,21 @@ def test_misuse_is_a_400_naming_the_responses_field(model, body, param, words) -
     assert status == 400, r
     assert r["error"]["param"] is not None and r["error"]["param"].startswith(param), r
     assert words in r["error"]["message"], r
+
+
+def test_a_deadline_mid_stream_ends_it_with_an_error_and_response_failed(model) -> None:  # noqa: F811
+    from test_server_limits import freed
+    from test_server_limits import serve as serve_limited
+
+    async def body(client, engine):
+        r = await client.post("/v1/responses", json={
+            "input": "hello there", "max_output_tokens": 200, "stream": True,
+            "temperature": 0})  # greedy: the same tokens, no EOS, every run
+        assert r.status_code == 200
+        got = _events(r.text)
+        assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
+        assert got[-2]["code"] == "request_timeout"
+        assert got[-1]["response"]["status"] == "failed"
+        await freed(client, engine)
+
+    serve_limited(model, body, slow=True, request_timeout=0.4)

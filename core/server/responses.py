@@ -15,6 +15,7 @@ and ``store`` is accepted but keeps nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -24,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.server.chat_protocol import ChatCompletionRequest
+from cadence.server.limits import DeadlineExceeded
 from cadence.server.protocol import RequestError
 
 # The chat body's fields as a Responses body names them, for the errors they raise.
@@ -299,46 +301,50 @@ async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, mod
     text, reasoning, calls = "", "", []
     msg_id, msg_index = None, 0
     finish, usage = None, None
-    try:
-        async for raw in chunks:
-            data = raw.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                delta = choice.get("delta") or {}
-                reasoning += delta.get("reasoning_content") or ""
-                for call in delta.get("tool_calls") or ():
-                    _merge_call(calls, call)
-                finish = choice.get("finish_reason") or finish
-                piece = delta.get("content")
-                if not piece:
-                    continue
-                if msg_id is None:
-                    if reasoning:  # the thinking is over once the answer starts
-                        for e in _whole_item(event, resp, reasoning_item(reasoning)):
-                            yield e
-                        reasoning = ""
-                    msg_id, msg_index = _id("msg"), len(resp.output)
-                    resp.output.append(None)  # its place; the item is whole at the end
-                    yield event("response.output_item.added", output_index=msg_index,
-                                item=message_item("", "in_progress", msg_id))
-                    yield event("response.content_part.added", item_id=msg_id,
-                                output_index=msg_index, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                text += piece
-                yield event("response.output_text.delta", item_id=msg_id,
-                            output_index=msg_index, content_index=0, delta=piece,
-                            logprobs=[])
-    except Exception as e:  # noqa: BLE001  # a deadline or a failed request: said in-stream
-        timed_out = type(e).__name__ == "DeadlineExceeded"
-        yield event("error", code="request_timeout" if timed_out else "server_error",
-                    message=str(e), param=None)
-        resp.status = "failed"
-        resp.output = [o for o in resp.output if o is not None]
-        yield event("response.failed", response=resp.obj())
-        return
+    # Closed on the way out whatever happens (a client gone closes this generator):
+    # closing the chat stream aborts its request.
+    async with contextlib.aclosing(chunks):
+        try:
+            async for raw in chunks:
+                data = raw.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    delta = choice.get("delta") or {}
+                    reasoning += delta.get("reasoning_content") or ""
+                    for call in delta.get("tool_calls") or ():
+                        _merge_call(calls, call)
+                    finish = choice.get("finish_reason") or finish
+                    piece = delta.get("content")
+                    if not piece:
+                        continue
+                    if msg_id is None:
+                        if reasoning:  # the thinking is over once the answer starts
+                            for e in _whole_item(event, resp, reasoning_item(reasoning)):
+                                yield e
+                            reasoning = ""
+                        msg_id, msg_index = _id("msg"), len(resp.output)
+                        resp.output.append(None)  # its place; the item is whole at the end
+                        yield event("response.output_item.added", output_index=msg_index,
+                                    item=message_item("", "in_progress", msg_id))
+                        yield event("response.content_part.added", item_id=msg_id,
+                                    output_index=msg_index, content_index=0,
+                                    part={"type": "output_text", "text": "",
+                                          "annotations": []})
+                    text += piece
+                    yield event("response.output_text.delta", item_id=msg_id,
+                                output_index=msg_index, content_index=0, delta=piece,
+                                logprobs=[])
+        except Exception as e:  # noqa: BLE001  # a deadline or a failed request: said in-stream
+            timed_out = isinstance(e, DeadlineExceeded)
+            yield event("error", code="request_timeout" if timed_out else "server_error",
+                        message=str(e), param=None)
+            resp.status = "failed"
+            resp.output = [o for o in resp.output if o is not None]
+            yield event("response.failed", response=resp.obj())
+            return
     if reasoning:  # thinking with no answer after it
         for e in _whole_item(event, resp, reasoning_item(reasoning)):
             yield e
