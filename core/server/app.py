@@ -32,6 +32,7 @@ from cadence.async_engine import (
 )
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
+from cadence.server.anthropic import MessagesRequest, message_events, message_of, messages_field
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.errors import error_body, error_response
@@ -59,7 +60,7 @@ from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize
 # Body fields whose values are JSON objects with keys of the client's choosing.
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/v1/responses": ResponsesRequest,
+           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
            **POOLING_BODIES, **LORA_BODIES}
 
@@ -185,6 +186,23 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
                 deadline.stream(serving.chat_events(streams, chat)), req, model))
         body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
         return response_of(body, req, model) if isinstance(body, dict) else body
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request) -> Any:
+        deadline = Deadline.start(limits.request_timeout)
+        try:
+            chat = req.as_chat()
+            inputs = [serving.chat_input(chat)]
+            streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
+                                           else OutputKind.FINAL_ONLY)
+        except RequestError as e:  # named as the Messages body names the field
+            raise RequestError(str(e), messages_field(e.param), e.status, e.code) from None
+        model = serving.response_model(chat)
+        if req.stream:
+            return _event_stream(message_events(
+                deadline.stream(serving.chat_events(streams, chat)), model))
+        body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
+        return message_of(body, model) if isinstance(body, dict) else body
 
     install_pooling_routes(app, engine, serving, limits, _unless_disconnected)
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.limits import DeadlineExceeded
 from cadence.server.protocol import RequestError
+from cadence.server.tools import merge_call_delta
 
 # The chat body's fields as a Responses body names them, for the errors they raise.
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -315,7 +316,7 @@ async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, mod
                     delta = choice.get("delta") or {}
                     reasoning += delta.get("reasoning_content") or ""
                     for call in delta.get("tool_calls") or ():
-                        _merge_call(calls, call)
+                        merge_call_delta(calls, call)
                     finish = choice.get("finish_reason") or finish
                     piece = delta.get("content")
                     if not piece:
@@ -381,14 +382,3 @@ def _whole_item(event: Any, resp: ResponseBuilder, item: dict) -> list[str]:
                   item={**item, "status": "in_progress"}),
             event("response.output_item.done", output_index=index, item=item)]
 
-
-def _merge_call(calls: list[dict], delta: dict) -> None:
-    """A chat stream's tool-call delta into the calls gathered so far (by index)."""
-    i = delta.get("index", 0)
-    while len(calls) <= i:
-        calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-    call = calls[i]
-    call["id"] = delta.get("id") or call["id"]
-    fn = delta.get("function") or {}
-    call["function"]["name"] = fn.get("name") or call["function"]["name"]
-    call["function"]["arguments"] += fn.get("arguments") or ""

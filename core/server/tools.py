@@ -196,3 +196,16 @@ class ToolStream:
         if calls and index not in self._named:
             delta["tool_calls"] = [c.as_json(i) for i, c in enumerate(calls)]
         return delta or None, finish_reason_of(self.choice, calls, finish_reason)
+
+
+def merge_call_delta(calls: list[dict], delta: dict) -> None:
+    """A chat stream's tool-call delta into the calls gathered so far, by their ``index``
+    (the Responses and Messages streams send each call whole)."""
+    i = delta.get("index", 0)
+    while len(calls) <= i:
+        calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+    call = calls[i]
+    call["id"] = delta.get("id") or call["id"]
+    fn = delta.get("function") or {}
+    call["function"]["name"] = fn.get("name") or call["function"]["name"]
+    call["function"]["arguments"] += fn.get("arguments") or ""

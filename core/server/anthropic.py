@@ -1,0 +1,294 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as vLLM and llama.cpp's server serve
+it, on top of the chat endpoint's machinery (the same way as ``responses.py``).
+
+The body maps onto a ``ChatCompletionRequest``: ``system`` becomes a system message,
+``messages`` (text, ``tool_use`` and ``tool_result`` blocks) the chat messages they stand
+for, ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` the sampling
+fields, and ``tools``/``tool_choice`` the chat's function tools. The reply comes back as a
+``message`` with ``text``, ``thinking`` (with a reasoning parser) and ``tool_use`` content
+blocks and Anthropic's ``stop_reason``; streamed, as Anthropic's events (``message_start``,
+``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cadence.server.chat_protocol import ChatCompletionRequest
+from cadence.server.limits import DeadlineExceeded
+from cadence.server.protocol import RequestError
+from cadence.server.tools import merge_call_delta
+
+# The chat body's fields as a Messages body names them, for the errors they raise.
+_FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+_STOP = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a hint for Anthropic's cache: no meaning here
+
+
+class ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(BaseModel):
+    """An earlier reply's thinking, sent back: templates drop it, so it is not rendered."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(BaseModel):
+    """The fields of Anthropic's Messages body cadence serves; any other is a 400 naming
+    it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat body that runs this request; a 400 naming the Messages field."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens}",
+                               "max_tokens")
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise RequestError("thinking budgets are not served: a reasoning model thinks as "
+                               "its chat template says, and its thinking comes back as a "
+                               "thinking block with the server's --reasoning-parser",
+                               "thinking")
+        messages: list[dict] = []
+        if self.system is not None:
+            system = self.system if isinstance(self.system, str) else \
+                "".join(b.text for b in self.system)
+            messages.append({"role": "system", "content": system})
+        for m in self.messages:
+            messages.extend(_chat_messages(m))
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+            "stop": self.stop_sequences, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.input_schema}}
+                for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            if choice.type == "tool":
+                if not choice.name:
+                    raise RequestError("tool_choice of type tool needs the tool's name",
+                                       "tool_choice")
+                body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            else:
+                body["tool_choice"] = {"auto": "auto", "any": "required",
+                                       "none": "none"}[choice.type]
+            if choice.disable_parallel_tool_use:
+                body["parallel_tool_calls"] = False
+        try:
+            return ChatCompletionRequest.model_validate(
+                {k: v for k, v in body.items() if v is not None})
+        except ValueError as e:  # pydantic's, on a value the chat body refuses
+            raise RequestError(f"messages: {e}", "messages") from None
+
+
+def _chat_messages(m: Message) -> list[dict]:
+    """The chat messages of one Messages turn: a user turn's tool results become ``tool``
+    messages (before its text), an assistant turn's tool uses its ``tool_calls``."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+    if m.role == "assistant":
+        calls = [{"id": b.id, "type": "function", "function": {
+            "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+            for b in m.content if isinstance(b, ToolUseBlock)]
+        msg: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            msg["tool_calls"] = calls
+        return [msg]
+    out: list[dict] = []
+    for b in m.content:
+        if isinstance(b, ToolResultBlock):
+            content = b.content if isinstance(b.content, str) else \
+                "".join(t.text for t in b.content)
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+        elif isinstance(b, ToolUseBlock):
+            raise RequestError("a user turn cannot hold tool_use blocks", "messages")
+    if text or not out:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def messages_field(param: str | None) -> str | None:
+    """A chat body's field as the Messages body names it."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return _FIELDS.get(head, head) + dot + rest
+
+
+def _stop_reason(finish: str | None, stop: Any, calls: bool) -> tuple[str, str | None]:
+    """(Anthropic's stop_reason, stop_sequence) of a chat finish; a reply with calls ends
+    in ``tool_use``, a forced one too (the chat endpoint says ``stop`` for that, as OpenAI)."""
+    if finish == "stop" and isinstance(stop, str):
+        return "stop_sequence", stop
+    if calls and finish != "length":
+        return "tool_use", None
+    return _STOP.get(finish or "stop", "end_turn"), None
+
+
+def _tool_use(call: dict) -> dict:
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": call["function"]["name"], "input": args if isinstance(args, dict) else {}}
+
+
+def message_of(chat: dict, model: str) -> dict:
+    """A whole Messages reply from a whole chat completion."""
+    (choice,) = chat["choices"]
+    msg = choice["message"]
+    content: list[dict] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
+                        "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    content += [_tool_use(c) for c in msg.get("tool_calls") or ()]
+    reason, sequence = _stop_reason(choice["finish_reason"], choice.get("stop_reason"),
+                                    bool(msg.get("tool_calls")))
+    usage = chat.get("usage") or {}
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+            "model": model, "content": content, "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": {"input_tokens": usage.get("prompt_tokens", 0),
+                      "output_tokens": usage.get("completion_tokens", 0)}}
+
+
+async def message_events(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
+    """Anthropic's event stream from the chat endpoint's chunks (server-sent events)."""
+    def event(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+               "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": 0, "output_tokens": 0}}
+    yield event("message_start", message=message)
+    open_kind, index = None, -1  # the content block being streamed
+    calls: list[dict] = []
+    finish, stop, usage = None, None, {}
+    async with contextlib.aclosing(chunks):
+        try:
+            async for raw in chunks:
+                data = raw.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    delta = choice.get("delta") or {}
+                    for kind, key, field in (("thinking", "reasoning_content", "thinking"),
+                                             ("text", "content", "text")):
+                        piece = delta.get(key)
+                        if not piece:
+                            continue
+                        if open_kind != kind:
+                            if open_kind is not None:
+                                yield event("content_block_stop", index=index)
+                            open_kind, index = kind, index + 1
+                            block = {"type": kind, kind: ""} if kind == "thinking" \
+                                else {"type": "text", "text": ""}
+                            yield event("content_block_start", index=index,
+                                        content_block=block)
+                        yield event("content_block_delta", index=index,
+                                    delta={"type": f"{kind}_delta", field: piece})
+                    for call in delta.get("tool_calls") or ():
+                        merge_call_delta(calls, call)
+                    if choice.get("finish_reason"):
+                        finish, stop = choice["finish_reason"], choice.get("stop_reason")
+        except Exception as e:  # noqa: BLE001  # a deadline or a failed request: said in-stream
+            kind = "timeout_error" if isinstance(e, DeadlineExceeded) else "api_error"
+            yield event("error", error={"type": kind, "message": str(e)})
+            return
+    if open_kind is not None:
+        yield event("content_block_stop", index=index)
+    for call in calls:
+        index += 1
+        block = _tool_use(call)
+        yield event("content_block_start", index=index,
+                    content_block={**block, "input": {}})
+        yield event("content_block_delta", index=index, delta={
+            "type": "input_json_delta", "partial_json": json.dumps(block["input"],
+                                                                   ensure_ascii=False)})
+        yield event("content_block_stop", index=index)
+    reason, sequence = _stop_reason(finish, stop, bool(calls))
+    yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                usage={"input_tokens": usage.get("prompt_tokens", 0),
+                       "output_tokens": usage.get("completion_tokens", 0)})
+    yield event("message_stop")
+

@@ -1,0 +1,135 @@
+"""Anthropic's Messages API (core/server/anthropic.py): the chat endpoint's conversation
+reshaped into a ``message`` or Anthropic's event stream; tool use and tool results rendered
+as the chat messages they stand for; stop reasons; misuse a 400 naming the Messages field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
+pytest.importorskip("fastapi", reason="the server tests need the server extra")
+
+from test_server_responses import _post
+from test_server_tools import (  # noqa: F401  (fixtures)
+    HISTORY,
+    USER,
+    WEATHER,
+    _constrained,
+    model,
+    model_rendering_tools,
+)
+
+
+def _anthropic_events(text: str) -> list[dict]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        payload = json.loads(lines["data"])
+        assert payload["type"] == lines["event"]
+        out.append(payload)
+    return out
+
+
+def test_a_message_is_the_chat_reply_reshaped(model) -> None:  # noqa: F811
+    chat = {"messages": [{"role": "system", "content": "be brief"}, *USER], "max_tokens": 6,
+            "temperature": 0}
+    msg = {"system": [{"type": "text", "text": "be brief"}], "max_tokens": 6,
+           "temperature": 0, "messages": [{"role": "user", "content": [
+               {"type": "text", "text": USER[0]["content"]}]}]}
+    [(s1, c), (s2, m), (s3, streamed)] = _post(
+        model, ("/v1/chat/completions", chat), ("/v1/messages", msg),
+        ("/v1/messages", {**msg, "stream": True}))
+    assert (s1, s2, s3) == (200, 200, 200), (c, m)
+    choice = c["choices"][0]
+    text = choice["message"]["content"]
+    assert m["type"] == "message" and m["role"] == "assistant" and m["id"].startswith("msg_")
+    assert m["content"] == [{"type": "text", "text": text}]
+    assert m["usage"] == {"input_tokens": c["usage"]["prompt_tokens"],
+                          "output_tokens": c["usage"]["completion_tokens"]}
+    assert m["stop_reason"] == ("max_tokens" if choice["finish_reason"] == "length"
+                                else "end_turn")
+    events = _anthropic_events(streamed)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e["delta"]["text"] for e in events
+                   if e["type"] == "content_block_delta") == text
+    assert events[-2]["delta"]["stop_reason"] == m["stop_reason"]
+    assert events[-2]["usage"] == m["usage"]
+
+
+def test_a_stop_sequence_is_named(model) -> None:  # noqa: F811
+    base = {"max_tokens": 12, "temperature": 0, "messages": USER}
+    [(_, whole)] = _post(model, ("/v1/messages", base))
+    text = whole["content"][0]["text"]
+    stop = text[3:5]
+    [(status, m)] = _post(model, ("/v1/messages", {**base, "stop_sequences": [stop]}))
+    assert status == 200, m
+    assert m["stop_reason"] == "stop_sequence" and m["stop_sequence"] == stop
+    assert m["content"][0]["text"] == text[:text.index(stop)]
+
+
+def test_tool_use_and_results_are_the_chat_messages_they_stand_for(
+        model_rendering_tools) -> None:  # noqa: F811
+    user, call, answer = HISTORY[0], HISTORY[1]["tool_calls"][0], HISTORY[2]
+    turns = [{"role": "user", "content": user["content"]},
+             {"role": "assistant", "content": [{
+                 "type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                 "input": json.loads(call["function"]["arguments"])}]},
+             {"role": "user", "content": [{"type": "tool_result",
+                                           "tool_use_id": answer["tool_call_id"],
+                                           "content": answer["content"]}]}]
+    tools = [{"name": WEATHER["function"]["name"],
+              "description": WEATHER["function"]["description"],
+              "input_schema": WEATHER["function"]["parameters"]}]
+    [(s1, c), (s2, m)] = _post(
+        model_rendering_tools,
+        ("/v1/chat/completions", {"messages": HISTORY, "tools": [WEATHER],
+                                  "tool_choice": "none", "max_tokens": 2}),
+        ("/v1/messages", {"messages": turns, "tools": tools, "tool_choice": {"type": "none"},
+                          "max_tokens": 2}))
+    assert (s1, s2) == (200, 200), (c, m)
+    assert m["usage"]["input_tokens"] == c["usage"]["prompt_tokens"]
+
+
+def test_a_forced_tool_is_a_tool_use_block(model) -> None:  # noqa: F811
+    _constrained()
+    body = {"messages": USER, "max_tokens": 40, "temperature": 0,
+            "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+    [(status, m), (sstatus, streamed)] = _post(model, ("/v1/messages", body),
+                                               ("/v1/messages", {**body, "stream": True}))
+    assert (status, sstatus) == (200, 200), m
+    (block,) = m["content"]
+    assert block["type"] == "tool_use" and block["name"] == "get_weather"
+    assert isinstance(block["input"]["city"], str) and m["stop_reason"] == "tool_use"
+    events = _anthropic_events(streamed)
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta")
+    assert json.loads(partial) == block["input"]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"max_tokens": 10**6}, "max_tokens", ""),
+    ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking", ""),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice", "name"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages", ""),
+    ({"temperature": -1}, "temperature", ""),
+])
+def test_misuse_is_a_400_naming_the_messages_field(model, body, param, words) -> None:  # noqa: F811
+    [(status, r)] = _post(model, ("/v1/messages", {"messages": USER, "max_tokens": 4,
+                                                   **body}))
+    assert status == 400, r
+    assert r["error"]["param"] is not None and r["error"]["param"].startswith(param), r
+    assert words in r["error"]["message"], r
+
+
+def test_max_tokens_is_required(model) -> None:  # noqa: F811
+    [(status, r)] = _post(model, ("/v1/messages", {"messages": USER}))
+    assert status == 400 and r["error"]["param"] == "max_tokens", r
