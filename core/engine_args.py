@@ -20,6 +20,7 @@ from cadence.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from cadence.engine_arg_checks import MAX_TIMEOUT_S, check_engine_args
 from cadence.generation_defaults import load_generation_defaults
 from cadence.lora.adapter import check_lora_architecture
 from cadence.lora.config import LoRAConfig
@@ -93,6 +94,9 @@ class EngineArgs:
         from cadence.plugins import get_registry
 
         args = asdict(self)
+        check_engine_args(args)
+        if args["seed"] is None:  # vLLM's: no fixed seed, so one drawn for this engine
+            args["seed"] = int.from_bytes(os.urandom(8), "little") >> 1
         args["model"] = self.resolve_model()
         args["backend_options"] = dict(self.backend_options)
         args.update(extra or {})
@@ -105,19 +109,27 @@ class EngineArgs:
         quantization = resolve_packed(check_quantization(args["quantization"]),
                                       args["model"])
         args["quantization"] = quantization
+        if os.path.isdir(args["model"]):
+            # First: the backends' adjustments below read config.json too, and checks
+            # written for the supported families would fail obscurely on another.
+            check_architecture(args["model"])
+        requested = args["backend"]
+        if requested == "auto":
+            # The plugins' adjustments are those of the backend auto picks (its dtype, its
+            # options); the engine picks it again, saying why.
+            args["backend"] = get_registry().select("auto")[0].name
         get_registry().hook.cadence_configure(config=args)
+        args["backend"] = requested
         model = args["model"]
         if not os.path.isdir(model):
             raise ValueError(f"model path {model!r} does not exist or is not a directory")
-        # First: checks written for the supported families would fail obscurely on another.
-        check_architecture(model)
         from cadence.model_source import check_tokenizer_folder, resolve_model_source
 
         if args["tokenizer"] is not None:
             args["tokenizer"] = resolve_model_source(args["tokenizer"])
         check_tokenizer_folder(args["tokenizer"] or model)
         hf_max_len = _max_position_embeddings(model)
-        max_len = args["max_model_len"] or hf_max_len
+        max_len = hf_max_len if args["max_model_len"] is None else args["max_model_len"]
         longest, why = longest_context(model)
         if longest and max_len > longest:
             raise ValueError(f"max_model_len={max_len} is larger than the model allows: {why}")
@@ -144,8 +156,9 @@ class EngineArgs:
         if args["enable_lora"]:
             lora = LoRAConfig(args["max_loras"], args["max_lora_rank"], args["max_cpu_loras"])
             check_lora_architecture(model)
-        batched = args["max_num_batched_tokens"] or max(8192, max_len if not
-                                                         args["enable_chunked_prefill"] else 0)
+        batched = args["max_num_batched_tokens"]
+        if batched is None:
+            batched = max(8192, max_len if not args["enable_chunked_prefill"] else 0)
         return EngineConfig(
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
                                      generation_defaults=defaults, pooler_config=pooler,
@@ -162,7 +175,9 @@ class EngineArgs:
             disable_async_output_proc=args["disable_async_output_proc"],
             async_scheduling=bool(args["async_scheduling"]),
             backend_options=tuple(sorted(args["backend_options"].items())),
-            fault_config=FaultConfig(float(args["step_timeout"]),
+            # inf, no limit, as the longest wait the OS takes: every wait on a step (select,
+            # poll, joins) is given it as a number.
+            fault_config=FaultConfig(min(float(args["step_timeout"]), MAX_TIMEOUT_S),
                                      int(args["max_worker_restarts"]),
                                      float(args["startup_timeout"])),
             parallel_config=ParallelConfig(

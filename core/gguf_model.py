@@ -102,9 +102,15 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"reading {gguf_file} needs the gguf package: pip install gguf "
                          "(or cadence's default-model extra)")
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    try:  # a cheap read of its header and tensor table (memory-mapped) before transformers
+        gguf.GGUFReader(str(gguf_file))
+    except Exception as e:  # noqa: BLE001  # truncated or damaged: struct, index, value errors
+        raise ValueError(f"{gguf_file} is not a readable GGUF file (truncated or damaged?): "
+                         f"{type(e).__name__}: {e}") from None
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,

@@ -41,7 +41,12 @@ def anonymous_buffer(nbytes: int, huge_pages: bool) -> torch.Tensor:
     written costs no memory (2 MiB at a time on huge pages)."""
     import torch
 
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError) as e:  # more than the address space or the limits allow
+        raise ValueError(f"cannot map {nbytes / (1 << 30):.3g} GiB of memory ({e}); ask for "
+                         "less (on the cpu backend: --cpu-kv-cache-gb or --num-kv-blocks)"
+                         ) from None
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if huge_pages and advice is not None:
         try:

@@ -26,7 +26,10 @@ def check_architecture(model: str) -> None:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError):
         return
-    architectures = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):  # every reader of the file expects an object
+        raise ValueError(f"model {model!r}: config.json must hold a JSON object, got "  # noqa: TRY004
+                         f"{type(cfg).__name__}")
+    architectures = cfg.get("architectures")
     if not isinstance(architectures, list) or not architectures:
         return
     supported = supported_architectures()

@@ -247,3 +247,99 @@ def test_serve_announces_its_address_only_once_listening(monkeypatch, capsys):
         sock.close()
     assert "serving" not in seen["before"]
     assert "cadence: serving on PORT" in seen["after"] and seen["connected"]
+
+
+# ---- mistakes in flags and files: one line naming them, before the model loads -----------
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--cpu-kv-cache-gb", "0"], "--cpu-kv-cache-gb must be a number of GiB > 0"),
+    (["--cpu-kv-cache-gb", "nan"], "--cpu-kv-cache-gb must be"),
+    (["--cpu-kv-cache-gb", "inf"], "--cpu-kv-cache-gb must be"),
+    (["--max-model-len", "0"], "max_model_len must be an integer >= 1"),
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be an integer >= 1"),
+    (["--step-timeout", "1e10"], "step_timeout must be a number of seconds"),
+    (["--dtype", "float16", "--cpu-linear", "packed"], None),
+])
+def test_a_bad_flag_is_one_line_naming_it(model, capsys, flags, words):
+    if words is None:  # only on CPUs without fp16 oneDNN support
+        from cadence.backends.cpu.linear import packed_fp16_available
+
+        if packed_fp16_available():
+            pytest.skip("this CPU runs oneDNN's packed fp16 weights")
+        words = "cpu linear 'packed' in float16 needs"
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST, *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
+
+
+def test_auto_applies_the_options_of_the_backend_it_picks(model, capsys):
+    """--backend auto picks cpu here: its --cpu-* options apply (a KV cache too small for
+    one sequence is refused, as with --backend cpu)."""
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST, "--backend", "auto",
+                 "--cpu-kv-cache-gb", "0.00001"]) == 2
+    assert "the KV cache holds" in capsys.readouterr().err
+
+
+def test_step_timeout_inf_is_no_limit(model, capsys):
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST,
+                 "--step-timeout", "inf"]) == 0
+    assert "finish_reason=length" in capsys.readouterr().out
+
+
+def test_damaged_gguf_and_config_files_are_named(model, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert main(["generate", "--model", str(bad), "--prompt", "x"]) == 2
+    assert "is not a readable GGUF file" in capsys.readouterr().err
+    folder = tmp_path / "list-config"
+    shutil.copytree(model, folder)
+    (folder / "config.json").write_text("[1, 2]")
+    assert main(["generate", "--model", str(folder), "--prompt", "x"]) == 2
+    assert "config.json must hold a JSON object" in capsys.readouterr().err
+
+
+def test_generate_fails_when_a_prompt_fails(model, monkeypatch, capsys):
+    """A request that ends with finish_reason=error makes the exit status non-zero."""
+    from cadence.engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def failing(self):
+        outs = step(self)
+        for out in outs:
+            for c in out.outputs:
+                if c.finished:
+                    c.finish_reason = "error"
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "step", failing)
+    assert main(["generate", "--model", model, "--prompt", "x", *FAST]) == 1
+    assert "error: 1 of 1 prompts failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-pending-requests", "0"], "--max-pending-requests must be >= 1"),
+    (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+])
+def test_serve_refuses_bad_limits_before_loading(model, capsys, flags, words):
+    pytest.importorskip("fastapi", reason="engine serve needs the server extra")
+    assert main(["serve", "--model", model, *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
+
+
+def test_chat_without_a_template_is_refused_at_start(model, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(model, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(folder), *FAST]) == 2
+    assert "has none; use engine generate --prompt" in capsys.readouterr().err

@@ -81,8 +81,11 @@ def cadence_configure(config) -> None:
     opts = config.setdefault("backend_options", {})
     if config.get("cpu_overlap"):
         opts["overlap"] = config["cpu_overlap"]
-    if config.get("cpu_kv_cache_gb"):
-        opts["kv_cache_gb"] = config["cpu_kv_cache_gb"]
+    if config.get("cpu_kv_cache_gb") is not None:
+        gb = config["cpu_kv_cache_gb"]
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb <= 1 << 20:
+            raise ValueError(f"--cpu-kv-cache-gb must be a number of GiB > 0, got {gb!r}")
+        opts["kv_cache_gb"] = gb
     for flag, key in (("cpu_attention", "attention"), ("cpu_linear", "linear"),
                       ("cpu_huge_pages", "huge_pages"),
                       ("cpu_bind", "bind"), ("cpu_reserved_cores", "reserved_cores")):

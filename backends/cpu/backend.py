@@ -138,8 +138,15 @@ class CpuBackend(Backend):
             replica_cpus(self.config.parallel_config, cpus)  # too few cores: say so now
 
     def _kv_cache_bytes(self) -> int:
-        return int(float(self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB))
-                   * (1 << 30))
+        gb = self.config.backend_option("kv_cache_gb", DEFAULT_KV_CACHE_GB)
+        try:
+            value = float(gb)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if isinstance(gb, bool) or not 0 < value <= 1 << 20:  # NaN fails too
+            raise ValueError(f"the cpu backend's kv_cache_gb (--cpu-kv-cache-gb) must be a "
+                             f"number of GiB > 0, got {gb!r}")
+        return int(value * (1 << 30))
 
     def load_model(self) -> None:
         # The model, its packed GEMMs, the KV cache and the attention kernel are built in one

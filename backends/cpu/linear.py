@@ -60,9 +60,29 @@ def packed_bf16_available() -> bool:
     return any(need <= flags for need in _PACKED_BF16_FLAGS)
 
 
+# And its fp16 reorder these (torch's check again): neither Zen 3 nor Zen 4/5 has them.
+_PACKED_FP16_FLAGS = ({"avx512_fp16"}, {"avx_ne_convert"})
+
+
+def packed_fp16_available() -> bool:
+    flags = cpu_info().flags
+    return any(need <= flags for need in _PACKED_FP16_FLAGS)
+
+
+def packed_dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why oneDNN's packed weights cannot run ``dtype`` on this CPU, or None."""
+    if dtype == torch.bfloat16 and not packed_bf16_available():
+        return NO_PACKED_BF16
+    if dtype == torch.float16 and not packed_fp16_available():
+        return NO_PACKED_FP16
+    return None
+
+
 NO_PACKED_BF16 = ("cpu linear 'packed' in bfloat16 needs AVX-512 (avx512bw, avx512vl, "
                    "avx512dq) or AVX-NE-CONVERT, which this CPU lacks; use --cpu-linear torch "
                    "or auto, or --dtype float32")
+NO_PACKED_FP16 = ("cpu linear 'packed' in float16 needs AVX512-FP16 or AVX-NE-CONVERT, which "
+                  "this CPU lacks; use --cpu-linear torch or auto, or --dtype float32")
 
 
 class _PrepackedLinear(nn.Module):
@@ -102,8 +122,9 @@ class PackedLinear(_PrepackedLinear):
     """A ``Linear`` whose weight lives in oneDNN's packed layout; same maths, same rows."""
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        if w.dtype == torch.bfloat16 and not packed_bf16_available():
-            raise ValueError(NO_PACKED_BF16)
+        problem = packed_dtype_problem(w.dtype)
+        if problem is not None:
+            raise ValueError(problem)
         return torch.ops.mkldnn._reorder_linear_weight(w)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:

@@ -146,8 +146,9 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
     if requested == "packed":
         if not kinds.packed_available():
             raise ValueError("cpu linear 'packed' needs torch built with oneDNN (mkldnn)")
-        if dtype == torch.bfloat16 and not kinds.packed_bf16_available():
-            raise ValueError(kinds.NO_PACKED_BF16)
+        problem = kinds.packed_dtype_problem(dtype)
+        if problem is not None:
+            raise ValueError(problem)
         return "packed"
     if dtype == torch.bfloat16 and not cpu_info().has_native_bf16:
         return "torch"  # oneDNN has no fast bf16 path without AVX-512 BF16/AMX
@@ -163,7 +164,8 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         brgemm = None
     info = cpu_info()
     tiled = dtype == torch.float32 and kinds.tiled_ops() is not None
-    candidates = ["torch"] + (["packed"] if kinds.packed_available() else []) + \
+    packed = kinds.packed_available() and kinds.packed_dtype_problem(dtype) is None
+    candidates = ["torch"] + (["packed"] if packed else []) + \
         (["tiled"] if tiled else []) + (["brgemm"] if brgemm is not None else []) + \
         (["amx"] if amx else [])
     if candidates == ["torch"]:

@@ -16,6 +16,7 @@ def add_chat_args(chat: argparse.ArgumentParser) -> None:
 
 
 def run_chat(ns: argparse.Namespace, stdin: TextIO | None = None) -> int:
+    from cadence.chat import has_chat_template
     from cadence.cli.main import (
         announce_backend,
         print_generation_defaults,
@@ -32,6 +33,10 @@ def run_chat(ns: argparse.Namespace, stdin: TextIO | None = None) -> int:
         raise ValueError(f"engine chat keeps one reply per turn: --n must be 1, got {params.n}")
     print_generation_defaults(config.model_config.generation_defaults)
     engine = LLMEngine(config)
+    if not has_chat_template(engine.tokenizer):
+        engine.shutdown()
+        raise ValueError("engine chat renders each turn with the model's chat template, and "
+                         "this model's tokenizer has none; use engine generate --prompt")
     announce_backend(ns, engine.backend_reason)
     history: list[dict[str, str]] = []
     if ns.system:

@@ -85,11 +85,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="seconds a step may take before its worker counts as frozen and "
-                        "is restarted (default: %(default)s)")
+                        "is restarted; inf for no limit (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
                    help="seconds a worker process or rank may take to load the model "
                         "and build its kernels before it counts as stuck and the start "
-                        "fails (default: %(default)s)")
+                        "fails; inf for no limit (default: %(default)s)")
     p.add_argument("--max-worker-restarts", type=int,
                    default=DEFAULT_MAX_WORKER_RESTARTS,
                    help="restarts of a lost or frozen worker before the engine stops "

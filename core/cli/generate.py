@@ -185,17 +185,22 @@ def run_generate(ns: argparse.Namespace) -> int:
             engine.add_request(str(i), prompt, p, output_kind=OutputKind.FINAL_ONLY)
         # Printed in prompt order, each as soon as it and all before it are done.
         done: dict[int, Any] = {}
-        printed = 0
+        printed = failed = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     done[int(out.request_id)] = out
+                    failed += any(c.finish_reason == "error" for c in out.outputs)
             while printed in done:
                 _print_request(ns.output_format, done.pop(printed), specs[printed].prompt,
                                engine.tokenizer)
                 printed += 1
     finally:
         engine.shutdown()
+    if failed:
+        # Printed with finish_reason=error (and logged why): a script must not read success.
+        print(f"error: {failed} of {len(specs)} prompts failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -77,6 +77,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if not ns.header_timeout >= 0:
         raise ValueError(f"--header-timeout must be >= 0 (0: no limit), got "
                          f"{ns.header_timeout}")
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
+    if ns.max_pending_requests is not None and ns.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {ns.max_pending_requests}")
+    if ns.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be >= 0, got {ns.max_logprobs}")
+    if ns.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {ns.max_request_bytes}")
     from cadence.server.lora_routes import parse_lora_modules
 
     lora_modules = parse_lora_modules(ns.lora_modules)
@@ -85,7 +93,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         args.enable_lora = True
         # Before the model loads: a bad adapter should not cost a minute of start-up.
         _checked_loras(lora_modules, args.resolve_model(), args.max_lora_rank)
-    pending = ns.max_pending_requests or 4 * args.max_num_seqs
+    pending = ns.max_pending_requests if ns.max_pending_requests is not None \
+        else 4 * args.max_num_seqs
     # Bound before the model loads, so that a taken port is reported at once.
     sock = bind_socket(ns.host, ns.port)
     try:
