@@ -53,6 +53,7 @@ def test_a_message_is_the_chat_reply_reshaped(model) -> None:  # noqa: F811
     events = _anthropic_events(streamed)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"]
+    assert events[0]["message"]["usage"]["input_tokens"] == m["usage"]["input_tokens"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert "".join(e["delta"]["text"] for e in events
                    if e["type"] == "content_block_delta") == text
@@ -121,6 +122,9 @@ def test_a_forced_tool_is_a_tool_use_block(model) -> None:  # noqa: F811
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages", ""),
     ({"temperature": -1}, "temperature", ""),
+    # Not coerced, as on the chat endpoint: true is not 1, "5" is not 5.
+    ({"max_tokens": True}, "max_tokens", ""), ({"max_tokens": "5"}, "max_tokens", ""),
+    ({"temperature": "0.5"}, "temperature", ""), ({"top_k": 3.0}, "top_k", ""),
 ])
 def test_misuse_is_a_400_naming_the_messages_field(model, body, param, words) -> None:  # noqa: F811
     [(status, r)] = _post(model, ("/v1/messages", {"messages": USER, "max_tokens": 4,
@@ -133,3 +137,26 @@ def test_misuse_is_a_400_naming_the_messages_field(model, body, param, words) ->
 def test_max_tokens_is_required(model) -> None:  # noqa: F811
     [(status, r)] = _post(model, ("/v1/messages", {"messages": USER}))
     assert status == 400 and r["error"]["param"] == "max_tokens", r
+
+
+def test_a_last_assistant_turn_is_continued(model) -> None:  # noqa: F811
+    """Anthropic's prefill: the reply continues the assistant's text, as the chat
+    endpoint's continue_final_message does."""
+    turns = [*USER, {"role": "assistant", "content": "Sure, the"}]
+    [(s1, c), (s2, m)] = _post(
+        model,
+        ("/v1/chat/completions", {"messages": turns, "max_tokens": 3, "temperature": 0,
+                                  "add_generation_prompt": False,
+                                  "continue_final_message": True}),
+        ("/v1/messages", {"messages": turns, "max_tokens": 3, "temperature": 0}))
+    assert (s1, s2) == (200, 200), (c, m)
+    assert m["usage"]["input_tokens"] == c["usage"]["prompt_tokens"]
+    assert m["content"][0]["text"] == c["choices"][0]["message"]["content"]
+
+
+def test_a_tool_result_in_an_assistant_turn_is_refused(model) -> None:  # noqa: F811
+    turns = [*USER, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}]
+    [(status, r)] = _post(model, ("/v1/messages", {"messages": turns, "max_tokens": 2}))
+    assert status == 400 and r["error"]["param"] == "messages", r
+    assert "tool_result" in r["error"]["message"]

@@ -33,7 +33,8 @@ def _post(model_dir: str, *requests: tuple[str, dict]) -> list:
                                      base_url="http://test", timeout=60) as client:
             for path, body in requests:
                 r = await client.post(path, json=body)
-                replies.append((r.status_code, r.text if body.get("stream") else r.json()))
+                replies.append((r.status_code, r.text if body.get("stream") is True
+                                else r.json()))
         assert not engine.engine.has_unfinished_requests()
         return replies
 
@@ -134,7 +135,8 @@ def test_a_forced_call_is_a_function_call_item(model) -> None:  # noqa: F811
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps none"),
     ({"reasoning": {"effort": "low"}}, "reasoning", ""),
-    ({"max_output_tokens": 10**6}, "max_output_tokens", ""),
+    # The chat endpoint's message, in this body's words.
+    ({"max_output_tokens": 10**6}, "max_output_tokens", "lower max_output_tokens to"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"temperature": -1}, "temperature", ""),
     ({"input": []}, "input", ""),
@@ -161,7 +163,97 @@ def test_a_deadline_mid_stream_ends_it_with_an_error_and_response_failed(model) 
         got = _events(r.text)
         assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
         assert got[-2]["code"] == "request_timeout"
-        assert got[-1]["response"]["status"] == "failed"
+        failed = got[-1]["response"]
+        assert failed["status"] == "failed"
+        assert failed["error"]["code"] == "request_timeout" and failed["error"]["message"]
         await freed(client, engine)
 
     serve_limited(model, body, slow=True, request_timeout=0.4)
+
+
+def test_calls_in_a_row_and_reasoning_sent_back_render_as_one_turn(
+        model_rendering_tools) -> None:  # noqa: F811
+    """Three calls after a reply's text are that one assistant message's text and calls,
+    and an earlier reply's reasoning item, sent back with its output, is dropped."""
+    calls = [{"id": f"call_{i}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for i, c in enumerate(("Paris", "Rome", "Oslo"))]
+    chat = [USER[0], {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+            *[{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls]]
+    items = [{"type": "message", "role": "user", "content": USER[0]["content"]},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "they want weather"}]},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "Let me look.", "annotations": [],
+                  "logprobs": []}]},
+             *[{"type": "function_call", "call_id": c["id"], "name": "get_weather",
+                "arguments": c["function"]["arguments"]} for c in calls],
+             *[{"type": "function_call_output", "call_id": c["id"], "output": "sunny"}
+               for c in calls]]
+    [(s1, c), (s2, r)] = _post(
+        model_rendering_tools,
+        ("/v1/chat/completions", {"messages": chat, "tools": [WEATHER], "tool_choice": "none",
+                                  "max_tokens": 2}),
+        ("/v1/responses", {"input": items, "tools": [{"type": "function",
+                                                      **WEATHER["function"]}],
+                           "tool_choice": "none", "max_output_tokens": 2}))
+    assert (s1, s2) == (200, 200), (c, r)
+    assert r["usage"]["input_tokens"] == c["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"max_output_tokens": True}, "max_output_tokens"), ({"max_output_tokens": "5"},
+                                                          "max_output_tokens"),
+    ({"temperature": "0.5"}, "temperature"), ({"stream": "yes"}, "stream"),
+    ({"top_k": 3.0}, "top_k"),
+])
+def test_values_are_not_coerced(model, body, param) -> None:  # noqa: F811
+    """As on the chat endpoint: true is not 1, "5" is not 5, "yes" is not true."""
+    [(status, r)] = _post(model, ("/v1/responses", {"input": "hi", **body}))
+    assert status == 400 and r["error"]["param"] == param, r
+
+
+def test_streamed_reasoning_is_its_own_item_with_deltas() -> None:
+    """The chat stream's reasoning_content becomes a reasoning item streamed as
+    reasoning_text deltas, finished when the answer starts; usage counts its tokens."""
+    import asyncio
+
+    from cadence.server.responses import ResponsesRequest, response_events
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+        body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            body = {"choices": [], "usage": usage}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def chat_chunks():
+        for piece in ("think", "ing"):
+            yield chunk({"reasoning_content": piece})
+        for piece in ("Hel", "lo"):
+            yield chunk({"content": piece})
+        yield chunk({}, "stop")
+        yield chunk({}, usage={"prompt_tokens": 5, "completion_tokens": 4,
+                               "total_tokens": 9})
+        yield "data: [DONE]\n\n"
+
+    async def run():
+        req = ResponsesRequest(input="hi")
+        return [e async for e in response_events(chat_chunks(), req, "m",
+                                                 lambda text: len(text) // 4)]
+
+    events = _events("".join(asyncio.run(run())))
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.delta", "response.reasoning_text.done",
+                     "response.output_item.done", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"][0]["text"] == "thinking"
+    assert final["output"][1]["content"][0]["text"] == "Hello"
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert {e["output_index"] for e in events if "reasoning" in e["type"]} == {0}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -31,14 +32,14 @@ _STOP = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a hint for Anthropic's cache: no meaning here
 
 
 class ToolUseBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["tool_use"]
     id: str
     name: str
@@ -47,7 +48,7 @@ class ToolUseBlock(BaseModel):
 
 
 class ToolResultBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -58,7 +59,7 @@ class ToolResultBlock(BaseModel):
 class ThinkingBlock(BaseModel):
     """An earlier reply's thinking, sent back: templates drop it, so it is not rendered."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -68,13 +69,13 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -83,7 +84,7 @@ class Tool(BaseModel):
 
 
 class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -93,7 +94,7 @@ class MessagesRequest(BaseModel):
     """The fields of Anthropic's Messages body cadence serves; any other is a 400 naming
     it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     max_tokens: int
@@ -126,7 +127,12 @@ class MessagesRequest(BaseModel):
             messages.append({"role": "system", "content": system})
         for m in self.messages:
             messages.extend(_chat_messages(m))
+        # A last assistant turn of text is a prefill: the reply continues it (Anthropic's).
+        last = self.messages[-1]
+        prefill = last.role == "assistant" and (isinstance(last.content, str) or not any(
+            isinstance(b, ToolUseBlock) for b in last.content))
         body: dict[str, Any] = {
+            "add_generation_prompt": not prefill, "continue_final_message": prefill,
             "model": self.model, "messages": messages, "max_tokens": self.max_tokens,
             "stop": self.stop_sequences, "temperature": self.temperature,
             "top_p": self.top_p, "top_k": self.top_k, "stream": self.stream}
@@ -162,6 +168,9 @@ def _chat_messages(m: Message) -> list[dict]:
         return [{"role": m.role, "content": m.content}]
     text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
     if m.role == "assistant":
+        if any(isinstance(b, ToolResultBlock) for b in m.content):
+            raise RequestError("an assistant turn cannot hold tool_result blocks (they answer "
+                               "its tool_use blocks in the next user turn)", "messages")
         calls = [{"id": b.id, "type": "function", "function": {
             "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
             for b in m.content if isinstance(b, ToolUseBlock)]
@@ -182,12 +191,15 @@ def _chat_messages(m: Message) -> list[dict]:
     return out
 
 
-def messages_field(param: str | None) -> str | None:
-    """A chat body's field as the Messages body names it."""
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    return _FIELDS.get(head, head) + dot + rest
+def messages_error(e: RequestError) -> RequestError:
+    """The chat body's error as this body names its fields (in ``param`` and the text)."""
+    message, param = str(e), e.param
+    if param is not None:
+        head, dot, rest = param.partition(".")
+        if head in _FIELDS:
+            message = re.sub(rf"\b{re.escape(head)}\b", _FIELDS[head], message)
+            param = _FIELDS[head] + dot + rest
+    return RequestError(message, param, e.status, e.code)
 
 
 def _stop_reason(finish: str | None, stop: Any, calls: bool) -> tuple[str, str | None]:
@@ -230,14 +242,16 @@ def message_of(chat: dict, model: str) -> dict:
                       "output_tokens": usage.get("completion_tokens", 0)}}
 
 
-async def message_events(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
-    """Anthropic's event stream from the chat endpoint's chunks (server-sent events)."""
+async def message_events(chunks: AsyncIterator[str], model: str, input_tokens: int
+                         ) -> AsyncIterator[str]:
+    """Anthropic's event stream from the chat endpoint's chunks (server-sent events);
+    ``input_tokens``, the prompt's, for ``message_start``."""
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": 0, "output_tokens": 0}}
+               "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
     yield event("message_start", message=message)
     open_kind, index = None, -1  # the content block being streamed
     calls: list[dict] = []
@@ -261,8 +275,8 @@ async def message_events(chunks: AsyncIterator[str], model: str) -> AsyncIterato
                             if open_kind is not None:
                                 yield event("content_block_stop", index=index)
                             open_kind, index = kind, index + 1
-                            block = {"type": kind, kind: ""} if kind == "thinking" \
-                                else {"type": "text", "text": ""}
+                            block = {"type": "thinking", "thinking": "", "signature": ""} \
+                                if kind == "thinking" else {"type": "text", "text": ""}
                             yield event("content_block_start", index=index,
                                         content_block=block)
                         yield event("content_block_delta", index=index,

@@ -32,7 +32,7 @@ from cadence.async_engine import (
 )
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
-from cadence.server.anthropic import MessagesRequest, message_events, message_of, messages_field
+from cadence.server.anthropic import MessagesRequest, message_events, message_of, messages_error
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.errors import error_body, error_response
@@ -50,8 +50,8 @@ from cadence.server.pooling_routes import POOLING_BODIES, install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
 from cadence.server.responses import (
     ResponsesRequest,
+    response_error,
     response_events,
-    response_field,
     response_of,
 )
 from cadence.server.serving import OpenAIServing
@@ -179,13 +179,17 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
                                            else OutputKind.FINAL_ONLY)
         except RequestError as e:  # named as the Responses body names the field
-            raise RequestError(str(e), response_field(e.param), e.status, e.code) from None
+            raise response_error(e) from None
         model = serving.response_model(chat)
+
+        def count(text: str) -> int:  # the thinking's tokens, for usage
+            return len(serving.tokenizer.encode(text, add_special_tokens=False))
+
         if req.stream:
             return _event_stream(response_events(
-                deadline.stream(serving.chat_events(streams, chat)), req, model))
+                deadline.stream(serving.chat_events(streams, chat)), req, model, count))
         body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
-        return response_of(body, req, model) if isinstance(body, dict) else body
+        return response_of(body, req, model, count) if isinstance(body, dict) else body
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request) -> Any:
@@ -196,11 +200,12 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
                                            else OutputKind.FINAL_ONLY)
         except RequestError as e:  # named as the Messages body names the field
-            raise RequestError(str(e), messages_field(e.param), e.status, e.code) from None
+            raise messages_error(e) from None
         model = serving.response_model(chat)
         if req.stream:
             return _event_stream(message_events(
-                deadline.stream(serving.chat_events(streams, chat)), model))
+                deadline.stream(serving.chat_events(streams, chat)), model,
+                len(inputs[0][0]["prompt_token_ids"])))
         body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
         return message_of(body, model) if isinstance(body, dict) else body
 

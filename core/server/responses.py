@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,17 +36,27 @@ _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 class InputText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["input_text", "output_text"]
     text: str
-    annotations: list[Any] | None = None  # an earlier reply's output_text, sent back
+    # An earlier reply's output_text, sent back as it came.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class Refusal(BaseModel):
+    """An earlier reply's refusal part, sent back: no text of the conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["refusal"]
+    refusal: str
 
 
 class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputText | Refusal]
     id: str | None = None
     status: str | None = None
 
@@ -53,7 +64,7 @@ class MessageItem(BaseModel):
 class FunctionCallItem(BaseModel):
     """A call the model made earlier (an output item sent back as input)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -63,7 +74,7 @@ class FunctionCallItem(BaseModel):
 
 
 class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function_call_output"]
     call_id: str
     output: str
@@ -71,8 +82,16 @@ class FunctionCallOutputItem(BaseModel):
     status: str | None = None
 
 
+class ReasoningItem(BaseModel):
+    """An earlier reply's reasoning item, sent back with the rest of its output (the usual
+    ``input += response.output`` loop): dropped, as chat templates drop earlier thinking."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["reasoning"]
+
+
 class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -81,13 +100,13 @@ class FunctionTool(BaseModel):
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     name: str
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -96,16 +115,16 @@ class TextFormat(BaseModel):
 
 
 class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     format: TextFormat | None = None
 
 
 class ResponsesRequest(BaseModel):
     """The fields of OpenAI's Responses body cadence serves; any other is a 400 naming it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
+    input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -146,9 +165,11 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "user", "content": self.input})
         else:
             for item in self.input:
-                messages.append(_message(item, messages))
+                message = _message(item, messages)
+                if message is not None:
+                    messages.append(message)
         body: dict[str, Any] = {
-            "model": self.model, "messages": [m for m in messages if m is not None],
+            "model": self.model, "messages": messages,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "stream": self.stream, "user": self.user,
             "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
@@ -180,29 +201,35 @@ class ResponsesRequest(BaseModel):
 
 
 def _message(item: Any, before: list[dict]) -> dict | None:
-    """The chat message of one input item; a function call joins the assistant message
-    just before it (a reply that made several calls), or starts one."""
+    """The chat message of one input item, or None where it joins the one before: a
+    function call joins the assistant message just before it (one reply's text and its
+    calls, or several calls), and an earlier reply's reasoning is dropped."""
+    if isinstance(item, ReasoningItem):
+        return None
     if isinstance(item, MessageItem):
         content = item.content if isinstance(item.content, str) else \
-            "".join(part.text for part in item.content)
+            "".join(part.text for part in item.content if isinstance(part, InputText))
         return {"role": item.role, "content": content}
     if isinstance(item, FunctionCallItem):
         call = {"id": item.call_id, "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments}}
         last = before[-1] if before else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
             return None
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     return {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
 
 
-def response_field(param: str | None) -> str | None:
-    """A chat body's field as the Responses body names it."""
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    return _FIELDS.get(head, head) + dot + rest
+def response_error(e: RequestError) -> RequestError:
+    """The chat body's error as this body names its fields (in ``param`` and the text)."""
+    message, param = str(e), e.param
+    if param is not None:
+        head, dot, rest = param.partition(".")
+        if head in _FIELDS:
+            message = re.sub(rf"\b{re.escape(head)}\b", _FIELDS[head], message)
+            param = _FIELDS[head] + dot + rest
+    return RequestError(message, param, e.status, e.code)
 
 
 def _id(prefix: str) -> str:
@@ -210,17 +237,21 @@ def _id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    """The ``response`` object of one request, filled from the chat reply."""
+    """The ``response`` object of one request, filled from the chat reply. ``count_tokens``
+    (the tokenizer's) counts the thinking for ``reasoning_tokens``."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str,
+                 count_tokens: Callable[[str], int] | None = None) -> None:
         self.req = req
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
-        self.output: list[dict] = []
+        self.count_tokens = count_tokens
+        self.output: list[dict | None] = []
         self.usage: dict | None = None
         self.status = "in_progress"
         self.incomplete: dict | None = None
+        self.error: dict | None = None
 
     def obj(self) -> dict:
         req = self.req
@@ -228,9 +259,10 @@ class ResponseBuilder:
             else (req.tool_choice or "auto")
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": self.status, "error": None, "incomplete_details": self.incomplete,
+            "status": self.status, "error": self.error,
+            "incomplete_details": self.incomplete,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "model": self.model, "output": self.output,
+            "model": self.model, "output": [o for o in self.output if o is not None],
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": None, "temperature": req.temperature,
             "top_p": req.top_p, "tool_choice": tool_choice,
@@ -241,56 +273,122 @@ class ResponseBuilder:
             "truncation": "disabled", "usage": self.usage, "user": req.user,
             "metadata": req.metadata or {}, "store": False}
 
-    def finish(self, finish_reason: str | None, usage: dict | None) -> None:
+    @property
+    def cut_short(self) -> bool:
+        return self.status == "incomplete"
+
+    def finish(self, finish_reason: str | None, usage: dict | None, reasoning: str) -> None:
         self.status = "completed"
         if finish_reason == "length":
             self.status = "incomplete"
             self.incomplete = {"reason": "max_output_tokens"}
         if usage is not None:
+            thought = self.count_tokens(reasoning) if reasoning and self.count_tokens else 0
             self.usage = {"input_tokens": usage["prompt_tokens"],
                           "input_tokens_details": {"cached_tokens": 0},
                           "output_tokens": usage["completion_tokens"],
-                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "output_tokens_details": {
+                              "reasoning_tokens": min(thought, usage["completion_tokens"])},
                           "total_tokens": usage["total_tokens"]}
 
+    def fail(self, code: str, message: str) -> None:
+        self.status = "failed"
+        self.error = {"code": code, "message": message}
 
-def reasoning_item(text: str) -> dict:
-    return {"id": _id("rs"), "type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    return {"id": item_id or _id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if text else [],
+            "status": status}
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     return {"id": item_id or _id("msg"), "type": "message", "status": status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]
-            if status == "completed" else []}
+            if status != "in_progress" else []}
 
 
 def call_item(call: dict, status: str = "completed") -> dict:
     return {"id": _id("fc"), "type": "function_call", "status": status,
             "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"] if status == "completed" else ""}
+            "arguments": call["function"]["arguments"] if status != "in_progress" else ""}
 
 
-def response_of(chat: dict, req: ResponsesRequest, model: str) -> dict:
+def response_of(chat: dict, req: ResponsesRequest, model: str,
+                count_tokens: Callable[[str], int] | None = None) -> dict:
     """A whole ``response`` object from a whole chat completion."""
-    resp = ResponseBuilder(req, model)
+    resp = ResponseBuilder(req, model, count_tokens)
     (choice,) = chat["choices"]
     message = choice["message"]
-    if message.get("reasoning_content"):
-        resp.output.append(reasoning_item(message["reasoning_content"]))
+    reasoning = message.get("reasoning_content") or ""
+    resp.finish(choice["finish_reason"], chat.get("usage"), reasoning)
+    # A reply cut short by max_output_tokens: its last item is incomplete too.
+    done = "incomplete" if resp.cut_short else "completed"
+    if reasoning:
+        resp.output.append(reasoning_item(reasoning))
     if message.get("content"):
-        resp.output.append(message_item(message["content"]))
+        resp.output.append(message_item(message["content"], done))
     for call in message.get("tool_calls") or ():
         resp.output.append(call_item(call))
-    resp.finish(choice["finish_reason"], chat.get("usage"))
     return resp.obj()
 
 
-async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, model: str
+class _Item:
+    """One output item being streamed (reasoning or the message): announced at its first
+    piece of text, each piece a delta, finished when the next item starts or at the end."""
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind, self.index, self.text = kind, index, ""
+        self.id = _id("rs" if kind == "reasoning" else "msg")
+
+    def item(self, status: str) -> dict:
+        if self.kind == "reasoning":
+            return reasoning_item(self.text, status, self.id)
+        return message_item(self.text, status, self.id)
+
+    def part(self) -> dict:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": self.text}
+        return {"type": "output_text", "text": self.text, "annotations": []}
+
+    def start(self, event: Callable[..., str]) -> list[str]:
+        out = [event("response.output_item.added", output_index=self.index,
+                     item=self.item("in_progress"))]
+        if self.kind == "message":
+            out.append(event("response.content_part.added", item_id=self.id,
+                             output_index=self.index, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def delta(self, event: Callable[..., str], piece: str) -> str:
+        self.text += piece
+        if self.kind == "reasoning":
+            return event("response.reasoning_text.delta", item_id=self.id,
+                         output_index=self.index, content_index=0, delta=piece)
+        return event("response.output_text.delta", item_id=self.id, output_index=self.index,
+                     content_index=0, delta=piece, logprobs=[])
+
+    def finish(self, event: Callable[..., str], status: str) -> tuple[dict, list[str]]:
+        if self.kind == "reasoning":
+            out = [event("response.reasoning_text.done", item_id=self.id,
+                         output_index=self.index, content_index=0, text=self.text)]
+        else:
+            out = [event("response.output_text.done", item_id=self.id,
+                         output_index=self.index, content_index=0, text=self.text,
+                         logprobs=[]),
+                   event("response.content_part.done", item_id=self.id,
+                         output_index=self.index, content_index=0, part=self.part())]
+        item = self.item(status)
+        out.append(event("response.output_item.done", output_index=self.index, item=item))
+        return item, out
+
+
+async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, model: str,
+                          count_tokens: Callable[[str], int] | None = None
                           ) -> AsyncIterator[str]:
     """The Responses event stream from the chat endpoint's chunks (server-sent events)."""
-    resp = ResponseBuilder(req, model)
+    resp = ResponseBuilder(req, model, count_tokens)
     seq = iter(range(1 << 62))
 
     def event(kind: str, **fields: Any) -> str:
@@ -299,8 +397,8 @@ async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, mod
 
     yield event("response.created", response=resp.obj())
     yield event("response.in_progress", response=resp.obj())
-    text, reasoning, calls = "", "", []
-    msg_id, msg_index = None, 0
+    current: _Item | None = None
+    reasoning, calls = "", []
     finish, usage = None, None
     # Closed on the way out whatever happens (a client gone closes this generator):
     # closing the chat stream aborts its request.
@@ -314,71 +412,51 @@ async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, mod
                 usage = chunk.get("usage") or usage
                 for choice in chunk["choices"]:
                     delta = choice.get("delta") or {}
-                    reasoning += delta.get("reasoning_content") or ""
                     for call in delta.get("tool_calls") or ():
                         merge_call_delta(calls, call)
                     finish = choice.get("finish_reason") or finish
-                    piece = delta.get("content")
-                    if not piece:
-                        continue
-                    if msg_id is None:
-                        if reasoning:  # the thinking is over once the answer starts
-                            for e in _whole_item(event, resp, reasoning_item(reasoning)):
+                    for kind, key in (("reasoning", "reasoning_content"),
+                                      ("message", "content")):
+                        piece = delta.get(key)
+                        if not piece:
+                            continue
+                        if current is None or current.kind != kind:
+                            if current is not None:  # the thinking ends as the answer starts
+                                item, events = current.finish(event, "completed")
+                                resp.output[current.index] = item
+                                for e in events:
+                                    yield e
+                            current = _Item(kind, len(resp.output))
+                            resp.output.append(None)
+                            for e in current.start(event):
                                 yield e
-                            reasoning = ""
-                        msg_id, msg_index = _id("msg"), len(resp.output)
-                        resp.output.append(None)  # its place; the item is whole at the end
-                        yield event("response.output_item.added", output_index=msg_index,
-                                    item=message_item("", "in_progress", msg_id))
-                        yield event("response.content_part.added", item_id=msg_id,
-                                    output_index=msg_index, content_index=0,
-                                    part={"type": "output_text", "text": "",
-                                          "annotations": []})
-                    text += piece
-                    yield event("response.output_text.delta", item_id=msg_id,
-                                output_index=msg_index, content_index=0, delta=piece,
-                                logprobs=[])
+                        reasoning += piece if kind == "reasoning" else ""
+                        yield current.delta(event, piece)
         except Exception as e:  # noqa: BLE001  # a deadline or a failed request: said in-stream
-            timed_out = isinstance(e, DeadlineExceeded)
-            yield event("error", code="request_timeout" if timed_out else "server_error",
-                        message=str(e), param=None)
-            resp.status = "failed"
-            resp.output = [o for o in resp.output if o is not None]
+            code = "request_timeout" if isinstance(e, DeadlineExceeded) else "server_error"
+            yield event("error", code=code, message=str(e), param=None)
+            if current is not None:
+                resp.output[current.index] = current.item("incomplete")
+            resp.fail(code, str(e))
             yield event("response.failed", response=resp.obj())
             return
-    if reasoning:  # thinking with no answer after it
-        for e in _whole_item(event, resp, reasoning_item(reasoning)):
+    resp.finish(finish, usage, reasoning)
+    if current is not None:
+        status = "incomplete" if resp.cut_short and current.kind == "message" else "completed"
+        item, events = current.finish(event, status)
+        resp.output[current.index] = item
+        for e in events:
             yield e
-    if msg_id is not None:
-        part = {"type": "output_text", "text": text, "annotations": []}
-        yield event("response.output_text.done", item_id=msg_id, output_index=msg_index,
-                    content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", item_id=msg_id, output_index=msg_index,
-                    content_index=0, part=part)
-        item = message_item(text, "completed", msg_id)
-        resp.output[msg_index] = item
-        yield event("response.output_item.done", output_index=msg_index, item=item)
     for call in calls:
         item = call_item(call)
         index = len(resp.output)
         resp.output.append(item)
         yield event("response.output_item.added", output_index=index,
-                    item={**item, "status": "in_progress", "arguments": ""})
+                    item=call_item(call, "in_progress") | {"id": item["id"]})
         yield event("response.function_call_arguments.delta", item_id=item["id"],
                     output_index=index, delta=item["arguments"])
         yield event("response.function_call_arguments.done", item_id=item["id"],
                     output_index=index, arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
-    resp.finish(finish, usage)
-    yield event("response.incomplete" if resp.status == "incomplete" else
-                "response.completed", response=resp.obj())
-
-
-def _whole_item(event: Any, resp: ResponseBuilder, item: dict) -> list[str]:
-    """An item known whole at once (the reasoning), added to ``resp`` and announced."""
-    index = len(resp.output)
-    resp.output.append(item)
-    return [event("response.output_item.added", output_index=index,
-                  item={**item, "status": "in_progress"}),
-            event("response.output_item.done", output_index=index, item=item)]
-
+    yield event("response.incomplete" if resp.cut_short else "response.completed",
+                response=resp.obj())
