@@ -55,7 +55,9 @@ def check_engine_args(args: dict[str, Any]) -> None:
                              f"or inf for no limit, got {value!r}")
     for name, optional in _BOOLS:
         value = args[name]
-        if not isinstance(value, bool) and not (value is None and optional):
+        # numpy's bool_ too (it is no Python bool, nor an integer).
+        is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"
+        if not is_bool and not (value is None and optional):
             raise ValueError(f"{name} must be True or False{' or None' if optional else ''}"
                              f", got {value!r}")
     seed = args["seed"]

@@ -35,18 +35,19 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
-def anonymous_buffer(nbytes: int, huge_pages: bool) -> torch.Tensor:
+def anonymous_buffer(nbytes: int, huge_pages: bool,
+                     purpose: str = "a buffer") -> torch.Tensor:
     """A zero-filled uint8 tensor of ``nbytes`` on a private anonymous mapping, marked for
     huge pages when ``huge_pages``. Pages are materialized on first touch, so what is never
-    written costs no memory (2 MiB at a time on huge pages)."""
+    written costs no memory (2 MiB at a time on huge pages). ``purpose`` says what it is
+    for when the mapping is refused (a ValueError)."""
     import torch
 
     try:
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, OverflowError) as e:  # more than the address space or the limits allow
-        raise ValueError(f"cannot map {nbytes / (1 << 30):.3g} GiB of memory ({e}); ask for "
-                         "less (on the cpu backend: --cpu-kv-cache-gb or --num-kv-blocks)"
-                         ) from None
+        raise ValueError(f"cannot map {nbytes / (1 << 30):.3g} GiB of memory ({e}) for "
+                         f"{purpose}") from None
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if huge_pages and advice is not None:
         try:

@@ -56,7 +56,7 @@ class PreparedInput:
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
-               huge_pages: bool = False) -> list[torch.Tensor]:
+               huge_pages: bool = False, purpose: str = "a buffer") -> list[torch.Tensor]:
     """``count`` zero-filled CPU tensors of ``shape``, backed by one anonymous memory mapping
     (on huge pages when ``huge_pages``: core/host_memory.py).
 
@@ -68,7 +68,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0 or count == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
-    flat = anonymous_buffer(nbytes * count, huge_pages)
+    flat = anonymous_buffer(nbytes * count, huge_pages, purpose)
     return [flat[i * nbytes:(i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 
@@ -167,7 +167,9 @@ class ModelRunner:
         spec = self.kv_cache_spec()
         shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
-            tensors = lazy_zeros(shape, self.dtype, 2 * spec.num_layers, huge_pages)
+            tensors = lazy_zeros(shape, self.dtype, 2 * spec.num_layers, huge_pages,
+                                 "the KV cache (on the cpu backend, ask for less: "
+                                 "--cpu-kv-cache-gb or --num-kv-blocks)")
         else:
             tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                        for _ in range(2 * spec.num_layers)]

@@ -340,7 +340,7 @@ def test_device_errors_are_classified(model):
 
 
 def test_step_timeout_and_restarts_are_validated():
-    with pytest.raises(ValueError, match="step_timeout_s"):
+    with pytest.raises(ValueError, match="step_timeout must be a number of seconds"):
         EngineArgs(step_timeout=0).create_engine_config()
     with pytest.raises(ValueError, match="max_worker_restarts"):
         EngineArgs(max_worker_restarts=-1).create_engine_config()

@@ -244,8 +244,9 @@ def test_streamed_reasoning_is_its_own_item_with_deltas() -> None:
     events = _events("".join(asyncio.run(run())))
     kinds = [e["type"] for e in events]
     assert kinds == ["response.created", "response.in_progress",
-                     "response.output_item.added", "response.reasoning_text.delta",
-                     "response.reasoning_text.delta", "response.reasoning_text.done",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.reasoning_text.delta", "response.reasoning_text.delta",
+                     "response.reasoning_text.done", "response.content_part.done",
                      "response.output_item.done", "response.output_item.added",
                      "response.content_part.added", "response.output_text.delta",
                      "response.output_text.delta", "response.output_text.done",

@@ -115,7 +115,9 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     total = sum(sizes)
     if total == 0:
         return 0
-    arena = anonymous_buffer(total, huge_pages=True)
+    arena = anonymous_buffer(total, huge_pages=True,
+                             purpose="the model's weights on huge pages (--cpu-huge-pages off "
+                                     "keeps them where they were loaded)")
     new_storage = arena.untyped_storage()
     offset = untrimmed = 0
     # One storage at a time, its old copy freed before the next: the peak stays near the

@@ -353,13 +353,12 @@ class _Item:
         return {"type": "output_text", "text": self.text, "annotations": []}
 
     def start(self, event: Callable[..., str]) -> list[str]:
-        out = [event("response.output_item.added", output_index=self.index,
-                     item=self.item("in_progress"))]
-        if self.kind == "message":
-            out.append(event("response.content_part.added", item_id=self.id,
-                             output_index=self.index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": []}))
-        return out
+        empty = {"type": "reasoning_text", "text": ""} if self.kind == "reasoning" else \
+            {"type": "output_text", "text": "", "annotations": []}
+        return [event("response.output_item.added", output_index=self.index,
+                      item=self.item("in_progress")),
+                event("response.content_part.added", item_id=self.id,
+                      output_index=self.index, content_index=0, part=empty)]
 
     def delta(self, event: Callable[..., str], piece: str) -> str:
         self.text += piece
@@ -371,14 +370,14 @@ class _Item:
 
     def finish(self, event: Callable[..., str], status: str) -> tuple[dict, list[str]]:
         if self.kind == "reasoning":
-            out = [event("response.reasoning_text.done", item_id=self.id,
-                         output_index=self.index, content_index=0, text=self.text)]
+            done = event("response.reasoning_text.done", item_id=self.id,
+                         output_index=self.index, content_index=0, text=self.text)
         else:
-            out = [event("response.output_text.done", item_id=self.id,
+            done = event("response.output_text.done", item_id=self.id,
                          output_index=self.index, content_index=0, text=self.text,
-                         logprobs=[]),
-                   event("response.content_part.done", item_id=self.id,
-                         output_index=self.index, content_index=0, part=self.part())]
+                         logprobs=[])
+        out = [done, event("response.content_part.done", item_id=self.id,
+                           output_index=self.index, content_index=0, part=self.part())]
         item = self.item(status)
         out.append(event("response.output_item.done", output_index=self.index, item=item))
         return item, out
@@ -456,7 +455,7 @@ async def response_events(chunks: AsyncIterator[str], req: ResponsesRequest, mod
         yield event("response.function_call_arguments.delta", item_id=item["id"],
                     output_index=index, delta=item["arguments"])
         yield event("response.function_call_arguments.done", item_id=item["id"],
-                    output_index=index, arguments=item["arguments"])
+                    output_index=index, name=item["name"], arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
     yield event("response.incomplete" if resp.cut_short else "response.completed",
                 response=resp.obj())
