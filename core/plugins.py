@@ -14,7 +14,9 @@ entry-point group. Loading rules:
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -187,3 +189,18 @@ def reset_registry() -> None:
     """Forget loaded plugins (tests, and after changing CADENCE_PLUGINS)."""
     global _registry
     _registry = None
+
+
+def warn_ignored_options(config: dict, owner: str, dests: Iterable[str]) -> None:
+    """For a plugin's ``cadence_configure`` when another backend runs: warn once about the
+    plugin's own options that were set (``dests``, argparse destinations), which that
+    backend ignores; a value there is a mistake or a leftover, never silently honoured."""
+    backend = config.get("backend")
+    if backend == owner:
+        return
+    given = sorted("--" + d.replace("_", "-") for d in dests
+                   if config.get(d) is not None and config.get(d) is not False)
+    if given:
+        logging.getLogger("cadence.plugins").warning(
+            "backend %r ignores %s (options of the %s backend)", backend, ", ".join(given),
+            owner)

@@ -343,3 +343,21 @@ def test_chat_without_a_template_is_refused_at_start(model, tmp_path, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", "--model", str(folder), *FAST]) == 2
     assert "has none; use engine generate --prompt" in capsys.readouterr().err
+
+
+def test_options_of_another_backend_are_named_as_ignored(model, caplog):
+    """Each plugin warns about its own options when another backend runs (they would
+    otherwise be dropped without a word); --enforce-eager, shared by cuda and hpu, once."""
+    import logging
+
+    from cadence.engine_args import EngineArgs
+
+    extra = {"gpu_memory_utilization": 5.0, "hpu_bucketing": "linear", "enforce_eager": True,
+             "cpu_overlap": "sync"}
+    with caplog.at_level(logging.WARNING, logger="cadence.plugins"):
+        EngineArgs(model=model).create_engine_config(extra)
+    lines = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert sorted(lines) == [
+        ("backend 'cpu' ignores --enforce-eager, --gpu-memory-utilization (options of the "
+         "cuda backend)"),
+        "backend 'cpu' ignores --hpu-bucketing (options of the hpu backend)"]

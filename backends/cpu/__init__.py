@@ -4,6 +4,7 @@ exactly as a third-party backend would be."""
 from __future__ import annotations
 
 from cadence.hookspecs import hookimpl
+from cadence.plugins import warn_ignored_options
 
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -13,6 +14,11 @@ def cadence_register_backends(register) -> None:
     from cadence.backends.cpu.backend import CpuBackend
 
     register(CpuBackend)
+
+
+# The options cadence_add_cli_options adds (their argparse destinations).
+_OPTION_DESTS = ("cpu_overlap", "cpu_kv_cache_gb", "cpu_attention", "cpu_linear",
+                 "cpu_huge_pages", "cpu_bind", "cpu_reserved_cores")
 
 
 @hookimpl
@@ -61,6 +67,7 @@ def cadence_add_cli_options(parser) -> None:
 @hookimpl
 def cadence_configure(config) -> None:
     if config.get("backend") != "cpu":
+        warn_ignored_options(config, "cpu", _OPTION_DESTS)
         return
     if config.get("max_num_batched_tokens") is None and config.get("enable_chunked_prefill",
                                                                    True):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.hookspecs import hookimpl
+from cadence.plugins import warn_ignored_options
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
@@ -78,6 +79,10 @@ def cadence_add_cli_options(parser) -> None:
 @hookimpl
 def cadence_configure(config) -> None:
     if config.get("backend") != "cuda":
+        # --enforce-eager is shared with the hpu backend, which runs it too.
+        warn_ignored_options(config, "cuda", (
+            d for _, d, _ in _CLI_OPTIONS
+            if d != "enforce_eager" or config.get("backend") != "hpu"))
         return
     if config.get("dtype") == "auto":
         # The core resolves "auto" to float32 (right for CPUs); on a GPU bf16 is the usual

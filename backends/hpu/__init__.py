@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from cadence.hookspecs import hookimpl
+from cadence.plugins import warn_ignored_options
 
 # Variable -> default. PT_HPU_LAZY_MODE=1: the overlap strategy is built around lazy mode
 # (the device starts at mark_step); users choose eager / torch.compile with 0.
@@ -66,6 +67,9 @@ def cadence_add_cli_options(parser) -> None:
 @hookimpl
 def cadence_configure(config) -> None:
     if config.get("backend") != "hpu":
+        # --enforce-eager is shared with the cuda backend, which names it.
+        warn_ignored_options(config, "hpu", (*_RANGE_FLAGS, "hpu_bucketing", "hpu_kv_cache_gb",
+                                             "hpu_skip_warmup", "hpu_warmup_hidden"))
         return
     opts = config.setdefault("backend_options", {})
     if config.get("hpu_bucketing"):
