@@ -204,3 +204,19 @@ def assert_same_embeddings(got, want, atol: float = 1e-5) -> None:
         assert len(va) == len(vb)
         worst = max(abs(x - y) for x, y in zip(va, vb))
         assert worst <= atol, f"{a.request_id}: embeddings differ by {worst}"
+
+
+def register_backend_without_quantization(monkeypatch) -> str:
+    """A CPU backend under the name ``noquant`` that runs no quantization method, in the
+    process's registry for one test; returns its name. (Every built-in backend runs them.)"""
+    from cadence.backends.cpu.backend import CpuBackend
+    from cadence.plugins import BackendInfo, get_registry
+
+    class NoQuantBackend(CpuBackend):
+        name = "noquant"
+        supports_quantization = ()
+
+    backends = dict(get_registry().backends)
+    backends["noquant"] = BackendInfo("noquant", NoQuantBackend, "tests", "0")
+    monkeypatch.setattr(get_registry(), "backends", backends)
+    return "noquant"

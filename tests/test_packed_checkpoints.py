@@ -222,14 +222,16 @@ def test_an_older_gptq_folders_quantize_config_is_read(tiny_model_dir, tmp_path)
 def test_a_backend_that_does_not_run_the_checkpoints_method_says_so(tiny_model_dir, tmp_path,
                                                                     monkeypatch):
     """Dropping --quantization is no way out for a checkpoint that is itself quantized."""
+    from engine_helpers import register_backend_without_quantization
+
     from cadence.engine import LLMEngine
 
-    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
+    name = register_backend_without_quantization(monkeypatch)
     packed, _ = write_packed(tiny_model_dir("llama"), tmp_path, "gptq")
-    config = EngineArgs(model=packed, backend="hpu", dtype="float32").create_engine_config()
+    config = EngineArgs(model=packed, backend=name, dtype="float32").create_engine_config()
     with pytest.raises(ValueError, match=r"is quantized with gptq \(quantization_config in "
-                                         r"its config.json\), which backend 'hpu' does not "
-                                         r"run; backends that run it: cpu, cuda$"):
+                                         r"its config.json\), which backend 'noquant' does "
+                                         r"not run; backends that run it: cpu, cuda, hpu$"):
         LLMEngine(config)
 
 

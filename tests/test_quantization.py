@@ -222,19 +222,21 @@ def test_misuse_is_refused_with_the_way_out(quant_gguf, tiny_model_dir):
 
 
 def test_a_backend_that_does_not_run_it_refuses_it(quant_gguf, monkeypatch):
+    from engine_helpers import register_backend_without_quantization
+
     from cadence.engine import LLMEngine
 
-    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")  # the HPU backend declares no quantization
-    refusal = ("quantization 'gguf' is not supported by backend 'hpu'; backends that run "
-               "it: cpu, cuda")
+    name = register_backend_without_quantization(monkeypatch)
+    refusal = ("quantization 'gguf' is not supported by backend 'noquant'; backends that run "
+               "it: cpu, cuda, hpu")
     # Before the blocks are exported (that can take minutes)...
     with pytest.raises(ValueError, match=refusal):
-        EngineArgs(model=str(quant_gguf), backend="hpu", quantization="gguf",
+        EngineArgs(model=str(quant_gguf), backend=name, quantization="gguf",
                    dtype="float32").create_engine_config()
     folder = Path(EngineArgs(model=str(quant_gguf)).resolve_model())
     assert not (folder / BLOCKS_DIR).exists()
     # ...and by the engine, whoever built its config.
-    config = EngineArgs(model=str(quant_gguf), backend="hpu", quantization="int8",
+    config = EngineArgs(model=str(quant_gguf), backend=name, quantization="int8",
                         dtype="float32").create_engine_config()
     with pytest.raises(ValueError, match=refusal.replace("gguf", "int8")):
         LLMEngine(config)

@@ -2,7 +2,8 @@
 ``quant_kernels``).
 
 The loader leaves a ``quantized`` attribute (a ``QuantizedWeight``) on each linear it runs
-compressed. Two steps, around the model's move to the GPU:
+compressed. Two steps, around the model's move to the GPU (cadence/quantization/device.py
+holds what every device backend shares of them):
 
 1. ``drop_dense_weights``, before the move: each such linear's dense weight, which for a
    packed or GGUF checkpoint was never written (its shape only), is replaced by an empty
@@ -18,16 +19,13 @@ compressed. Two steps, around the model's move to the GPU:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from cadence.distributed import all_reduce
 from cadence.layers.linear import Linear
 from cadence.layers.moe import SparseMoE
-
-logger = logging.getLogger(__name__)
+from cadence.quantization import device as quant_device
 
 
 def _kernels():
@@ -51,10 +49,12 @@ class QuantLinear(nn.Module):
         self._run = kernels.quant_linear
 
     @property
-    def weight(self) -> DequantizedRows:
+    def weight(self) -> quant_device.RowsOf:
         """The weight as the LM head's tie refinement reads it (``refine_top_logits``: a
         few rows by index), dequantized on demand."""
-        return DequantizedRows(self.packed)
+        p = self.packed
+        return quant_device.RowsOf(lambda index: quant_device.dequantized_rows(
+            _kernels().unpack_rows(p, index), p.scale, p.offset, p.group, index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._run(x, self.packed, self.bias)
@@ -63,37 +63,6 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.packed.bits}, group={self.packed.group}")
-
-
-class DequantizedRows:
-    """Rows of a packed weight in fp32, ``s * q + o`` as the kernel computes them: what a
-    bf16 head's tie refinement (core/layers/logits.py) takes with ``index_select``."""
-
-    def __init__(self, packed) -> None:
-        self.packed = packed
-
-    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        assert dim == 0
-        p = self.packed
-        q = _kernels().unpack_rows(p, index)
-        rows = p.scale.index_select(0, index).repeat_interleave(p.group, dim=1) * q.float()
-        if p.offset is not None:
-            rows = rows + p.offset.index_select(0, index).repeat_interleave(p.group, dim=1)
-        return rows
-
-
-def _quantized_linears(model: nn.Module):
-    for module in model.modules():
-        if isinstance(module, Linear) and getattr(module, "quantized", None) is not None:
-            yield module
-
-
-def _dense(module: Linear) -> None:
-    # A weight of its own, not a copy into the one it has: a tied head's is the embedding
-    # table, which the lookup reads as the checkpoint holds it.
-    module.weight = nn.Parameter(module.quantized.dequantize().to(module.weight.dtype),
-                                 requires_grad=False)
-    del module.quantized
 
 
 def drop_dense_weights(model: nn.Module) -> None:
@@ -105,30 +74,24 @@ def drop_dense_weights(model: nn.Module) -> None:
     # MLP, runs compressed).
     experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE)
                for m in moe.experts.modules()}
-    for module in list(_quantized_linears(model)):
-        weight = module.quantized
+
+    def dense_reason(module: Linear) -> str | None:
         if id(module) in experts:
-            _dense(module)
-            continue
-        if not check_group(weight.group):
-            logger.warning("a linear of %d inputs with groups of %d runs its dequantized "
-                           "weight: the CUDA kernel takes groups of a multiple of 16 inputs",
-                           weight.shape[1], weight.group)
-            _dense(module)
-            continue
-        # A tied head's weight is the embedding table, which the lookup still needs: the
-        # head's own reference is dropped, not the table.
-        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            return ""
+        group = module.quantized.group
+        if not check_group(group):
+            return (f"a linear of {module.quantized.shape[1]} inputs with groups of {group} "
+                    "runs its dequantized weight: the CUDA kernel takes groups of a multiple "
+                    "of 16 inputs")
+        return None
+
+    quant_device.drop_dense_weights(model, dense_reason)
 
 
 def install_quantized(model: nn.Module, device: torch.device) -> dict[int, int]:
     """Step 2 of the module docstring; returns how many linears run compressed, by the
     bits a value they store."""
     count: dict[int, int] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear) and getattr(child, "quantized", None) is not None:
-                layer = QuantLinear(child, device)
-                setattr(parent, name, layer)
-                count[layer.packed.bits] = count.get(layer.packed.bits, 0) + 1
+    for layer in quant_device.swap_quantized(model, lambda lin: QuantLinear(lin, device)):
+        count[layer.packed.bits] = count.get(layer.packed.bits, 0) + 1
     return count

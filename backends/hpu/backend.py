@@ -82,6 +82,9 @@ class HpuBackend(BucketedSteps, Backend):
     # hidden states; the rows' logits and sums are taken from those (parts.py).
     supports_prompt_logprobs = True
     supports_pooling = True
+    # Compressed linears keep their int8 values on the card and expand the weight in each
+    # call (quant.py).
+    supports_quantization = ("gguf", "int8", "awq", "gptq", "compressed-tensors")
     # Under the ray executor each rank's bundle holds one Gaudi card: the "HPU" resource
     # Ray detects on Gaudi nodes (vLLM asks for the same).
     ray_resources: ClassVar[dict[str, float]] = {"HPU": 1}
@@ -98,6 +101,7 @@ class HpuBackend(BucketedSteps, Backend):
         self.runner = None
         self.dummy_block = -1
         self.num_warmup_compiles = 0
+        self.quantized_linears = 0  # linears run from compressed weights (quant.py)
         self._graphs: dict[str, Any] = {}
         self._warmed: set[bk.BucketShape] = set()
         self._unwarmed_seen: set[bk.BucketShape] = set()
@@ -147,7 +151,16 @@ class HpuBackend(BucketedSteps, Backend):
         from cadence.model_runner import ModelRunner
 
         self.runner = ModelRunner(self.config, self.device.torch_device)
-        self.runner.load_model()
+        if self.config.model_config.quantization is None:
+            self.runner.load_model()
+            return
+        from cadence.backends.hpu.quant import install_quantized
+        from cadence.quantization.device import drop_dense_weights
+
+        # The dense weights never reach the card; the int8 ones do (quant.py).
+        self.runner.load_model(before_move=drop_dense_weights)
+        self.quantized_linears = install_quantized(self.runner.model,
+                                                   self.device.torch_device)
 
     def allocate_kv_cache(self) -> int:
         from cadence.backends.hpu.attention import GraphedForward, HpuPagedAttention
@@ -282,4 +295,6 @@ class HpuBackend(BucketedSteps, Backend):
 
         info = {"torch": torch.__version__, **self.device.env_info()}
         info["hpu_warmup_compiles"] = str(self.num_warmup_compiles)
+        if self.quantized_linears:
+            info["hpu_quantized_linears"] = str(self.quantized_linears)
         return info

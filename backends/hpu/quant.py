@@ -1,0 +1,63 @@
+"""Linears on compressed weights on the HPU backend (cadence/quantization).
+
+Every quantization method loads into a ``QuantizedWeight`` (int8 values, fp32 scales and
+offsets per group of inputs). The dense weights are dropped before the model moves and the
+linears swapped after (cadence/quantization/device.py), for ``DequantLinear``: it keeps the
+int8 values on the card (half a bf16 weight's bytes) and expands the weight in each call,
+``s * q + o`` in fp32 rounded to the activations' dtype, then runs the GEMM a plain linear runs. Inside an
+HPU graph the expansion is part of the graph; the bytes the card holds are the int8 ones.
+The outputs are those of the dequantized weights rounded to the model's dtype (bit for bit
+in the emulation's fp32: the same weights, the same GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cadence.distributed import all_reduce
+from cadence.layers.linear import Linear, linear
+from cadence.quantization import device as quant_device
+
+
+class DequantLinear(nn.Module):
+    """x [T, K] -> x @ w.T (+ bias), w expanded from int8 values and fp32 group scales (and
+    offsets) in each call."""
+
+    def __init__(self, linear: Linear, device: torch.device) -> None:
+        super().__init__()
+        weight = linear.quantized
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.reduce_output = bool(getattr(linear, "reduce_output", False))
+        self.group = weight.group
+        self.bias = linear.bias  # moved with the model, in its dtype
+        self.register_buffer("q", weight.q.to(device), persistent=False)
+        self.register_buffer("scale", weight.scale.float().to(device), persistent=False)
+        offset = None if weight.offset is None else weight.offset.float().to(device)
+        self.register_buffer("offset", offset, persistent=False)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.scale.repeat_interleave(self.group, dim=1) * self.q.float()
+        if self.offset is not None:
+            w = w + self.offset.repeat_interleave(self.group, dim=1)
+        return w.to(dtype)
+
+    @property
+    def weight(self) -> quant_device.RowsOf:
+        """The weight as the LM head's tie refinement reads it (a few rows by index)."""
+        return quant_device.RowsOf(lambda index: quant_device.dequantized_rows(
+            self.q.index_select(0, index), self.scale, self.offset, self.group, index))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The core's GEMM, as a plain linear runs (batch-invariant rows in the emulation).
+        out = linear(x, self.dense(x.dtype), self.bias)
+        return all_reduce(out) if self.reduce_output else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group={self.group}")
+
+
+def install_quantized(model: nn.Module, device: torch.device) -> int:
+    """Swap every linear with quantized weights for a ``DequantLinear``; returns how many."""
+    return len(quant_device.swap_quantized(model, lambda lin: DequantLinear(lin, device)))
