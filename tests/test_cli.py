@@ -361,3 +361,16 @@ def test_options_of_another_backend_are_named_as_ignored(model, caplog):
         ("backend 'cpu' ignores --enforce-eager, --gpu-memory-utilization (options of the "
          "cuda backend)"),
         "backend 'cpu' ignores --hpu-bucketing (options of the hpu backend)"]
+
+
+def test_enforce_eager_is_named_as_ignored_by_the_builtin_backends_only(caplog):
+    """The hpu backend has no such knob (named); a plugin's backend may have one (not)."""
+    import logging
+
+    from cadence.backends import cuda
+
+    with caplog.at_level(logging.WARNING, logger="cadence.plugins"):
+        cuda.cadence_configure({"backend": "hpu", "enforce_eager": True})
+        cuda.cadence_configure({"backend": "someplugin", "enforce_eager": True})
+    assert [r.getMessage() for r in caplog.records] == [
+        "backend 'hpu' ignores --enforce-eager (options of the cuda backend)"]

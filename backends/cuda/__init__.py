@@ -79,10 +79,11 @@ def cadence_add_cli_options(parser) -> None:
 @hookimpl
 def cadence_configure(config) -> None:
     if config.get("backend") != "cuda":
-        # --enforce-eager is shared with the hpu backend, which runs it too.
+        # --enforce-eager may be another graph backend's knob too (a plugin's): named as
+        # ignored only by the built-in backends, which have no such knob.
         warn_ignored_options(config, "cuda", (
             d for _, d, _ in _CLI_OPTIONS
-            if d != "enforce_eager" or config.get("backend") != "hpu"))
+            if d != "enforce_eager" or config.get("backend") in ("cpu", "hpu")))
         return
     if config.get("dtype") == "auto":
         # The core resolves "auto" to float32 (right for CPUs); on a GPU bf16 is the usual

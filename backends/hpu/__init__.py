@@ -67,7 +67,6 @@ def cadence_add_cli_options(parser) -> None:
 @hookimpl
 def cadence_configure(config) -> None:
     if config.get("backend") != "hpu":
-        # --enforce-eager is shared with the cuda backend, which names it.
         warn_ignored_options(config, "hpu", (*_RANGE_FLAGS, "hpu_bucketing", "hpu_kv_cache_gb",
                                              "hpu_skip_warmup", "hpu_warmup_hidden"))
         return

@@ -3,7 +3,9 @@
 Every quantization method loads into a ``QuantizedWeight`` (int8 values, fp32 scales and
 offsets per group of inputs). The dense weights are dropped before the model moves and the
 linears swapped after (cadence/quantization/device.py), for ``DequantLinear``: it keeps the
-int8 values on the card (half a bf16 weight's bytes) and expands the weight in each call,
+int8 values on the card (with fp32 scales per group: about half a bf16 weight's bytes at
+groups of 32 inputs or more, 0.75 at GGUF's 16 with offsets) and expands the weight in each
+call (one fp32 copy of that weight at a time),
 ``s * q + o`` in fp32 rounded to the activations' dtype, then runs the GEMM a plain linear runs. Inside an
 HPU graph the expansion is part of the graph; the bytes the card holds are the int8 ones.
 The outputs are those of the dequantized weights rounded to the model's dtype (bit for bit
@@ -37,10 +39,13 @@ class DequantLinear(nn.Module):
         self.register_buffer("offset", offset, persistent=False)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        w = self.scale.repeat_interleave(self.group, dim=1) * self.q.float()
+        # By groups, the scales broadcast rather than repeated: one fp32 weight-sized
+        # temporary, not three (the same products and sums, so the same values).
+        n, k = self.q.shape
+        w = self.q.view(n, k // self.group, self.group).float() * self.scale.unsqueeze(-1)
         if self.offset is not None:
-            w = w + self.offset.repeat_interleave(self.group, dim=1)
-        return w.to(dtype)
+            w += self.offset.unsqueeze(-1)
+        return w.view(n, k).to(dtype)
 
     @property
     def weight(self) -> quant_device.RowsOf:
