@@ -38,3 +38,11 @@ def test_inf_timeouts_mean_no_limit_and_a_seed_of_none_draws_one(tiny_model_dir)
     assert isinstance(config.model_config.seed, int)
     other = EngineArgs(model=tiny_model_dir("llama"), seed=None).create_engine_config()
     assert other.model_config.seed != config.model_config.seed
+
+
+def test_an_unknown_cpu_backend_option_is_named_with_the_valid_ones(tiny_model_dir) -> None:
+    from cadence import LLM
+
+    with pytest.raises(ValueError, match=r"unknown cpu backend option\(s\) \['overlapp'\]; "
+                                         r"valid: overlap, kv_cache_gb"):
+        LLM(model=tiny_model_dir("llama"), backend_options={"overlapp": "sync"})

@@ -40,6 +40,9 @@ from cadence.executor.pipes import on_interrupt
 
 OVERLAP_STRATEGIES = ("sync", "thread", "process")
 DEFAULT_OVERLAP = "process"
+# The backend_options the CPU backend reads (its --cpu-* flags put them there).
+OPTION_KEYS = ("overlap", "kv_cache_gb", "attention", "linear", "huge_pages", "bind",
+               "reserved_cores")
 DEFAULT_KV_CACHE_GB = 2.0
 
 
@@ -67,6 +70,10 @@ class CpuBackend(Backend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        unknown = sorted(set(dict(config.backend_options)) - set(OPTION_KEYS))
+        if unknown:  # a misspelt knob must not be ignored without a word
+            raise ValueError(f"unknown cpu backend option(s) {unknown}; valid: "
+                             f"{', '.join(OPTION_KEYS)}")
         self.overlap = str(config.backend_option("overlap", DEFAULT_OVERLAP))
         if self.overlap not in OVERLAP_STRATEGIES:
             raise ValueError(
