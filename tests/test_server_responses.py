@@ -218,13 +218,15 @@ def test_streamed_reasoning_is_its_own_item_with_deltas() -> None:
     reasoning_text deltas, finished when the answer starts; usage counts its tokens."""
     import asyncio
 
-    from cadence.server.responses import ResponsesRequest, response_events
+    from cadence.server.chat_shaped import ReplyContext
+    from cadence.server.responses import response_events
+    from cadence.server.responses_protocol import ResponsesRequest
 
-    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> dict:
         body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         if usage is not None:
             body = {"choices": [], "usage": usage}
-        return f"data: {json.dumps(body)}\n\n"
+        return body
 
     async def chat_chunks():
         for piece in ("think", "ing"):
@@ -234,12 +236,11 @@ def test_streamed_reasoning_is_its_own_item_with_deltas() -> None:
         yield chunk({}, "stop")
         yield chunk({}, usage={"prompt_tokens": 5, "completion_tokens": 4,
                                "total_tokens": 9})
-        yield "data: [DONE]\n\n"
 
     async def run():
         req = ResponsesRequest(input="hi")
-        return [e async for e in response_events(chat_chunks(), req, "m",
-                                                 lambda text: len(text) // 4)]
+        ctx = ReplyContext("m", 5, lambda text: len(text) // 4)
+        return [e async for e in response_events(chat_chunks(), req, ctx)]
 
     events = _events("".join(asyncio.run(run())))
     kinds = [e["type"] for e in events]

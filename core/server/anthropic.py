@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -22,12 +21,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.server.chat_protocol import ChatCompletionRequest
+from cadence.server.chat_shaped import ChatShaped, ReplyContext
 from cadence.server.limits import DeadlineExceeded
 from cadence.server.protocol import RequestError
 from cadence.server.tools import merge_call_delta
 
 # The chat body's fields as a Messages body names them, for the errors they raise.
-_FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 _STOP = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -191,17 +191,6 @@ def _chat_messages(m: Message) -> list[dict]:
     return out
 
 
-def messages_error(e: RequestError) -> RequestError:
-    """The chat body's error as this body names its fields (in ``param`` and the text)."""
-    message, param = str(e), e.param
-    if param is not None:
-        head, dot, rest = param.partition(".")
-        if head in _FIELDS:
-            message = re.sub(rf"\b{re.escape(head)}\b", _FIELDS[head], message)
-            param = _FIELDS[head] + dot + rest
-    return RequestError(message, param, e.status, e.code)
-
-
 def _stop_reason(finish: str | None, stop: Any, calls: bool) -> tuple[str, str | None]:
     """(Anthropic's stop_reason, stop_sequence) of a chat finish; a reply with calls ends
     in ``tool_use``, a forced one too (the chat endpoint says ``stop`` for that, as OpenAI)."""
@@ -221,7 +210,7 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": args if isinstance(args, dict) else {}}
 
 
-def message_of(chat: dict, model: str) -> dict:
+def message_of(chat: dict, req: MessagesRequest, ctx: ReplyContext) -> dict:
     """A whole Messages reply from a whole chat completion."""
     (choice,) = chat["choices"]
     msg = choice["message"]
@@ -236,33 +225,29 @@ def message_of(chat: dict, model: str) -> dict:
                                     bool(msg.get("tool_calls")))
     usage = chat.get("usage") or {}
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-            "model": model, "content": content, "stop_reason": reason,
+            "model": ctx.model, "content": content, "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       "output_tokens": usage.get("completion_tokens", 0)}}
 
 
-async def message_events(chunks: AsyncIterator[str], model: str, input_tokens: int
-                         ) -> AsyncIterator[str]:
-    """Anthropic's event stream from the chat endpoint's chunks (server-sent events);
-    ``input_tokens``, the prompt's, for ``message_start``."""
+async def message_events(chunks: AsyncIterator[dict], req: MessagesRequest,
+                         ctx: ReplyContext) -> AsyncIterator[str]:
+    """Anthropic's event stream from the chat stream's chunks."""
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-               "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+               "model": ctx.model, "content": [], "stop_reason": None,
+               "stop_sequence": None,
+               "usage": {"input_tokens": ctx.prompt_tokens, "output_tokens": 0}}
     yield event("message_start", message=message)
     open_kind, index = None, -1  # the content block being streamed
     calls: list[dict] = []
     finish, stop, usage = None, None, {}
     async with contextlib.aclosing(chunks):
         try:
-            async for raw in chunks:
-                data = raw.removeprefix("data: ").strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in chunks:
                 usage = chunk.get("usage") or usage
                 for choice in chunk["choices"]:
                     delta = choice.get("delta") or {}
@@ -306,3 +291,5 @@ async def message_events(chunks: AsyncIterator[str], model: str, input_tokens: i
                        "output_tokens": usage.get("completion_tokens", 0)})
     yield event("message_stop")
 
+
+MESSAGES = ChatShaped("/v1/messages", MessagesRequest, FIELDS, message_of, message_events)

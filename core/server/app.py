@@ -32,9 +32,10 @@ from cadence.async_engine import (
 )
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
-from cadence.server.anthropic import MessagesRequest, message_events, message_of, messages_error
+from cadence.server.anthropic import MESSAGES
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
+from cadence.server.chat_shaped import install_chat_shaped_routes
 from cadence.server.errors import error_body, error_response
 from cadence.server.limits import (
     ApiKeyAuth,
@@ -48,19 +49,16 @@ from cadence.server.lora_routes import LORA_BODIES, install_lora_routes, model_c
 from cadence.server.metrics import make_registry
 from cadence.server.pooling_routes import POOLING_BODIES, install_pooling_routes
 from cadence.server.protocol import CompletionRequest, RequestError
-from cadence.server.responses import (
-    ResponsesRequest,
-    response_error,
-    response_events,
-    response_of,
-)
+from cadence.server.responses import RESPONSES
 from cadence.server.serving import OpenAIServing
 from cadence.server.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
+# Bodies in other APIs' shapes, run as chat conversations (chat_shaped.py).
+CHAT_SHAPED = (RESPONSES, MESSAGES)
 # Body fields whose values are JSON objects with keys of the client's choosing.
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+           **{e.path: e.body for e in CHAT_SHAPED},
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
            **POOLING_BODIES, **LORA_BODIES}
 
@@ -170,45 +168,8 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
             return _event_stream(deadline.stream(serving.chat_events(streams, req)))
         return await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, req)))
 
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, raw: Request) -> Any:
-        deadline = Deadline.start(limits.request_timeout)
-        try:
-            chat = req.as_chat()
-            inputs = [serving.chat_input(chat)]
-            streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
-                                           else OutputKind.FINAL_ONLY)
-        except RequestError as e:  # named as the Responses body names the field
-            raise response_error(e) from None
-        model = serving.response_model(chat)
-
-        def count(text: str) -> int:  # the thinking's tokens, for usage
-            return len(serving.tokenizer.encode(text, add_special_tokens=False))
-
-        if req.stream:
-            return _event_stream(response_events(
-                deadline.stream(serving.chat_events(streams, chat)), req, model, count))
-        body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
-        return response_of(body, req, model, count) if isinstance(body, dict) else body
-
-    @app.post("/v1/messages")
-    async def messages(req: MessagesRequest, raw: Request) -> Any:
-        deadline = Deadline.start(limits.request_timeout)
-        try:
-            chat = req.as_chat()
-            inputs = [serving.chat_input(chat)]
-            streams = await serving.submit(inputs, chat, OutputKind.DELTA if chat.stream
-                                           else OutputKind.FINAL_ONLY)
-        except RequestError as e:  # named as the Messages body names the field
-            raise messages_error(e) from None
-        model = serving.response_model(chat)
-        if req.stream:
-            return _event_stream(message_events(
-                deadline.stream(serving.chat_events(streams, chat)), model,
-                len(inputs[0][0]["prompt_token_ids"])))
-        body = await _unless_disconnected(raw, deadline.run(serving.chat_body(streams, chat)))
-        return message_of(body, model) if isinstance(body, dict) else body
-
+    install_chat_shaped_routes(app, CHAT_SHAPED, serving, limits, _unless_disconnected,
+                               _event_stream)
     install_pooling_routes(app, engine, serving, limits, _unless_disconnected)
 
     @app.post("/tokenize")

@@ -3,6 +3,7 @@ the response bodies or the server-sent-event chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
@@ -240,11 +241,20 @@ class OpenAIServing:
 
     async def chat_events(self, streams: list[RequestStream], req: ChatCompletionRequest
                           ) -> AsyncIterator[str]:
+        async with contextlib.aclosing(self.chat_chunks(streams, req)) as chunks:
+            async for chunk in chunks:
+                yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chat_chunks(self, streams: list[RequestStream], req: ChatCompletionRequest
+                          ) -> AsyncIterator[dict]:
+        """The chat stream's chunks as objects: what ``chat_events`` sends, and what the
+        endpoints in other APIs' shapes (chat_shaped.py) reshape without parsing JSON."""
         head = formats.Head("chatcmpl", "chat.completion.chunk", self.response_model(req))
         k = (req.top_logprobs or 0) if req.logprobs else None
         for index in range(req.n):
-            yield _sse(head.chunk([formats.chat_delta(index, {"role": "assistant",
-                                                               "content": ""}, None, None)]))
+            yield head.chunk([formats.chat_delta(index, {"role": "assistant", "content": ""},
+                                                 None, None)])
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
         reply = self._reply(req)
@@ -257,17 +267,16 @@ class OpenAIServing:
                 # wait for text.
                 if delta or (c.token_ids and k is not None):
                     lp = formats.chat_logprobs(c, k) if k is not None else None
-                    yield _sse(head.chunk([formats.chat_delta(
-                        c.index, delta or {"content": ""}, lp, None)]))
+                    yield head.chunk([formats.chat_delta(c.index, delta or {"content": ""}, lp,
+                                                         None)])
                 if c.finished:
                     last, finish = reply.finish(c.index, c.finish_reason)
                     if last is not None:
-                        yield _sse(head.chunk([formats.chat_delta(c.index, last, None, None)]))
-                    yield _sse(head.chunk([formats.chat_delta(c.index, {}, None, finish,
-                                                              c.stop_reason)]))
+                        yield head.chunk([formats.chat_delta(c.index, last, None, None)])
+                    yield head.chunk([formats.chat_delta(c.index, {}, None, finish,
+                                                         c.stop_reason)])
         if req.include_usage:
-            yield _sse(head.chunk([], usage.as_dict()))
-        yield "data: [DONE]\n\n"
+            yield head.chunk([], usage.as_dict())
 
 
 def _sse(payload: dict) -> str:
