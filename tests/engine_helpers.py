@@ -220,3 +220,21 @@ def register_backend_without_quantization(monkeypatch) -> str:
     backends["noquant"] = BackendInfo("noquant", NoQuantBackend, "tests", "0")
     monkeypatch.setattr(get_registry(), "backends", backends)
     return "noquant"
+
+
+def refuse_dense_weights_on_the_device(monkeypatch) -> None:
+    """Make the swap of quantized linears (``cadence.quantization.device.swap_quantized``,
+    which a device backend runs after the model moved) fail if a linear it swaps still holds
+    its dense weight: those must be dropped before the move, so they never take device
+    memory."""
+    from cadence.quantization import device
+
+    swap = device.swap_quantized
+
+    def checked(model, make):
+        left = [m for m in model.modules() if getattr(m, "quantized", None) is not None
+                and m.weight.numel()]
+        assert not left, f"{len(left)} dense weights moved to the device"
+        return swap(model, make)
+
+    monkeypatch.setattr(device, "swap_quantized", checked)

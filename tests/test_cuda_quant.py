@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from engine_helpers import assert_same_as, generate
+from engine_helpers import assert_same_as, generate, refuse_dense_weights_on_the_device
 from test_quantization import quant_gguf  # noqa: F401
 
 from cadence import LLM, SamplingParams
@@ -174,18 +174,7 @@ def test_quantized_weights_give_the_cpu_backends_outputs(case, bits, tiny_model_
     else:
         model, kw = str(quant_gguf), {"quantization": "gguf"}
     want = _cpu_outputs(model, **kw)
-    from cadence.backends.cuda import runtime
-
-    install = runtime.install_quantized
-
-    def moved_without_dense_weights(model, device):
-        # Runs after the move: the dense weights were dropped before it, on the CPU.
-        left = [m for m in model.modules() if getattr(m, "quantized", None) is not None
-                and m.weight.numel()]
-        assert not left, f"{len(left)} dense weights moved to the device"
-        return install(model, device)
-
-    monkeypatch.setattr(runtime, "install_quantized", moved_without_dense_weights)
+    refuse_dense_weights_on_the_device(monkeypatch)
     llm = _cuda_llm(model, monkeypatch, **kw)
     try:
         got = generate(llm, PROMPTS, GREEDY)

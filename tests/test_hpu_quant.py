@@ -6,7 +6,7 @@ the outputs are those of the dequantized weights, bit for bit in the emulation's
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_same_as, generate
+from engine_helpers import assert_same_as, generate, refuse_dense_weights_on_the_device
 
 from cadence import LLM, SamplingParams
 from cadence.testing.packed_checkpoint import write_packed
@@ -30,19 +30,9 @@ def _outputs(llm: LLM) -> list:
 def test_a_packed_checkpoint_gives_its_dequantized_weights_outputs(method, tiny_model_dir,
                                                                    tmp_path, monkeypatch):
     from cadence.backends.hpu import backend as hpu_backend
-    from cadence.backends.hpu import quant
 
     packed, plain = write_packed(tiny_model_dir("llama"), tmp_path, method)
-    install = quant.install_quantized
-
-    def moved_without_dense_weights(model, device):
-        # Runs after the move: the dense weights were dropped before it, on the host.
-        left = [m for m in model.modules() if getattr(m, "quantized", None) is not None
-                and m.weight.numel()]
-        assert not left, f"{len(left)} dense weights moved to the card"
-        return install(model, device)
-
-    monkeypatch.setattr(quant, "install_quantized", moved_without_dense_weights)
+    refuse_dense_weights_on_the_device(monkeypatch)
     results = []
     for model in (packed, plain):
         llm = _hpu(model, monkeypatch)

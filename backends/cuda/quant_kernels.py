@@ -95,6 +95,22 @@ def _unpack(weight: PackedWeight, data: torch.Tensor) -> torch.Tensor:
     return (both + weight.qmin).to(torch.int8).reshape(n, weight.in_features)
 
 
+@triton.jit
+def _dequant_dot(acc, rows_x, kk, m_ok, q, s, o, HAS_OFFSET: tl.constexpr,
+                 IEEE: tl.constexpr):
+    # acc + x[:, kk] @ w, w = s * q (+ o) expanded in fp32 for the tile's inputs kk, then
+    # multiplied in the activations' dtype (in full fp32 under IEEE).
+    w = q.to(tl.float32) * s[None, :]
+    if HAS_OFFSET:
+        w = w + o[None, :]
+    a = tl.load(rows_x + kk[None, :], mask=m_ok[:, None], other=0.0)
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w.to(a.dtype), acc)
+    return acc
+
+
 # M (the step's token count) changes every step: not specialized (see triton_kernels.py).
 @triton.jit(do_not_specialize=["M"])
 def _quant_linear_kernel(
@@ -125,37 +141,18 @@ def _quant_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         g = k0 // group
         s = tl.load(scales + g, mask=n_ok, other=0.0)
-        if HAS_OFFSET:
-            o = tl.load(offsets + g, mask=n_ok, other=0.0)
+        o = tl.load(offsets + g, mask=n_ok, other=0.0) if HAS_OFFSET else s
         if BITS == 4:
             byte = tl.load(w_ptr + cols_w + (k0 // 2 + half)[:, None], mask=n_ok[None, :],
                            other=0)
-            for plane in tl.static_range(2):
-                if plane == 0:
-                    q = (byte & 15).to(tl.int32) + QMIN
-                    kk = k0 + low_k
-                else:
-                    q = (byte >> 4).to(tl.int32) + QMIN
-                    kk = k0 + low_k + 16
-                w = q.to(tl.float32) * s[None, :]
-                if HAS_OFFSET:
-                    w = w + o[None, :]
-                a = tl.load(rows_x + kk[None, :], mask=m_ok[:, None], other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w.to(a.dtype), acc)
+            acc = _dequant_dot(acc, rows_x, k0 + low_k, m_ok,
+                               (byte & 15).to(tl.int32) + QMIN, s, o, HAS_OFFSET, IEEE)
+            acc = _dequant_dot(acc, rows_x, k0 + low_k + 16, m_ok,
+                               (byte >> 4).to(tl.int32) + QMIN, s, o, HAS_OFFSET, IEEE)
         else:
             kk = k0 + offs_k
             q = tl.load(w_ptr + cols_w + kk[:, None], mask=n_ok[None, :], other=0)
-            w = q.to(tl.float32) * s[None, :]
-            if HAS_OFFSET:
-                w = w + o[None, :]
-            a = tl.load(rows_x + kk[None, :], mask=m_ok[:, None], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w.to(a.dtype), acc)
+            acc = _dequant_dot(acc, rows_x, kk, m_ok, q, s, o, HAS_OFFSET, IEEE)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
