@@ -114,6 +114,32 @@ def test_api_key_is_required_everywhere_but_health(model):
     serve(model, body, api_key=KEY)
 
 
+def test_anthropic_clients_send_the_key_as_x_api_key(model):
+    """Anthropic's SDK sends ``x-api-key``, not a bearer token; a 401 on the Messages
+    endpoint comes in Anthropic's error shape."""
+    msgs = {"messages": CHAT, "max_tokens": 2}
+
+    async def body(client, engine):
+        for path, req in (("/v1/messages", msgs), ("/v1/completions", {"prompt": "x",
+                                                                        "max_tokens": 2})):
+            r = await client.post(path, json=req, headers={"x-api-key": KEY})
+            assert r.status_code == 200, r.text
+            r = await client.post(path, json=req, headers={"x-api-key": KEY + "x"})
+            assert r.status_code == 401 and "x-api-key" in r.text, r.text
+        # A bearer token, when sent, is the one checked.
+        r = await client.post("/v1/messages", json=msgs, headers={
+            "Authorization": f"Bearer {KEY}x", "x-api-key": KEY})
+        assert r.status_code == 401
+        r = await client.post("/v1/messages", json=msgs)
+        assert r.status_code == 401
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        assert "x-api-key" in body["error"]["message"]
+        assert engine.stats().num_requests_added == 2
+
+    serve(model, body, api_key=KEY)
+
+
 @pytest.mark.parametrize("key", ["", "has space", "naïve", "tab\there"])
 def test_api_key_that_cannot_travel_in_a_header_is_refused_at_build(key):
     engine = types.SimpleNamespace(tokenizer=None, max_model_len=256)

@@ -160,3 +160,38 @@ def test_a_tool_result_in_an_assistant_turn_is_refused(model) -> None:  # noqa: 
     [(status, r)] = _post(model, ("/v1/messages", {"messages": turns, "max_tokens": 2}))
     assert status == 400 and r["error"]["param"] == "messages", r
     assert "tool_result" in r["error"]["message"]
+
+
+def test_errors_come_in_anthropics_shape(model) -> None:  # noqa: F811
+    """Anthropic's clients read ``{"type": "error", "error": {"type", "message"}}``; the
+    other endpoints keep OpenAI's shape."""
+    [(s1, missing), (s2, unknown), (s3, field), (s4, chat)] = _post(
+        model, ("/v1/messages", {"messages": USER}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 2, "model": "nope"}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 2, "n": 2}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "model": "nope"}))
+    assert (s1, s2, s3, s4) == (400, 404, 400, 404)
+    for body, kind in ((missing, "invalid_request_error"), (unknown, "not_found_error"),
+                       (field, "invalid_request_error")):
+        assert body["type"] == "error" and body["error"]["type"] == kind, body
+    assert "max_tokens" in missing["error"]["message"]
+    assert "'n'" in field["error"]["message"] and "stop_sequences" in field["error"]["message"]
+    assert "type" not in chat and chat["error"]["type"] == "not_found_error"
+
+
+def test_count_tokens_is_the_prompt_the_messages_endpoint_runs(
+        model_rendering_tools) -> None:  # noqa: F811
+    msg = {"system": "be brief", "messages": USER, "max_tokens": 2, "temperature": 0}
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    count = {k: v for k, v in msg.items() if k in ("system", "messages")}
+    [(s1, m), (s2, c), (s3, with_tools), (s4, m_tools), (s5, bad)] = _post(
+        model_rendering_tools, ("/v1/messages", msg), ("/v1/messages/count_tokens", count),
+        ("/v1/messages/count_tokens", {**count, "tools": tools,
+                                       "tool_choice": {"type": "none"}}),
+        ("/v1/messages", {**msg, "tools": tools, "tool_choice": {"type": "none"}}),
+        ("/v1/messages/count_tokens", {**count, "max_tokens": 2}))
+    assert (s1, s2, s3, s4, s5) == (200, 200, 200, 200, 400), (c, with_tools, bad)
+    assert c == {"input_tokens": m["usage"]["input_tokens"]}
+    # The tools are rendered by this template: they count.
+    assert with_tools["input_tokens"] == m_tools["usage"]["input_tokens"] > c["input_tokens"]
+    assert bad["type"] == "error" and "max_tokens" in bad["error"]["message"]

@@ -18,10 +18,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.server.chat_protocol import ChatCompletionRequest
-from cadence.server.chat_shaped import ChatShaped, ReplyContext
+from cadence.server.chat_shaped import ChatShaped, ReplyContext, renamed
 from cadence.server.limits import DeadlineExceeded
 from cadence.server.protocol import RequestError
 from cadence.server.tools import merge_call_delta
@@ -159,6 +160,44 @@ class MessagesRequest(BaseModel):
                 {k: v for k, v in body.items() if v is not None})
         except ValueError as e:  # pydantic's, on a value the chat body refuses
             raise RequestError(f"messages: {e}", "messages") from None
+
+
+class CountTokensRequest(BaseModel):
+    """Anthropic's ``/v1/messages/count_tokens`` body: what a Messages body renders into
+    the prompt, without the sampling fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat body whose prompt is counted (as ``/v1/messages`` would render it)."""
+        return MessagesRequest.model_validate(
+            {**dict(self), "max_tokens": 1}).as_chat()
+
+
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+def install_count_tokens(app: FastAPI, serving: Any) -> None:
+    """``POST /v1/messages/count_tokens``: the prompt's length in tokens, ``{"input_tokens":
+    N}``, from the chat template and tokenizer the Messages endpoint uses; nothing runs."""
+
+    async def count_tokens(req: CountTokensRequest) -> dict:
+        try:
+            chat = req.as_chat()
+            serving.check_model(chat.model)
+            chat.check(serving.max_logprobs)
+            prompt = serving.chat_prompt(chat)
+        except RequestError as e:
+            raise renamed(e, FIELDS) from None
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
+
+    app.add_api_route(COUNT_TOKENS_PATH, count_tokens, methods=["POST"])
 
 
 def _chat_messages(m: Message) -> list[dict]:

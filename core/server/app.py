@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes and error mapping.
 
-Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on
+its Messages endpoints, core/server/errors.py):
 400 bad input (the message names the field and the valid values), 401 no or a wrong API
 key, 404 unknown model, 408 body not received in time, 413 body larger than
 ``max_request_bytes``, 429 more than ``max_pending_requests`` in flight (with
@@ -32,7 +33,12 @@ from cadence.async_engine import (
 )
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
-from cadence.server.anthropic import MESSAGES
+from cadence.server.anthropic import (
+    COUNT_TOKENS_PATH,
+    MESSAGES,
+    CountTokensRequest,
+    install_count_tokens,
+)
 from cadence.server.beam import BeamServing, check_beam_request
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.chat_shaped import install_chat_shaped_routes
@@ -58,7 +64,7 @@ CHAT_SHAPED = (RESPONSES, MESSAGES)
 # Body fields whose values are JSON objects with keys of the client's choosing.
 _MAPPING_FIELDS = frozenset({"logit_bias"})
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           **{e.path: e.body for e in CHAT_SHAPED},
+           **{e.path: e.body for e in CHAT_SHAPED}, COUNT_TOKENS_PATH: CountTokensRequest,
            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
            **POOLING_BODIES, **LORA_BODIES}
 
@@ -170,6 +176,7 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
 
     install_chat_shaped_routes(app, CHAT_SHAPED, serving, limits, _unless_disconnected,
                                _event_stream)
+    install_count_tokens(app, serving)
     install_pooling_routes(app, engine, serving, limits, _unless_disconnected)
 
     @app.post("/tokenize")
@@ -279,7 +286,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"{field} is required"
         else:
             message = f"{field}{key}: {err.get('msg')}" if field else str(err.get("msg"))
-        return error_response(400, message, field)
+        return error_response(400, message, field, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -288,39 +295,43 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
             message = _unparsable(exc.__cause__)
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param, exc.code)
+        return error_response(exc.status, str(exc), exc.param, exc.code, path=request.url.path)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, exc: ValueError) -> JSONResponse:
         # A FieldError (the engine's own checks) names its field.
-        return error_response(400, str(exc), getattr(exc, "param", None))
+        return error_response(400, str(exc), getattr(exc, "param", None),
+                              path=request.url.path)
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return error_response(429, str(exc), headers={"Retry-After": "1"})
+        return error_response(429, str(exc), headers={"Retry-After": "1"},
+                              path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc))
+        return error_response(503, str(exc), path=request.url.path)
 
     @app.exception_handler(RequestFailedError)
     async def failed(request: Request, exc: RequestFailedError) -> JSONResponse:
         # The engine's fault, not the client's: 500, and the others were served.
-        return error_response(500, str(exc))
+        return error_response(500, str(exc), path=request.url.path)
 
     @app.exception_handler(DeadlineExceeded)
     async def past_deadline(request: Request, exc: DeadlineExceeded) -> JSONResponse:
-        return error_response(504, str(exc), code="request_timeout")
+        return error_response(504, str(exc), code="request_timeout", path=request.url.path)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # A fault of ours: still the error shape clients parse, not Starlette's plain
         # text (Starlette logs the traceback after this answer).
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              path=request.url.path)
 
 
 def _body_problem(content_type: str, err: dict) -> str:

@@ -78,7 +78,8 @@ def check_api_key(api_key: str) -> None:
 
 class ApiKeyAuth:
     """ASGI middleware: every HTTP request outside ``open_paths`` must carry
-    ``Authorization: Bearer <api_key>``; any other gets 401 with ``WWW-Authenticate``.
+    ``Authorization: Bearer <api_key>`` (OpenAI's clients) or ``x-api-key: <api_key>``
+    (Anthropic's); any other gets 401 with ``WWW-Authenticate``.
 
     It runs before the body is read, so a client without the key costs neither a body
     buffer nor a wait for its body.
@@ -96,17 +97,22 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization")
-        scheme, _, token = (header or b"").partition(b" ")
-        if header is None or scheme.lower() != b"bearer":
-            message = "this server needs an API key: send it as 'Authorization: Bearer <key>'"
+        headers = dict(scope["headers"])
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            token, where = bearer, "Authorization: Bearer <key>"
+        else:
+            token, where = headers.get(b"x-api-key"), "x-api-key: <key>"
+        if token is None:
+            message = ("this server needs an API key: send it as 'Authorization: Bearer "
+                       "<key>' or 'x-api-key: <key>'")
         elif not hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest):
-            message = "the API key in 'Authorization: Bearer <key>' is not valid"
+            message = f"the API key in '{where}' is not valid"
         else:
             await self.app(scope, receive, send)
             return
         response = error_response(401, message, code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+                                  headers={"WWW-Authenticate": "Bearer"}, path=scope["path"])
         await response(scope, receive, send)
 
 
@@ -165,7 +171,7 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Any, send: Any, size: int) -> None:
         response = error_response(
             413, f"the request body has {size}+ bytes; this server accepts at most "
-                 f"{self.max_bytes} (--max-request-bytes)")
+                 f"{self.max_bytes} (--max-request-bytes)", path=scope["path"])
         await response(scope, receive, send)
 
     async def _too_slow(self, scope: dict, receive: Any, send: Any, size: int) -> None:
@@ -173,7 +179,7 @@ class BodyLimit:
         response = error_response(
             408, f"the request body did not arrive within {self.timeout:g} s "
                  f"(--request-body-timeout); {size} bytes came", code="request_body_timeout",
-            headers={"Connection": "close"})
+            headers={"Connection": "close"}, path=scope["path"])
         await response(scope, receive, send)
 
 
