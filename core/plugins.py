@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -204,3 +204,14 @@ def warn_ignored_options(config: dict, owner: str, dests: Iterable[str]) -> None
         logging.getLogger("cadence.plugins").warning(
             "backend %r ignores %s (options of the %s backend)", backend, ", ".join(given),
             owner)
+
+
+def check_backend_options(backend_options: Any, backend: str, valid: Iterable[str]) -> None:
+    """For a backend's constructor: raise ValueError naming any key of ``backend_options``
+    outside ``valid`` and the valid ones. A misspelt knob (``{"kv_cahce_gb": 8}``) must
+    not be ignored without a word."""
+    valid = tuple(valid)
+    unknown = sorted(set(dict(backend_options)) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {backend} backend option(s) {unknown}; valid: "
+                         f"{', '.join(valid)}")

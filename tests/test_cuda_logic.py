@@ -308,7 +308,7 @@ def test_a_rank_takes_the_gpu_it_can_see(monkeypatch) -> None:
 
 def _config(**opts: object) -> SimpleNamespace:
     return SimpleNamespace(backend_option=lambda k, d=None: opts.get(k, d),
-                           scheduler_config=SimpleNamespace(max_num_seqs=64))
+                           backend_options=opts, scheduler_config=SimpleNamespace(max_num_seqs=64))
 
 
 def test_cuda_options() -> None:

@@ -40,9 +40,22 @@ def test_inf_timeouts_mean_no_limit_and_a_seed_of_none_draws_one(tiny_model_dir)
     assert other.model_config.seed != config.model_config.seed
 
 
-def test_an_unknown_cpu_backend_option_is_named_with_the_valid_ones(tiny_model_dir) -> None:
+@pytest.mark.parametrize(("backend", "valid"), [
+    ("cpu", "overlap, kv_cache_gb"), ("cuda", "enforce_eager, gpu_memory_utilization"),
+    ("hpu", "prompt_bs, prompt_seq")])
+def test_an_unknown_backend_option_is_named_with_the_valid_ones(
+        tiny_model_dir, monkeypatch, backend, valid) -> None:
+    """Every built-in backend refuses a misspelt knob (a CPU-only one, ``overlap``, on the
+    others) instead of running without it."""
     from cadence import LLM
+    from cadence.backend import ProbeResult
 
-    with pytest.raises(ValueError, match=r"unknown cpu backend option\(s\) \['overlapp'\]; "
-                                         r"valid: overlap, kv_cache_gb"):
-        LLM(model=tiny_model_dir("llama"), backend_options={"overlapp": "sync"})
+    if backend == "cuda":  # the check comes before anything touches a GPU
+        from cadence.backends.cuda.backend import CudaBackend
+
+        monkeypatch.setattr(CudaBackend, "probe", classmethod(lambda cls: ProbeResult(True, "")))
+    monkeypatch.setenv("CADENCE_HPU_EMULATE", "1")
+    with pytest.raises(ValueError, match=rf"unknown {backend} backend option\(s\) "
+                                         rf"\['overlapp'\]; valid: {valid}"):
+        LLM(model=tiny_model_dir("llama"), backend=backend,
+            backend_options={"overlapp": "sync"})

@@ -34,6 +34,7 @@ from cadence.backend import (
 )
 from cadence.config import EngineConfig
 from cadence.executor.pipes import on_interrupt
+from cadence.plugins import check_backend_options
 
 # torch is imported inside methods: registering and probing this backend (engine backends,
 # engine --help) must not load torch.
@@ -70,10 +71,7 @@ class CpuBackend(Backend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        unknown = sorted(set(dict(config.backend_options)) - set(OPTION_KEYS))
-        if unknown:  # a misspelt knob must not be ignored without a word
-            raise ValueError(f"unknown cpu backend option(s) {unknown}; valid: "
-                             f"{', '.join(OPTION_KEYS)}")
+        check_backend_options(config.backend_options, "cpu", OPTION_KEYS)
         self.overlap = str(config.backend_option("overlap", DEFAULT_OVERLAP))
         if self.overlap not in OVERLAP_STRATEGIES:
             raise ValueError(

@@ -7,11 +7,12 @@ imported when the plugin registers it, and triton only when the attention layer 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from cadence.hookspecs import hookimpl
-from cadence.plugins import warn_ignored_options
+from cadence.plugins import check_backend_options, warn_ignored_options
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
@@ -52,6 +53,8 @@ class CudaOptions:
 
     @classmethod
     def from_config(cls, config: Any) -> CudaOptions:
+        check_backend_options(config.backend_options, "cuda",
+                              (f.name for f in dataclasses.fields(cls)))
         opt = config.backend_option
         max_bs = opt("cuda_graph_max_bs", None)
         if max_bs is None:

@@ -42,11 +42,15 @@ from cadence.backends.hpu.sampling import (
     Part,
     expand_sampling,  # noqa: F401  (its old home)
 )
+from cadence.plugins import check_backend_options
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
 
 EMULATE_ENV = "CADENCE_HPU_EMULATE"
+# The backend_options the HPU backend reads (its --hpu-* flags put them there).
+OPTION_KEYS = (*bk.RANGE_KEYS, "bucketing", "kv_cache_gb", "skip_warmup", "warmup_hidden",
+               "record_events")
 #: Errors of the Habana runtime after which the device serves nothing more in this process.
 HPU_STICKY_ERRORS = ("Device reset", "device is not acquired", "synDeviceFailure",
                      "synStatus 26", "HPU device lost")
@@ -91,6 +95,7 @@ class HpuBackend(BucketedSteps, Backend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        check_backend_options(config.backend_options, "hpu", OPTION_KEYS)
         from cadence.backends.hpu.device import make_device
 
         self.buckets = bk.bucket_config(config)

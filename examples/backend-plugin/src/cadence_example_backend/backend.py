@@ -14,6 +14,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from cadence.backend import Backend, ModelInput, ProbeResult, SamplerOutput, SamplingMetadata
+from cadence.plugins import check_backend_options
 
 if TYPE_CHECKING:
     from cadence.config import EngineConfig
@@ -33,6 +34,7 @@ class ExampleBackend(Backend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        check_backend_options(config.backend_options, self.name, ("kv_cache_gb",))
         self.runner: Any = None
 
     @classmethod
