@@ -191,6 +191,9 @@ def reset_registry() -> None:
     _registry = None
 
 
+_WARNED: set[tuple] = set()
+
+
 def warn_ignored_options(config: dict, owner: str, dests: Iterable[str]) -> None:
     """For a plugin's ``cadence_configure`` when another backend runs: warn once about the
     plugin's own options that were set (``dests``, argparse destinations), which that
@@ -198,9 +201,12 @@ def warn_ignored_options(config: dict, owner: str, dests: Iterable[str]) -> None
     backend = config.get("backend")
     if backend == owner:
         return
-    given = sorted("--" + d.replace("_", "-") for d in dests
-                   if config.get(d) is not None and config.get(d) is not False)
-    if given:
+    given = tuple(sorted("--" + d.replace("_", "-") for d in dests
+                         if config.get(d) is not None and config.get(d) is not False))
+    # Once per process: a command that builds its configuration twice (engine bench's
+    # header, then its engine) says it once.
+    if given and (backend, owner, given) not in _WARNED:
+        _WARNED.add((backend, owner, given))
         logging.getLogger("cadence.plugins").warning(
             "backend %r ignores %s (options of the %s backend)", backend, ", ".join(given),
             owner)

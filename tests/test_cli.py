@@ -345,16 +345,22 @@ def test_chat_without_a_template_is_refused_at_start(model, tmp_path, monkeypatc
     assert "has none; use engine generate --prompt" in capsys.readouterr().err
 
 
-def test_options_of_another_backend_are_named_as_ignored(model, caplog):
+def test_options_of_another_backend_are_named_as_ignored(model, caplog, monkeypatch):
     """Each plugin warns about its own options when another backend runs (they would
-    otherwise be dropped without a word); --enforce-eager, shared by cuda and hpu, once."""
+    otherwise be dropped without a word); --enforce-eager, shared by cuda and hpu, once;
+    a second configuration in the same process (engine bench builds two) says nothing
+    new."""
     import logging
 
+    from cadence import plugins
     from cadence.engine_args import EngineArgs
+
+    monkeypatch.setattr(plugins, "_WARNED", set())
 
     extra = {"gpu_memory_utilization": 5.0, "hpu_bucketing": "linear", "enforce_eager": True,
              "cpu_overlap": "sync"}
     with caplog.at_level(logging.WARNING, logger="cadence.plugins"):
+        EngineArgs(model=model).create_engine_config(extra)
         EngineArgs(model=model).create_engine_config(extra)
     lines = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
     assert sorted(lines) == [
@@ -363,11 +369,14 @@ def test_options_of_another_backend_are_named_as_ignored(model, caplog):
         "backend 'cpu' ignores --hpu-bucketing (options of the hpu backend)"]
 
 
-def test_enforce_eager_is_named_as_ignored_by_the_builtin_backends_only(caplog):
+def test_enforce_eager_is_named_as_ignored_by_the_builtin_backends_only(caplog, monkeypatch):
     """The hpu backend has no such knob (named); a plugin's backend may have one (not)."""
     import logging
 
+    from cadence import plugins
     from cadence.backends import cuda
+
+    monkeypatch.setattr(plugins, "_WARNED", set())
 
     with caplog.at_level(logging.WARNING, logger="cadence.plugins"):
         cuda.cadence_configure({"backend": "hpu", "enforce_eager": True})
