@@ -229,11 +229,12 @@ class OutputProcessor:
         sampled_lp, rank, top_ids, top_lps = lp
         text = self._token_text
         decode = self._decode_one
-        d = {tid: Logprob(tlp, r + 1, text[tid] if tid in text else decode(tid))
-             for r, (tid, tlp) in enumerate(zip(top_ids, top_lps))}
-        if token not in d:
-            d[token] = Logprob(sampled_lp, rank, text[token] if token in text else
-                               decode(token))
+        # vLLM's order: the chosen token first, then the top k by rank; one of them, it keeps
+        # its place and takes the top-k entry (the same logprob, its rank among the k).
+        d = {token: Logprob(sampled_lp, rank, text[token] if token in text else
+                            decode(token))}
+        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
+            d[tid] = Logprob(tlp, r + 1, text[tid] if tid in text else decode(tid))
         return d
 
     def _decode_one(self, token: int) -> str | None:

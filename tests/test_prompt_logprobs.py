@@ -227,3 +227,22 @@ def test_token_ranks_count_the_strictly_more_likely() -> None:
     x = torch.zeros(1, 1000)
     x[0, :300] = 1.0
     assert token_ranks(x, torch.zeros(1, 1)).tolist() == [301]
+
+
+def test_the_chosen_token_comes_first_then_the_top_k_by_rank(model) -> None:
+    """vLLM's dict order, which code reading ``next(iter(d))`` relies on: the sampled (or
+    prompt) token first, then the top k in rank order, each token once."""
+    (out,) = _run(model, k=4, params=SamplingParams(temperature=1.5, seed=3, max_tokens=12,
+                                                    ignore_eos=True, logprobs=4,
+                                                    prompt_logprobs=4))[:1]
+    sample = out.outputs[0]
+    entries = [(tok, d) for tok, d in zip(PROMPTS[0][1:], out.prompt_logprobs[1:])]
+    entries += list(zip(sample.token_ids, sample.logprobs, strict=True))
+    outside = 0
+    for tok, d in entries:
+        ids = list(d)
+        assert ids[0] == tok
+        rest = [lp.rank for t, lp in d.items() if t != tok]
+        assert rest == sorted(rest) and len(d) in (4, 5)
+        outside += len(d) == 5
+    assert outside > 0  # some chosen tokens were outside the top 4 (temperature 1.5)
