@@ -101,3 +101,30 @@ def test_server_returns_reasoning_content(tiny_model_dir) -> None:
     (plain,) = _post(model, body)
     assert plain["choices"][0]["message"]["content"] == "<think>let me see</think>It is 4"
     assert "reasoning_content" not in plain["choices"][0]["message"]
+
+
+def test_a_forced_call_or_json_reply_is_not_read_as_thinking(tiny_model_dir) -> None:
+    """deepseek_r1 reads a reply that never closes </think> as all thinking; a JSON
+    constraint (a named or required tool, a response format) leaves no room to think, so
+    its reply is the answer: the call, or the JSON content."""
+    pytest.importorskip("xgrammar", reason="the reply is forced by a JSON grammar")
+    model = tiny_model_dir("llama")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}}}
+    named = {"messages": USER, "max_tokens": 40, "tools": [tool],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    fmt = {"messages": USER, "max_tokens": 60, "response_format": {"type": "json_schema",
+           "json_schema": {"name": "x", "schema": tool["function"]["parameters"]}}}
+    whole, streamed, as_json = _post(model, named, {**named, "stream": True}, fmt,
+                                     reasoning_parser="deepseek_r1")
+    message = whole["choices"][0]["message"]
+    assert message.get("reasoning_content") is None, message
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(message["tool_calls"][0]["function"]["arguments"])["a"], int)
+    deltas = [c["choices"][0]["delta"] for c in events(streamed) if c["choices"]]
+    assert not any(d.get("reasoning_content") for d in deltas)
+    assert any(d.get("tool_calls") for d in deltas)
+    if as_json["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(as_json["choices"][0]["message"]["content"])["a"], int)
+    assert as_json["choices"][0]["message"].get("reasoning_content") is None

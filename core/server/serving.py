@@ -146,7 +146,14 @@ class OpenAIServing:
         return prompt
 
     def _reply(self, req: ChatCompletionRequest) -> ChatReply:
-        return ChatReply(req.effective_tool_choice, self.tool_parser, self.reasoning_parser)
+        # A JSON or choice constraint (a response format, a named or required tool) holds
+        # from the reply's first token, so the reply has no thinking to split off: read as
+        # thinking, a forced call that never closes </think> would be lost. A regex or a
+        # grammar may spell out the thinking itself; the parser still reads those.
+        constraint = req._structured()
+        thinking = self.reasoning_parser if constraint is None or \
+            constraint.regex is not None or constraint.grammar is not None else None
+        return ChatReply(req.effective_tool_choice, self.tool_parser, thinking)
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]],
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind
