@@ -181,6 +181,28 @@ def test_async_scheduling_equals_the_reference(model, reference):
     assert got == reference
 
 
+def test_strings_with_a_length_hold_no_raw_control_characters(llm):
+    """xgrammar writes a string with min/maxLength as any character but quote, backslash,
+    CR and LF: raw control characters, which JSON forbids in a string (json.loads refuses
+    the reply). Pushed towards those bytes, the outputs still parse strictly."""
+    tok = llm.engine.tokenizer
+    controls = {i for i in range(len(tok))
+                if any(0 < ord(ch) < 0x20 and ch not in "\t\n\r"
+                       for ch in tok.decode([i]))}
+    assert controls
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3,
+                                                     "maxLength": 8}},
+              "required": ["s"], "additionalProperties": False}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                             logit_bias={t: 8.0 for t in controls},
+                             structured_outputs=so(json=schema, disable_any_whitespace=True))
+              for i in range(8)]
+    for out in generate(llm, ["a"] * len(params), params):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)  # strict: no raw control character
+
+
 def test_bad_constraint_is_refused_and_others_run(llm):
     eng = llm.engine
     good = SamplingParams(temperature=1.0, seed=3, max_tokens=20,

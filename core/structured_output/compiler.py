@@ -27,6 +27,22 @@ def import_xgrammar() -> Any:
     return xgrammar
 
 
+# The character class xgrammar writes for the characters of a string with a min/maxLength:
+# unlike its other strings' ``[^\0-\x1f"\\\r\n]``, it lets raw control characters
+# through, which JSON does not allow in a string (json.loads and JSON.parse refuse them).
+_LENGTH_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def json_schema_grammar(xgr: Any, schema: str, any_whitespace: bool) -> Any:
+    """xgrammar's grammar of ``schema``, its strings held to JSON's characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    ebnf = str(grammar)
+    if _LENGTH_CHARS not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_CHARS, _JSON_CHARS))
+
+
 def _clean(error: BaseException) -> str:
     text = str(error).strip()
     return _ERROR_PREFIX.sub("", text.splitlines()[0] if text else type(error).__name__)
@@ -89,8 +105,8 @@ class GrammarCompiler:
         kind = params.kind
         try:
             if kind == "json":
-                return c.compile_json_schema(
-                    params.spec, any_whitespace=not params.disable_any_whitespace)
+                return c.compile_grammar(json_schema_grammar(
+                    self._xgr, params.spec, not params.disable_any_whitespace))
             if kind == "json_object":  # any JSON object, as vLLM compiles it
                 return c.compile_json_schema(
                     '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
