@@ -221,6 +221,32 @@ def test_bad_constraint_is_refused_and_others_run(llm):
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
+@pytest.mark.parametrize("held_first", [True, False])
+def test_a_sample_id_held_for_its_grammar_is_in_use(llm, held_first):
+    """n=2 names its samples '0_a' and '1_a'. While a constrained request's samples wait
+    for their grammar they are not in the scheduler yet, and another request with one of
+    their ids must still be refused at once: accepted, it crashed the step that admitted
+    them, and every request with it."""
+    from cadence.sampling_params import FieldError
+
+    eng = llm.engine
+    held = SamplingParams(n=2, temperature=0.0, max_tokens=4,
+                          structured_outputs=so(choice=["yes", "no"]))
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    first, second = (("a", held), ("0_a", plain)) if held_first else \
+        (("0_a", SamplingParams(temperature=0.0, max_tokens=4,
+                                structured_outputs=so(choice=["yes"]))),
+         ("a", SamplingParams(n=2, temperature=0.0, max_tokens=4)))
+    eng.add_request(first[0], "hello", first[1])
+    with pytest.raises(FieldError, match="'0_a' of one of its samples is in use"):
+        eng.add_request(second[0], "hello", second[1])
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs if o.finished] == [first[0]]
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
 def test_compile_failure_and_abort_while_compiling_touch_only_their_request(llm, monkeypatch):
     import threading
 

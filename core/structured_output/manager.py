@@ -64,6 +64,11 @@ class StructuredOutputManager:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a sample of that id waits here for its grammar (not yet scheduled)."""
+        return any(s.request_id == request_id for _, samples in self._waiting
+                   for s in samples if not s.is_finished)
+
     def admit(self, add: Callable[[Request], None], fail: Callable[[str, str], None],
               block: bool) -> None:
         """Pass the samples whose grammar is ready to ``add`` (the scheduler), each with its
