@@ -205,7 +205,7 @@ class OutputProcessor:
         lp = req.output_logprobs[i]
         if lp is not None:
             st.cumulative_logprob += lp[0]
-            st.logprobs.append(self._format_logprobs(token, lp))
+            st.logprobs.append(self._format_logprobs(token, lp, sp.detokenize))
         if not sp.detokenize or _is_hidden_stop_token(req, i):
             return
         if st.detokenizer is None:
@@ -225,10 +225,11 @@ class OutputProcessor:
                 req.stop_reason = stop
                 req.status = RequestStatus.FINISHED_STOPPED
 
-    def _format_logprobs(self, token: int, lp: tuple) -> dict[int, Logprob]:
+    def _format_logprobs(self, token: int, lp: tuple, detokenize: bool = True
+                         ) -> dict[int, Logprob]:
         sampled_lp, rank, top_ids, top_lps = lp
-        text = self._token_text
-        decode = self._decode_one
+        # detokenize=False asks for no text at all: decoded_token None, as in vLLM.
+        text, decode = (self._token_text, self._decode_one) if detokenize else ({}, _no_text)
         # vLLM's order: the chosen token first, then the top k by rank; one of them, it keeps
         # its place and takes the top-k entry (the same logprob, its rank among the k).
         d = {token: Logprob(sampled_lp, rank, text[token] if token in text else
@@ -255,7 +256,8 @@ class OutputProcessor:
             # request asked for.
             k = owner.sampling_params.prompt_logprobs
             p.prompt_logprobs = [None] + [
-                self._format_logprobs(token, (lp, rank, ids[:k], lps[:k]))
+                self._format_logprobs(token, (lp, rank, ids[:k], lps[:k]),
+                                      owner.sampling_params.detokenize)
                 for token, (lp, rank, ids, lps) in zip(p.prompt_token_ids[1:],
                                                        owner.prompt_logprobs)]
         out = p.make_output(finished)
@@ -338,3 +340,7 @@ def _file_prompt_outputs(scheduled: list, out: SamplerOutput, mi: ModelInput) ->
             req = scheduled[seq_idx].request
             if req.pooling is not None:
                 req.pooling.add(start, count, sums)
+
+
+def _no_text(token: int) -> None:
+    return None

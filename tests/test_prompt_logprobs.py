@@ -246,3 +246,19 @@ def test_the_chosen_token_comes_first_then_the_top_k_by_rank(model) -> None:
         assert rest == sorted(rest) and len(d) in (4, 5)
         outside += len(d) == 5
     assert outside > 0  # some chosen tokens were outside the top 4 (temperature 1.5)
+
+
+def test_detokenize_false_leaves_every_text_out(model) -> None:
+    """vLLM: no text, and no ``decoded_token`` in sample or prompt logprobs; the ids and
+    logprobs are those of the same request with text."""
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    with_text, without = (_run(model, params=SamplingParams(**base, detokenize=d))[0]
+                          for d in (True, False))
+    sample, bare = with_text.outputs[0], without.outputs[0]
+    assert bare.text == "" and bare.token_ids == sample.token_ids
+    assert any(lp.decoded_token for d in sample.logprobs for lp in d.values())
+    for got, want in zip(bare.logprobs + without.prompt_logprobs[1:],
+                         sample.logprobs + with_text.prompt_logprobs[1:], strict=True):
+        assert list(got) == list(want)
+        assert all(lp.decoded_token is None for lp in got.values())
+        assert [lp.logprob for lp in got.values()] == [lp.logprob for lp in want.values()]
