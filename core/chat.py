@@ -99,7 +99,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         if any(not isinstance(p, str) for p in parts):
             raise ValueError(f"messages[{index}].content must be a string or a list of "
                              "{'type': 'text', 'text': ...} parts")
-        content = "".join(parts)
+        content = "\n".join(parts)  # vLLM's join for templates that take a string
     elif content is not None and not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string, a list of text parts "
                          f"or None, got {type(content).__name__}")

@@ -67,10 +67,12 @@ def test_llm_chat_equals_transformers(bos_model):
                                               tools=tools)
         assert out.prompt != llm.chat(HELLO, GREEDY, use_tqdm=False,
                                       chat_template=tool_template)[0].prompt
-        # Text parts are joined, as the server joins them.
-        parts = [{"role": "user", "content": [{"type": "text", "text": "hello "},
+        # Text parts are joined with a newline, as vLLM joins them (and the server).
+        parts = [{"role": "user", "content": [{"type": "text", "text": "hello"},
                                               {"type": "text", "text": "there"}]}]
-        assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == want
+        joined = [{"role": "user", "content": "hello\nthere"}]
+        assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == \
+            hf_ids(tok, joined)
         for bad, field in (([], "messages"), ("hi", "messages"),
                            ([{"content": "hi"}], r"messages\[0\]"),
                            ([{"role": "user", "content": 5}], r"messages\[0\].content"),

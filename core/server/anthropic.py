@@ -124,7 +124,7 @@ class MessagesRequest(BaseModel):
         messages: list[dict] = []
         if self.system is not None:
             system = self.system if isinstance(self.system, str) else \
-                "".join(b.text for b in self.system)
+                "\n".join(b.text for b in self.system)
             messages.append({"role": "system", "content": system})
         for m in self.messages:
             messages.extend(_chat_messages(m))
@@ -205,7 +205,7 @@ def _chat_messages(m: Message) -> list[dict]:
     messages (before its text), an assistant turn's tool uses its ``tool_calls``."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+    text = "\n".join(b.text for b in m.content if isinstance(b, TextBlock))
     if m.role == "assistant":
         if any(isinstance(b, ToolResultBlock) for b in m.content):
             raise RequestError("an assistant turn cannot hold tool_result blocks (they answer "
@@ -221,7 +221,7 @@ def _chat_messages(m: Message) -> list[dict]:
     for b in m.content:
         if isinstance(b, ToolResultBlock):
             content = b.content if isinstance(b.content, str) else \
-                "".join(t.text for t in b.content)
+                "\n".join(t.text for t in b.content)
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         elif isinstance(b, ToolUseBlock):
             raise RequestError("a user turn cannot hold tool_use blocks", "messages")

@@ -33,7 +33,7 @@ class ChatMessage(BaseModel):
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as LLM.chat (chat.py)
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}

@@ -195,7 +195,7 @@ def _message(item: Any, before: list[dict]) -> dict | None:
         return None
     if isinstance(item, MessageItem):
         content = item.content if isinstance(item.content, str) else \
-            "".join(part.text for part in item.content if isinstance(part, InputText))
+            "\n".join(part.text for part in item.content if isinstance(part, InputText))
         return {"role": item.role, "content": content}
     if isinstance(item, FunctionCallItem):
         call = {"id": item.call_id, "type": "function",
