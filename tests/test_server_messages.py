@@ -120,7 +120,10 @@ def test_a_forced_tool_is_a_tool_use_block(model) -> None:  # noqa: F811
     ({"tool_choice": {"type": "tool"}}, "tool_choice", "name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "messages", ""),
+     "messages", "image blocks are not served"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        {"type": "document", "source": {}}]}]}, "messages", "messages[1].content[0]"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "'any' needs tools"),
     ({"temperature": -1}, "temperature", ""),
     # Not coerced, as on the chat endpoint: true is not 1, "5" is not 5.
     ({"max_tokens": True}, "max_tokens", ""), ({"max_tokens": "5"}, "max_tokens", ""),
@@ -195,3 +198,43 @@ def test_count_tokens_is_the_prompt_the_messages_endpoint_runs(
     # The tools are rendered by this template: they count.
     assert with_tools["input_tokens"] == m_tools["usage"]["input_tokens"] > c["input_tokens"]
     assert bad["type"] == "error" and "max_tokens" in bad["error"]["message"]
+
+
+def test_consecutive_turns_of_a_role_are_one_turn(model) -> None:  # noqa: F811
+    """Anthropic combines them; the chat messages they become alternate, as templates that
+    insist on alternating roles need. A reply's citations and redacted thinking sent back
+    are accepted and not rendered."""
+    split = [{"role": "user", "content": "what is"},
+             {"role": "user", "content": [{"type": "text", "text": "the weather?",
+                                           "citations": None}]},
+             {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"},
+                                               {"type": "text", "text": "Sunny"}]},
+             {"role": "assistant", "content": "."},
+             {"role": "user", "content": "thanks"}]
+    chat = [{"role": "user", "content": "what is\nthe weather?"},
+            {"role": "assistant", "content": "Sunny\n."}, {"role": "user", "content": "thanks"}]
+    [(s1, m), (s2, c)] = _post(
+        model, ("/v1/messages", {"messages": split, "max_tokens": 2, "temperature": 0}),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 2, "temperature": 0}))
+    assert (s1, s2) == (200, 200), (m, c)
+    assert m["usage"]["input_tokens"] == c["usage"]["prompt_tokens"]
+    text = "".join(b["text"] for b in m["content"] if b["type"] == "text")
+    assert text == (c["choices"][0]["message"]["content"] or "")
+
+
+def test_a_streamed_call_cut_short_sends_its_arguments_as_generated(model) -> None:  # noqa: F811
+    """A forced call that max_tokens cuts off: its partial JSON goes in the input_json_delta
+    (Anthropic streams partial JSON as it comes), not an empty object."""
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    body = {"messages": USER, "max_tokens": 4, "temperature": 0, "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+    [(s1, whole), (s2, streamed)] = _post(model, ("/v1/messages", body),
+                                          ("/v1/messages", {**body, "stream": True}))
+    assert (s1, s2) == (200, 200)
+    assert whole["stop_reason"] == "max_tokens"
+    (text,) = [b["text"] for b in whole["content"] if b["type"] == "text"]
+    events = _anthropic_events(streamed)
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta")
+    assert partial == text and partial.startswith("{")
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"

@@ -37,6 +37,7 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a hint for Anthropic's cache: no meaning here
+    citations: list[dict[str, Any]] | None = None  # an earlier reply's, sent back: not rendered
 
 
 class ToolUseBlock(BaseModel):
@@ -66,7 +67,25 @@ class ThinkingBlock(BaseModel):
     signature: str | None = None
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+class RedactedThinkingBlock(BaseModel):
+    """Anthropic's encrypted thinking, sent back: nothing to render."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class UnservedBlock(BaseModel):
+    """A block of a kind Anthropic serves and this server does not (a text-only model):
+    parsed only to be refused by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["image", "document", "search_result", "server_tool_use",
+                  "web_search_tool_result", "container_upload"]
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock \
+    | UnservedBlock
 
 
 class Message(BaseModel):
@@ -126,10 +145,11 @@ class MessagesRequest(BaseModel):
             system = self.system if isinstance(self.system, str) else \
                 "\n".join(b.text for b in self.system)
             messages.append({"role": "system", "content": system})
-        for m in self.messages:
+        turns = _merged_turns(self.messages)
+        for m in turns:
             messages.extend(_chat_messages(m))
         # A last assistant turn of text is a prefill: the reply continues it (Anthropic's).
-        last = self.messages[-1]
+        last = turns[-1]
         prefill = last.role == "assistant" and (isinstance(last.content, str) or not any(
             isinstance(b, ToolUseBlock) for b in last.content))
         body: dict[str, Any] = {
@@ -145,10 +165,13 @@ class MessagesRequest(BaseModel):
                 for t in self.tools]
         choice = self.tool_choice
         if choice is not None:
+            if choice.type == "tool" and not choice.name:
+                raise RequestError("tool_choice of type tool needs the tool's name",
+                                   "tool_choice")
+            if choice.type in ("any", "tool") and not self.tools:
+                raise RequestError(f"tool_choice of type {choice.type!r} needs tools",
+                                   "tool_choice")
             if choice.type == "tool":
-                if not choice.name:
-                    raise RequestError("tool_choice of type tool needs the tool's name",
-                                       "tool_choice")
                 body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
             else:
                 body["tool_choice"] = {"auto": "auto", "any": "required",
@@ -200,6 +223,29 @@ def install_count_tokens(app: FastAPI, serving: Any) -> None:
     app.add_api_route(COUNT_TOKENS_PATH, count_tokens, methods=["POST"])
 
 
+def _merged_turns(messages: list[Message]) -> list[Message]:
+    """Consecutive turns of one role as one turn, their blocks in order (Anthropic combines
+    them; templates that insist on alternating roles would refuse them apart)."""
+    turns: list[Message] = []
+    for j, m in enumerate(messages):
+        for i, b in enumerate(m.content if isinstance(m.content, list) else ()):
+            if isinstance(b, UnservedBlock):
+                raise RequestError(f"messages[{j}].content[{i}]: {b.type} "
+                                   "blocks are not served (this server runs text-only "
+                                   "models); send text, tool_use and tool_result blocks",
+                                   "messages")
+        if turns and turns[-1].role == m.role:
+            blocks = [_as_blocks(turns[-1].content), _as_blocks(m.content)]
+            turns[-1] = Message.model_construct(role=m.role, content=blocks[0] + blocks[1])
+        else:
+            turns.append(m)
+    return turns
+
+
+def _as_blocks(content: str | list) -> list:
+    return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
 def _chat_messages(m: Message) -> list[dict]:
     """The chat messages of one Messages turn: a user turn's tool results become ``tool``
     messages (before its text), an assistant turn's tool uses its ``tool_calls``."""
@@ -247,6 +293,14 @@ def _tool_use(call: dict) -> dict:
         args = {}
     return {"type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:24]}",
             "name": call["function"]["name"], "input": args if isinstance(args, dict) else {}}
+
+
+def _parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def message_of(chat: dict, req: MessagesRequest, ctx: ReplyContext) -> dict:
@@ -320,9 +374,13 @@ async def message_events(chunks: AsyncIterator[dict], req: MessagesRequest,
         block = _tool_use(call)
         yield event("content_block_start", index=index,
                     content_block={**block, "input": {}})
+        # Arguments that do not parse (a call cut short by max_tokens) go as generated: the
+        # client's partial-JSON reading makes what it can of them, as of Anthropic's own.
+        arguments = call["function"]["arguments"] or ""
+        partial = arguments if arguments.strip() and not _parses(arguments) else \
+            json.dumps(block["input"], ensure_ascii=False)
         yield event("content_block_delta", index=index, delta={
-            "type": "input_json_delta", "partial_json": json.dumps(block["input"],
-                                                                   ensure_ascii=False)})
+            "type": "input_json_delta", "partial_json": partial})
         yield event("content_block_stop", index=index)
     reason, sequence = _stop_reason(finish, stop, bool(calls))
     yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
