@@ -12,11 +12,11 @@ from cadence.beam_search import BeamSearchParams
 from cadence.hookspecs import hookimpl
 from cadence.lora.request import LoRARequest
 from cadence.pooling.params import PoolingParams
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import OutputKind, SamplingParams
 from cadence.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "PoolingParams", "BeamSearchParams",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "OutputKind", "PoolingParams", "BeamSearchParams",
            "StructuredOutputsParams", "LoRARequest",
            "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
            "LLMEngine", "EngineArgs", "hookimpl", "__version__"]

@@ -38,7 +38,7 @@ from cadence.output_state import OutputKind
 from cadence.outputs import RequestOutput
 from cadence.pooling import PoolingParams
 from cadence.request_front import RequestFront
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, resolve_output_kind
 from cadence.structured_output.manager import BLOCK_S
 
 logger = logging.getLogger(__name__)
@@ -166,10 +166,12 @@ class AsyncLLM(RequestFront):
     async def add_request(self, prompt: str | Sequence[int] | dict,
                           params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
-                          output_kind: OutputKind = OutputKind.DELTA,
+                          output_kind: OutputKind | None = None,
                           lora_request: Any = None) -> RequestStream:
         """Validate and queue one request; iterate the returned stream for its outputs.
         ``lora_request``: a ``cadence.lora.LoRARequest`` to run it with an adapter.
+        ``output_kind`` None: the params' ``output_kind``, else ``CUMULATIVE`` (vLLM's
+        default: each output holds everything so far; ``DELTA`` streams the new part).
 
         Raises ValueError (bad input), EngineOverloadedError or EngineDeadError before
         anything is queued, so a server can answer 400/429/503 before it starts streaming.
@@ -177,6 +179,7 @@ class AsyncLLM(RequestFront):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params is None:
             params = default_sampling_params(self.engine.config.model_config)
+        output_kind = resolve_output_kind(output_kind, params, OutputKind.CUMULATIVE)
         queue_ = await self._add(rid, prompt, params, priority, output_kind, lora_request)
         return RequestStream(self, rid, queue_)
 

@@ -32,7 +32,7 @@ from cadence.pooling import PoolingParams
 from cadence.request import Request
 from cadence.request_factory import RequestFactory
 from cadence.request_intake import eos_token_ids, vocab_size_from_config
-from cadence.sampling_params import FieldError, SamplingParams
+from cadence.sampling_params import FieldError, SamplingParams, resolve_output_kind
 from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import (
     check_backend_supports,
@@ -127,14 +127,16 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
                     params: SamplingParams | PoolingParams | None = None, priority: int = 0,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE,
+                    output_kind: OutputKind | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError for bad input (a ``FieldError``
         naming the argument or ``SamplingParams`` field in ``param``), queues nothing.
         ``params=None`` means the model's generation defaults (docs/semantics.md);
         ``PoolingParams`` make it an embedding request, whose one output is an
         ``EmbeddingRequestOutput`` (cadence/pooling). ``lora_request`` runs it with a LoRA
-        adapter (cadence/lora; the engine must serve adapters: ``enable_lora``)."""
+        adapter (cadence/lora; the engine must serve adapters: ``enable_lora``).
+        ``output_kind`` None: the params' ``output_kind``, else ``CUMULATIVE``."""
+        output_kind = resolve_output_kind(output_kind, params, OutputKind.CUMULATIVE)
         if isinstance(request_id, str) and request_id in self.output_processor.parents:
             raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids, children = self.requests.build(request_id, prompt, params, priority,

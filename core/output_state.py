@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
@@ -16,14 +15,7 @@ from cadence.outputs import (
     RequestOutput,
 )
 from cadence.request import Request
-
-
-class OutputKind(enum.Enum):
-    """What each RequestOutput carries (vLLM's RequestOutputKind)."""
-
-    CUMULATIVE = "cumulative"  # everything so far, every step
-    DELTA = "delta"  # only what is new since the previous output (streaming)
-    FINAL_ONLY = "final"  # one output, at the end (LLM.generate)
+from cadence.sampling_params import OutputKind
 
 
 @dataclass(slots=True)

@@ -19,10 +19,12 @@ class RequestFront:
 
     async def generate(self, prompt: str | Sequence[int] | dict,
                        params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: OutputKind = OutputKind.DELTA,
+                       priority: int = 0, output_kind: OutputKind | None = None,
                        lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Queue one request and yield its outputs as they become ready."""
+        """Queue one request and yield its outputs as they become ready: each with
+        everything so far unless ``output_kind`` (or the params' ``output_kind``) says
+        ``DELTA`` or ``FINAL_ONLY`` (vLLM's default and field)."""
         stream = await self.add_request(prompt, params, request_id, priority, output_kind,
                                         lora_request)
         async for out in stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 import re
@@ -12,6 +13,31 @@ from cadence.structured_output.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 # Seeds are 64-bit signed, as in vLLM's server: a backend may hold them in an int64 tensor.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step
+    DELTA = "delta"  # only what is new since the previous output (streaming)
+    FINAL_ONLY = "final"  # one output, at the end (LLM.generate)
+
+
+RequestOutputKind = OutputKind  # vLLM's name for it
+
+
+def resolve_output_kind(given: OutputKind | None, params: object,
+                        default: OutputKind) -> OutputKind:
+    """The kind a request's outputs take: the one passed to ``add_request`` or
+    ``generate``, else its params' ``output_kind`` (vLLM's field), else the API's
+    default."""
+    if given is not None:
+        if not isinstance(given, OutputKind):
+            kinds = ", ".join(k.name for k in OutputKind)
+            raise FieldError(f"output_kind must be an OutputKind ({kinds}) or None, got "
+                             f"{shown(given)}", "output_kind")
+        return given
+    return getattr(params, "output_kind", None) or default
 
 
 class FieldError(ValueError):
@@ -89,6 +115,9 @@ class SamplingParams:
     # Words the output may not contain (vLLM's field): the token that would complete one is
     # banned where the output's last tokens begin it.
     bad_words: list[str] | None = None
+    # What each output carries (vLLM's field); None: the API's default (docs/semantics.md).
+    # An ``output_kind`` passed to ``add_request`` or ``generate`` takes precedence.
+    output_kind: OutputKind | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.
     output_text_buffer_length: int = field(default=0, repr=False)
 
@@ -182,6 +211,9 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "None or a non-empty list of token ids "
                           "(integers >= 0)")
             self.allowed_token_ids = sorted({int(t) for t in ids})
+        if self.output_kind is not None and not isinstance(self.output_kind, OutputKind):
+            raise bad("output_kind", "an OutputKind (" + ", ".join(k.name for k in OutputKind)
+                      + ") or None")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             if not isinstance(so, dict):

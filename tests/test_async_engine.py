@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from engine_helpers import generate, make_llm
@@ -121,6 +122,20 @@ def test_cumulative_and_final_only_kinds(model, reference):
             PROMPTS[0], greedy, output_kind=OutputKind.CUMULATIVE)]
         assert cumulative[-1] == expected["greedy"][0][0][0]
         assert all(b.startswith(a) for a, b in zip(cumulative, cumulative[1:]))
+        # vLLM's default, so `async for out in generate(...): final = out` reads the whole
+        # text; the params' output_kind (vLLM's field) or the argument asks for deltas.
+        default = [o.outputs[0].text async for o in engine.generate(PROMPTS[0], greedy)]
+        assert default == cumulative and len(default) > 1
+        by_params = replace(greedy, output_kind=OutputKind.DELTA)
+        deltas = [o.outputs[0].text async for o in engine.generate(PROMPTS[0], by_params)]
+        assert "".join(deltas) == cumulative[-1] and len(deltas) > 1
+        overridden = [o async for o in engine.generate(PROMPTS[0], by_params,
+                                                       output_kind=OutputKind.FINAL_ONLY)]
+        assert len(overridden) == 1 and overridden[0].outputs[0].text == cumulative[-1]
+        with pytest.raises(ValueError, match="output_kind must be an OutputKind"):
+            await engine.add_request(PROMPTS[0], greedy, output_kind="delta")
+        with pytest.raises(ValueError, match="output_kind must be an OutputKind"):
+            replace(greedy, output_kind=1)
 
     with_engine(model, body)
 

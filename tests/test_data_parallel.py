@@ -82,7 +82,7 @@ def test_two_replicas_serve_bound_to_their_cores_and_route_by_load(tiny_model_di
             async def one(i: int, prompt: str) -> list[int]:
                 tokens: list[int] = []
                 async for out in dp.generate(prompt, GREEDY, request_id=f"r{i}"):
-                    tokens += out.outputs[0].token_ids  # deltas
+                    tokens = list(out.outputs[0].token_ids)  # everything so far
                 return tokens
 
             got = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))

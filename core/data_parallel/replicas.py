@@ -110,7 +110,7 @@ class DataParallelAsyncLLM(RequestFront):
     async def add_request(self, prompt: str | Sequence[int] | dict,
                           params: SamplingParams | PoolingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
-                          output_kind: OutputKind = OutputKind.DELTA,
+                          output_kind: OutputKind | None = None,
                           lora_request: Any = None) -> RequestStream:
         """``AsyncLLM.add_request`` on the least-loaded replica."""
         if request_id is not None and any(r.has_request(request_id) for r in self.replicas):
