@@ -50,6 +50,9 @@ def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | Non
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
         raise ValueError(f"chat_template must be a non-empty Jinja template string or None, "
                          f"got {chat_template!r:.60}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True continues the last message, so it "
+                         "needs add_generation_prompt=False (which opens a new one)")
     conversation = [_message(m, i) for i, m in enumerate(_checked(messages))]
     try:
         text = tokenizer.apply_chat_template(
@@ -60,6 +63,9 @@ def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | Non
     # The template is the model author's (or the caller's) code: jinja's TemplateError for
     # roles out of order, but a template may raise anything, and it is the input's fault.
     except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "TemplateSyntaxError":  # jinja's: the template, not the input
+            raise ValueError(f"chat_template does not parse as a Jinja template: {e}") \
+                from None
         raise ValueError(f"messages: the chat template rejected them: {e}") from None
     if not isinstance(text, str) or not text:
         raise ValueError("messages: the chat template rendered them as an empty prompt")

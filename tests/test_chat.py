@@ -73,6 +73,11 @@ def test_llm_chat_equals_transformers(bos_model):
         joined = [{"role": "user", "content": "hello\nthere"}]
         assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == \
             hf_ids(tok, joined)
+        with pytest.raises(ValueError, match="^chat_template does not parse"):
+            llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template="{% for m in messages %}")
+        with pytest.raises(ValueError, match="^continue_final_message=True .* "
+                                             "add_generation_prompt=False"):
+            llm.chat(HELLO, GREEDY, use_tqdm=False, continue_final_message=True)
         for bad, field in (([], "messages"), ("hi", "messages"),
                            ([{"content": "hi"}], r"messages\[0\]"),
                            ([{"role": "user", "content": 5}], r"messages\[0\].content"),
