@@ -64,3 +64,27 @@ def test_int8_weights_give_the_cpu_backends_outputs(tiny_model_dir, monkeypatch)
     finally:
         llm.shutdown()
     assert_same_as(want, got)
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_weight_expands_a_block_of_rows_at_a_time_to_the_same_values(monkeypatch, offset):
+    """In bf16 the fp32 temporary is one block of rows, not the weight: the same values
+    as expanding it whole and rounding once (the blocks split unevenly here)."""
+    import types
+
+    import torch
+
+    from cadence.backends.hpu import quant
+    from cadence.quantization.weights import QuantizedWeight
+
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 37, 64, 16
+    w = QuantizedWeight(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g),
+                        torch.rand(n, k // group, generator=g),
+                        torch.rand(n, k // group, generator=g) if offset else None)
+    lin = types.SimpleNamespace(quantized=w, in_features=k, out_features=n, bias=None)
+    layer = quant.DequantLinear(lin, torch.device("cpu"))
+    whole = w.dequantize()
+    assert torch.equal(layer.dense(torch.float32), whole)
+    monkeypatch.setattr(quant, "_BLOCK_ELEMS", 5 * k)  # 8 blocks, the last of 2 rows
+    assert torch.equal(layer.dense(torch.bfloat16), whole.to(torch.bfloat16))

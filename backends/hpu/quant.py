@@ -5,9 +5,9 @@ offsets per group of inputs). The dense weights are dropped before the model mov
 linears swapped after (cadence/quantization/device.py), for ``DequantLinear``: it keeps the
 int8 values on the card (with fp32 scales per group: about half a bf16 weight's bytes at
 groups of 32 inputs or more, 0.75 at GGUF's 16 with offsets) and expands the weight in each
-call (one fp32 copy of that weight at a time),
-``s * q + o`` in fp32 rounded to the activations' dtype, then runs the GEMM a plain linear runs. Inside an
-HPU graph the expansion is part of the graph; the bytes the card holds are the int8 ones.
+call, ``s * q + o`` in fp32 (a block of rows at a time) rounded to the activations' dtype,
+then runs the GEMM a plain linear runs. Inside an HPU graph the expansion is part of the
+graph; the bytes the card holds are the int8 ones.
 The outputs are those of the dequantized weights rounded to the model's dtype (bit for bit
 in the emulation's fp32: the same weights, the same GEMM).
 """
@@ -20,6 +20,10 @@ from torch import nn
 from cadence.distributed import all_reduce
 from cadence.layers.linear import Linear, linear
 from cadence.quantization import device as quant_device
+
+
+# Values expanded to fp32 at a time for a weight of a narrower dtype (16 Mi: 64 MiB).
+_BLOCK_ELEMS = 1 << 24
 
 
 class DequantLinear(nn.Module):
@@ -39,13 +43,28 @@ class DequantLinear(nn.Module):
         self.register_buffer("offset", offset, persistent=False)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        # By groups, the scales broadcast rather than repeated: one fp32 weight-sized
-        # temporary, not three (the same products and sums, so the same values).
+        # By groups, the scales broadcast rather than repeated, and by blocks of rows: the
+        # fp32 temporary is one block's (at most _BLOCK_ELEMS values), not the weight's, so
+        # a 70B layer's expansion does not hold four bytes a weight at once. The same
+        # products and sums per element, so the same values.
         n, k = self.q.shape
-        w = self.q.view(n, k // self.group, self.group).float() * self.scale.unsqueeze(-1)
+        if dtype == torch.float32:
+            return self._expand(0, n).view(n, k)
+        out = torch.empty(n, k, dtype=dtype, device=self.q.device)
+        rows = max(1, _BLOCK_ELEMS // k)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            out[start:stop] = self._expand(start, stop).view(stop - start, k)
+        return out
+
+    def _expand(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the weight in fp32, shaped [rows, groups, group]."""
+        n, k = self.q.shape
+        q = self.q[start:stop].view(stop - start, k // self.group, self.group)
+        w = q.float() * self.scale[start:stop].unsqueeze(-1)
         if self.offset is not None:
-            w += self.offset.unsqueeze(-1)
-        return w.view(n, k).to(dtype)
+            w += self.offset[start:stop].unsqueeze(-1)
+        return w
 
     @property
     def weight(self) -> quant_device.RowsOf:
