@@ -93,3 +93,28 @@ def test_a_messages_name_reaches_the_template() -> None:
     named = ChatMessage(role="user", content="hi", name="ada").as_template_dict()
     assert named == {"role": "user", "content": "hi", "name": "ada"}
     assert "name" not in ChatMessage(role="user", content="hi").as_template_dict()
+
+
+def test_echo_begins_the_reply_with_a_continued_message(model) -> None:
+    """vLLM's chat ``echo``: the last message's text before the reply when it has the
+    reply's role (here the assistant message continued), whole and streamed alike; a last
+    user message under a generation prompt is not echoed."""
+    import json
+
+    cont = {"messages": PARTIAL, "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 4, "temperature": 0}
+    plain, echoed, streamed, user = _post(
+        model, ("/v1/chat/completions", cont),
+        ("/v1/chat/completions", {**cont, "echo": True}),
+        ("/v1/chat/completions", {**cont, "echo": True, "stream": True}),
+        ("/v1/chat/completions", {"messages": PARTIAL[:1], "max_tokens": 4,
+                                  "temperature": 0, "echo": True}))
+    reply = plain.json()["choices"][0]["message"]["content"]
+    whole = echoed.json()["choices"][0]["message"]["content"]
+    assert whole == "The colour is" + reply
+    assert echoed.json()["usage"] == plain.json()["usage"]  # the echo is not generated
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+    assert "".join(pieces) == whole and "The colour is" in pieces
+    assert not user.json()["choices"][0]["message"]["content"].startswith("name a colour")

@@ -57,6 +57,9 @@ class ChatCompletionRequest(_Common):
     # begun, and extra variables for the template (e.g. Qwen3's enable_thinking).
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply begins with the last message's text when it has the reply's role
+    # (an assistant message continued, or any last message without a generation prompt).
+    echo: bool = False
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -128,6 +131,16 @@ class ChatCompletionRequest(_Common):
                 self.effective_tool_choice not in ("auto", "none"):
             return "tools"
         return asked
+
+    @property
+    def echo_text(self) -> str:
+        """What ``echo`` puts before the reply: the last message's text if it has the
+        reply's role (vLLM's rule), else nothing."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        if not self.echo or last.role != role:
+            return ""
+        return last.as_template_dict()["content"]
 
     @property
     def requested_max_tokens(self) -> int | None:

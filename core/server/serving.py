@@ -206,9 +206,12 @@ class OpenAIServing:
         choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
                    for c in out.outputs]
         reply = self._reply(req)
+        echo = req.echo_text
         for choice, c in zip(choices, out.outputs):
             fields, choice["finish_reason"] = reply.whole(c.text, c.finish_reason)
             choice["message"].update(fields)
+            if echo:
+                choice["message"]["content"] = echo + (choice["message"]["content"] or "")
         body = formats.envelope("chatcmpl", "chat.completion", self.response_model(req),
                                 choices, usage.as_dict())
         if req.prompt_logprobs is not None:
@@ -262,6 +265,10 @@ class OpenAIServing:
         for index in range(req.n):
             yield head.chunk([formats.chat_delta(index, {"role": "assistant", "content": ""},
                                                  None, None)])
+        if req.echo_text:
+            for index in range(req.n):
+                yield head.chunk([formats.chat_delta(index, {"content": req.echo_text}, None,
+                                                     None)])
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
         reply = self._reply(req)
