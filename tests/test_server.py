@@ -205,6 +205,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "priority": -1}, 400, "priority", "scheduling policy"),
     ("/v1/completions", {"prompt": [3, 4.5]}, 400, "prompt", "list[int]"),
+    # Inside a union the value's own shape decides what is named: a list of parts is not
+    # told it should have been a string.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages.0.content.0.text", "is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content", "one of: str, list[ContentPart]"),
 ]
 
 

@@ -143,6 +143,16 @@ def test_a_forced_call_is_a_function_call_item(model) -> None:  # noqa: F811
     ({"text": {"format": {"type": "json_schema"}}}, "text", "needs a schema"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"frequency_penalty": 1}, "frequency_penalty", ""),
+    # Inside an item: the branch the client meant (by its type), not the first one tried.
+    ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input.0.content",
+     "one of: str, list"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input.0.content.0.text", "is required"),
+    ({"input": [{"type": "function_call", "call_id": "a", "name": "f"}]},
+     "input.0.arguments", "is required"),
+    ({"input": [{"type": "weird"}]}, "input.0.type", "'message', 'function_call'"),
+    ({"input": [{"type": "function_call_output", "call_id": "a", "output": "x", "y": 1}]},
+     "input.0.y", "valid fields: type, call_id, output"),
 ])
 def test_misuse_is_a_400_naming_the_responses_field(model, body, param, words) -> None:  # noqa: F811
     [(status, r)] = _post(model, ("/v1/responses", {"input": "hi", **body}))
