@@ -309,6 +309,20 @@ def _edit_config(folder, **changes) -> str:
     return str(folder)
 
 
+def _written(folder, good: str, name: str, content: bytes | None) -> str:
+    """A copy of the adapter ``good`` with file ``name`` replaced by ``content`` (None: its
+    first half)."""
+    shutil.copytree(good, folder)
+    path = os.path.join(folder, name)
+    if content is None:
+        with open(path, "rb") as f:
+            content = f.read()
+        content = content[:len(content) // 2]
+    with open(path, "wb") as f:
+        f.write(content)
+    return str(folder)
+
+
 def test_bad_adapters_are_refused(model, adapters, tmp_path, tiny_model_dir) -> None:
     good = adapters[0].lora_path
 
@@ -326,7 +340,17 @@ def test_bad_adapters_are_refused(model, adapters, tmp_path, tiny_model_dir) -> 
         (LoRARequest("x", 9, variant("prefix", peft_type="PREFIX_TUNING")), "peft_type"),
         (LoRARequest("x", 9, other), "another model"),
         (LoRARequest("other-path", 1, adapters[1].lora_path), "one id names one folder"),
-        (LoRARequest("x", 9, variant("array", rank_pattern={"(": 3})), "could not be read"),
+        (LoRARequest("x", 9, variant("array", rank_pattern={"(": 3})),
+         "not a regular expression"),
+        (LoRARequest("x", 9, variant("zero", rank_pattern={"q_proj": 0})),
+         "rank_pattern must map module names to positive numbers"),
+        (LoRARequest("x", 9, variant("alpha", alpha_pattern={"q_proj": "x"})),
+         "alpha_pattern must map"),
+        (LoRARequest("x", 9, _written(tmp_path / "list", good, "adapter_config.json", b"[]")),
+         "must hold a JSON object"),
+        # Cut short: refused when it is checked, not met by the step that reads it.
+        (LoRARequest("x", 9, _written(tmp_path / "cut", good, "adapter_model.safetensors",
+                                      None)), "is damaged"),
         ("qvd", "must be a LoRARequest"),
     ]
     llm = make_llm(model, enable_lora=True, max_lora_rank=4)

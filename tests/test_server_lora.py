@@ -5,6 +5,8 @@ come and go through vLLM's load/unload routes; a bad adapter is a 400 naming it.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
@@ -95,6 +97,15 @@ def test_adapters_load_and_unload_at_runtime(model, adapters, tmp_path) -> None:
         r = await client.post("/v1/load_lora_adapter", json={
             "lora_name": "bad", "lora_path": str(tmp_path)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        # A malformed folder is a 400 too, never a 500 (the checks read every part of it).
+        shutil.copytree(adapters[1].lora_path, tmp_path / "listed")
+        (tmp_path / "listed" / "adapter_config.json").write_text("[1]")
+        r = await client.post("/v1/load_lora_adapter", json={
+            "lora_name": "bad", "lora_path": str(tmp_path / "listed")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+        r = await client.post("/v1/load_lora_adapter", json={
+            "lora_name": "", "lora_path": adapters[1].lora_path})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
         r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert r.status_code == 200, r.text
         assert (await client.post("/v1/completions", json=ask)).status_code == 404

@@ -79,7 +79,13 @@ def expected_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
             "down_proj": (hidden, inter)}
 
 
+# Bytes per element of the dtypes a safetensors adapter may hold.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
 def _read_header(path: str) -> dict:
+    """The tensors' entries of a safetensors file, each checked to lie whole in the file:
+    a file cut short or garbled is refused here, not met by the step that reads it."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -89,10 +95,34 @@ def _read_header(path: str) -> dict:
             raise ValueError(f"{path} is not a safetensors file (header of {size} bytes)")
         try:
             header = json.loads(f.read(size))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a safetensors file: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError(  # noqa: TRY004 (a damaged file is a ValueError: STYLE.md)
+            f"{path} is not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)
+    data = os.path.getsize(path) - 8 - size
+    for name, meta in header.items():
+        _check_entry(path, name, meta, data)
     return header
+
+
+def _check_entry(path: str, name: str, meta: object, data: int) -> None:
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)):
+        raise ValueError(f"{path} is not a valid safetensors file: the entry of {name} is "
+                         f"{meta!r:.80}")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"{path}: {name} is {dtype!r}; LoRA weights must be one of "
+                         f"{', '.join(_DTYPE_BYTES)}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data or end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise ValueError(f"{path} is damaged: {name} should take bytes {begin}..{end} of "
+                         f"{data} (cut short, or not a safetensors file)")
 
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
@@ -116,8 +146,12 @@ def read_adapter(path: str, model_dir: str, max_rank: int) -> AdapterSpec:
     try:
         with open(config_path) as f:
             acfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"LoRA adapter {path!r}: unreadable adapter_config.json: {e}") from e
+    if not isinstance(acfg, dict):
+        raise ValueError(  # noqa: TRY004 (a bad file is a ValueError: STYLE.md)
+            f"LoRA adapter {path!r}: adapter_config.json must hold a JSON object, got "
+            f"{type(acfg).__name__}")
     with open(os.path.join(model_dir, "config.json")) as f:
         mcfg = json.load(f)
     _check_config(path, acfg)
@@ -191,6 +225,25 @@ def _check_config(path: str, acfg: dict) -> None:
                          "adapters are supported (trained biases are not applied)")
     for key in ("r", "lora_alpha"):
         value = acfg.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and not _positive(value):
             raise ValueError(f"LoRA adapter {path!r}: {key} must be a positive number, got "
                              f"{value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = acfg.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict) or not all(
+                isinstance(k, str) and _positive(v) for k, v in patterns.items()):
+            raise ValueError(f"LoRA adapter {path!r}: {key} must map module names to "
+                             f"positive numbers, got {patterns!r:.80}")
+        for k in patterns:
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise ValueError(f"LoRA adapter {path!r}: {key} key {k!r} is not a regular "
+                                 f"expression: {e}") from None
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0

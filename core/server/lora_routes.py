@@ -75,6 +75,9 @@ def install_lora_routes(app: FastAPI, serving: Any, model_dir: str, max_rank: in
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Any:
+        for field in ("lora_name", "lora_path"):
+            if not getattr(req, field):
+                raise RequestError(f"{field} must be a non-empty string", field)
         if req.lora_name in serving.loras or req.lora_name == serving.model_name:
             raise RequestError(f"the adapter {req.lora_name!r} is already loaded; unload it "
                                "first", "lora_name")
