@@ -66,6 +66,25 @@ needs_two_cores = pytest.mark.skipif(
 
 
 @needs_two_cores
+def test_replicas_start_in_a_process_that_never_imported_transformers(tiny_model_dir):
+    """The replicas start side by side in threads; transformers' first import is not
+    thread-safe, so two of them loading a tokenizer at once failed in a fresh process
+    (this test process has imported it long ago: a fresh one is needed)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, sys; from cadence import EngineArgs; "
+            "from cadence.data_parallel import DataParallelAsyncLLM; "
+            "assert 'transformers' not in sys.modules; "
+            "dp = DataParallelAsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], "
+            "max_model_len=64, backend_options={'overlap': 'process', 'kv_cache_gb': 0.05})"
+            ", size=2); asyncio.run(dp.shutdown()); print('started')")
+    out = subprocess.run([sys.executable, "-c", code, tiny_model_dir("llama")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "started" in out.stdout, out.stderr[-2000:]
+
+
+@needs_two_cores
 def test_two_replicas_serve_bound_to_their_cores_and_route_by_load(tiny_model_dir):
     model = tiny_model_dir("llama")
     reference = [o.outputs[0].token_ids for o in

@@ -141,14 +141,20 @@ def start_replicas(configs: Sequence[EngineConfig]) -> list[Any]:
     loading shut themselves down when they are built (their threads are daemons, so an
     exiting process does not wait for them; their workers leave with it)."""
     from cadence.engine import LLMEngine
+    from cadence.tokenizer_loader import load_tokenizer
 
+    # Loaded here, one after another: transformers' first import is not thread-safe (two
+    # replicas importing its tokenizer classes at once failed with an ImportError in a fresh
+    # process), and each replica keeps a tokenizer of its own, used by its engine thread only.
+    tokenizers = [load_tokenizer(c.model_config.tokenizer or c.model_config.model)
+                  for c in configs]
     results: list[Any] = [None] * len(configs)
     lock = threading.Lock()
     abandoned = False
 
     def start(i: int, config: EngineConfig) -> None:
         try:
-            engine = LLMEngine(config)
+            engine = LLMEngine(config, tokenizers[i])
         except BaseException as e:  # noqa: BLE001  # raised by the caller below
             results[i] = e
             return
