@@ -154,6 +154,17 @@ def test_ids_aborts_metrics_and_health_across_replicas(tiny_model_dir):
                            if f.name == "vllm:num_requests_running" for s in f.samples]
                 assert sorted(s.labels["engine"] for s in running) == ["0", "1"]
                 assert (await client.get("/health")).json() == {"status": "ok"}
+                # A replica restarting its worker is passed over while the other serves.
+                restarting = dp.replicas[0]
+                restarting.check_health = lambda: "the engine is restarting its worker"
+                before = [s.num_requests_added for s in dp.replica_stats()]
+                for _ in range(3):
+                    r = await client.post("/v1/completions",
+                                          json={"prompt": "y", "max_tokens": 2})
+                    assert r.status_code == 200, r.text
+                after = [s.num_requests_added for s in dp.replica_stats()]
+                assert (after[0] - before[0], after[1] - before[1]) == (0, 3)
+                del restarting.check_health
                 await dp.replicas[1].shutdown()  # one replica down: the other serves
                 health = (await client.get("/health")).json()
                 assert health["status"] == "degraded" and health["replicas"][0]["status"] == "ok"

@@ -115,8 +115,16 @@ class DataParallelAsyncLLM(RequestFront):
         """``AsyncLLM.add_request`` on the least-loaded replica."""
         if request_id is not None and any(r.has_request(request_id) for r in self.replicas):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        loads = [r.num_pending_requests if r.is_running else None for r in self.replicas]
-        i = pick_replica(loads, next(self._turn))
+        # A replica that is restarting its worker (or whose worker just died) has nothing
+        # in flight, so the least-loaded rule would favour it; it is passed over while
+        # another can serve, as /health reports it degraded.
+        turn = next(self._turn)
+        running = [r.num_pending_requests if r.is_running else None for r in self.replicas]
+        healthy = [n if n is not None and r.check_health() is None else None
+                   for n, r in zip(running, self.replicas)]
+        i = pick_replica(healthy, turn)
+        if i is None:
+            i = pick_replica(running, turn)  # none healthy: wait where it will run
         if i is None:
             raise EngineDeadError("no replica is running")
         # No await between the id check and the replica registering the id: another
