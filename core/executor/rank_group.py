@@ -205,8 +205,18 @@ class RankGroup(Backend):
                 what = "were not ready" if starting else "gave no reply"
                 limit = "--startup-timeout, startup_timeout" if starting else "step_timeout"
                 seconds = self.startup_timeout_s if starting else timeout
+                also = ""
+                if self._in_flight and not starting:
+                    # Later steps in flight (a pipeline): a rank that answered this step but
+                    # not the next one stopped as well, and the late ones may only be
+                    # waiting for its activations; it is named with them.
+                    stuck = [r for r in sorted(replies) if not self._wait([r], 0)]
+                    if stuck:
+                        late = sorted(late + stuck)
+                        also = (f"; rank(s) {stuck} answered this step but not the next "
+                                "one, and a later stage waits on an earlier one")
                 raise self._lost(f"rank(s) {late} of {self.world_size} {what} within "
-                                 f"{seconds:g} s ({limit}); every rank was killed")
+                                 f"{seconds:g} s ({limit}){also}; every rank was killed")
             for rank in ready:
                 try:
                     replies[rank] = self._read(rank)
