@@ -291,6 +291,10 @@ class AsyncLLM(RequestFront):
             logger.exception("engine loop failed")
             self._error = e
             self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
+            # The gauges of a dead engine: nothing runs, waits or holds the cache (the last
+            # snapshot would report its failed requests as running forever).
+            self._stats = replace(self._stats, num_running=0, num_waiting=0,
+                                  kv_cache_usage=0.0, running_loras=(), waiting_loras=())
         finally:
             try:
                 engine.shutdown()

@@ -217,6 +217,9 @@ def test_engine_failure_ends_every_stream(model):
         assert "simulated device loss" in str(results[0])
         assert "cannot restart" in str(results[0])
         assert not engine.is_running
+        # Its gauges say nothing runs any more (/metrics reads them per replica).
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
         with pytest.raises(EngineDeadError):
             await engine.add_request(PROMPTS[0], params)
         await engine.shutdown()
