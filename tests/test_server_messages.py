@@ -129,7 +129,7 @@ def test_a_forced_tool_is_a_tool_use_block(model) -> None:  # noqa: F811
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages.0.content.0.tool_use_id", "is required"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
-     "messages.0.content.0.y", "valid fields: type, text"),
+     "messages.0.content.0.y", "valid fields: cache_control, citations, text, type"),
     ({"temperature": -1}, "temperature", ""),
     # Not coerced, as on the chat endpoint: true is not 1, "5" is not 5.
     ({"max_tokens": True}, "max_tokens", ""), ({"max_tokens": "5"}, "max_tokens", ""),

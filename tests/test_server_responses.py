@@ -152,7 +152,7 @@ def test_a_forced_call_is_a_function_call_item(model) -> None:  # noqa: F811
      "input.0.arguments", "is required"),
     ({"input": [{"type": "weird"}]}, "input.0.type", "'message', 'function_call'"),
     ({"input": [{"type": "function_call_output", "call_id": "a", "output": "x", "y": 1}]},
-     "input.0.y", "valid fields: type, call_id, output"),
+     "input.0.y", "valid fields: call_id, id, output, status, type"),
 ])
 def test_misuse_is_a_400_naming_the_responses_field(model, body, param, words) -> None:  # noqa: F811
     [(status, r)] = _post(model, ("/v1/responses", {"input": "hi", **body}))
