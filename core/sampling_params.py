@@ -115,7 +115,8 @@ class SamplingParams:
     # Words the output may not contain (vLLM's field): the token that would complete one is
     # banned where the output's last tokens begin it.
     bad_words: list[str] | None = None
-    # What each output carries (vLLM's field); None: the API's default (docs/semantics.md).
+    # What each output carries (vLLM's field); None: the API's default
+    # (docs/architecture.md, "Output kinds").
     # An ``output_kind`` passed to ``add_request`` or ``generate`` takes precedence.
     output_kind: OutputKind | None = None
     # Filled by the engine: the longest stop string, to size the streaming hold-back.

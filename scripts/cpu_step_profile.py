@@ -87,7 +87,7 @@ def main() -> None:
     # draw kernel is not used) and the concatenations (row padding, penalties' history).
     for name in ("softmax", "cat"):
         setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
-    llm = LLM(dtype=args.dtype, quantization=args.quantization,
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, backend="cpu",
               backend_options={"overlap": "sync", "huge_pages": args.huge_pages})
     print(machine_line({**machine_info(), "dtype": args.dtype}))
     rng = random.Random(0)

@@ -29,7 +29,7 @@ _MEMORY = """
 import resource, sys
 from cadence import LLM
 model, dtype = sys.argv[1:]
-llm = LLM(model=model, dtype=dtype, max_model_len=2048,
+llm = LLM(model=model, dtype=dtype, max_model_len=2048, backend="cpu",
           backend_options={"overlap": "sync", "kv_cache_gb": 0.25})
 now = next(int(line.split()[1]) for line in open("/proc/self/status")
            if line.startswith("VmRSS")) // 1024

@@ -241,6 +241,8 @@ CASES: list[Case] = [
     Case("detokenize-off-with-stop", "detokenize", {"detokenize": False, "stop": ["x"]},
          on=PYTHON),
     Case("detokenize-off", SERVED, {"detokenize": False}, on=PYTHON),
+    Case("output_kind-string", "output_kind", {"output_kind": "delta"}, on=PYTHON),
+    Case("output_kind-int", "output_kind", {"output_kind": 1}, on=PYTHON),
     # ---- stop strings -------------------------------------------------------------------
     Case("stop-empty-string-in-list", "stop", {"stop": [""]}),
     Case("stop-empty-string", "stop", {"stop": ""}),

@@ -80,7 +80,7 @@ def test_replicas_start_in_a_process_that_never_imported_transformers(tiny_model
             "max_model_len=64, backend_options={'overlap': 'process', 'kv_cache_gb': 0.05})"
             ", size=2); asyncio.run(dp.shutdown()); print('started')")
     out = subprocess.run([sys.executable, "-c", code, tiny_model_dir("llama")],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0 and "started" in out.stdout, out.stderr[-2000:]
 
 

@@ -251,7 +251,8 @@ def test_the_chosen_token_comes_first_then_the_top_k_by_rank(model) -> None:
 def test_detokenize_false_leaves_every_text_out(model) -> None:
     """vLLM: no text, and no ``decoded_token`` in sample or prompt logprobs; the ids and
     logprobs are those of the same request with text."""
-    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    base = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 2,
+            "prompt_logprobs": 2}
     with_text, without = (_run(model, params=SamplingParams(**base, detokenize=d))[0]
                           for d in (True, False))
     sample, bare = with_text.outputs[0], without.outputs[0]

@@ -120,9 +120,9 @@ def test_a_forced_tool_is_a_tool_use_block(model) -> None:  # noqa: F811
     ({"tool_choice": {"type": "tool"}}, "tool_choice", "name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "messages", "image blocks are not served"),
+     "messages.0.content.0", "image blocks are not served"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
-        {"type": "document", "source": {}}]}]}, "messages", "messages[1].content[0]"),
+        {"type": "document", "source": {}}]}]}, "messages.1.content.0", "document blocks"),
     ({"tool_choice": {"type": "any"}}, "tool_choice", "'any' needs tools"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "txt": "x"}]}]},
      "messages.0.content.0.text", "is required"),

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 # Per-line sampling fields a prompts file may set: the SamplingParams fields a user sets.
-_ENGINE_FILLED = {"output_text_buffer_length"}
+# (output_kind: engine generate collects whole outputs, and JSON cannot name an OutputKind.)
+_ENGINE_FILLED = {"output_text_buffer_length", "output_kind"}
 
 
 @dataclass(frozen=True, slots=True)

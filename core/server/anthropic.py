@@ -230,10 +230,10 @@ def _merged_turns(messages: list[Message]) -> list[Message]:
     for j, m in enumerate(messages):
         for i, b in enumerate(m.content if isinstance(m.content, list) else ()):
             if isinstance(b, UnservedBlock):
-                raise RequestError(f"messages[{j}].content[{i}]: {b.type} "
+                raise RequestError(f"messages.{j}.content.{i}: {b.type} "
                                    "blocks are not served (this server runs text-only "
                                    "models); send text, tool_use and tool_result blocks",
-                                   "messages")
+                                   f"messages.{j}.content.{i}")
         if turns and turns[-1].role == m.role:
             blocks = [_as_blocks(turns[-1].content), _as_blocks(m.content)]
             turns[-1] = Message.model_construct(role=m.role, content=blocks[0] + blocks[1])

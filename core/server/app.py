@@ -77,7 +77,8 @@ def build_app(engine: AsyncLLM, model_name: str, max_request_bytes: int = 4 << 2
     ``/metrics`` names its metrics ``vllm:*`` (vLLM's names, for existing dashboards) or,
     with ``metrics_prefix="cadence"``, ``cadence:*``.
 
-    With ``api_key``, every route but /health needs ``Authorization: Bearer <api_key>``;
+    With ``api_key``, every route but /health needs ``Authorization: Bearer <api_key>`` (or
+    ``x-api-key: <api_key>``, as Anthropic's clients send it);
     ``limits`` defaults to ``ServerLimits()`` (docs/server.md, "Limits").
     ``tool_call_parser`` (``server.tool_parsers.TOOL_PARSERS``) serves tool_choice "auto";
     ``reasoning_parser`` (``server.reasoning.REASONING_PARSERS``) splits a reasoning model's

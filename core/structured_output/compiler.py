@@ -73,7 +73,9 @@ class GrammarCompiler:
         kind = params.kind
         try:
             if kind == "json":
-                g.from_json_schema(params.spec, any_whitespace=not params.disable_any_whitespace)
+                # What _compile compiles: a schema whose rewritten grammar failed to parse
+                # back is refused now, not when its request is already queued.
+                json_schema_grammar(self._xgr, params.spec, not params.disable_any_whitespace)
             elif kind == "regex":
                 g.from_regex(params.regex)
             elif kind == "choice":
