@@ -161,11 +161,12 @@ class Backend(ABC):
     #: sampling goes through ``ModelRunner.prepare`` gets it from there. The engine refuses
     #: ``speculative_config`` otherwise.
     supports_speculative: ClassVar[bool] = False
-    #: The quantization methods (cadence/quantization) the backend runs: with ``gguf``,
-    #: ``awq`` or ``gptq``, the loaded model's linears carry a ``quantized`` attribute (a
-    #: ``QuantizedWeight``: int8 values, fp32 group scales and offsets, the exact form of
-    #: the fp32 weight beside it), and the backend runs them from it. The engine refuses a
-    #: method not named here, also one an AWQ or GPTQ checkpoint names for itself.
+    #: The quantization methods (cadence/quantization) the backend runs, of ``gguf``,
+    #: ``int8``, ``awq``, ``gptq`` and ``compressed-tensors``: the loaded model's linears
+    #: carry a ``quantized`` attribute (a ``QuantizedWeight``: int8 values, fp32 group
+    #: scales and offsets, the exact form of the fp32 weight beside it), and the backend
+    #: runs them from it. The engine refuses a method not named here, also one a packed
+    #: checkpoint (AWQ, GPTQ, compressed-tensors) names for itself.
     supports_quantization: ClassVar[tuple[str, ...]] = ()
     #: Whether several engines of this backend can serve side by side in one process, each
     #: taking its share of the machine from ``config.parallel_config`` (its rank among
@@ -263,10 +264,10 @@ class Backend(ABC):
     def execute(self, model_input: ModelInput, post_sample: PostSample) -> SamplerOutput:
         """Run one step; the overlap strategy decides when ``post_sample`` runs.
 
-        This default is the sync strategy (forward -> sample -> post_sample), the reference
-        every other strategy must match token for token. If an override never calls
-        ``post_sample``, the engine calls it after ``execute`` returns, so a naive backend
-        stays correct, only without overlap.
+        This default is the sync strategy (forward -> sample -> to_host -> post_sample), the
+        reference every other strategy must match token for token. If an override never
+        calls ``post_sample``, the engine calls it after ``execute`` returns, so a naive
+        backend stays correct, only without overlap.
         """
         logits = self.forward(model_input)
         sampled = self.sample(logits, model_input.sampling)

@@ -65,6 +65,8 @@ class PluginRegistry:
         self.duplicates: dict[str, str] = {}
         # Entry points left unloaded by the environment, and which setting did it.
         self.skipped: dict[str, str] = {}
+        # Each loaded entry point: its distribution and the backend names it registered.
+        self.registered: dict[str, tuple[str, list[str]]] = {}
         self._loaded = False
 
     def load(self) -> PluginRegistry:
@@ -96,6 +98,8 @@ class PluginRegistry:
         if self.pm.is_registered(module):
             return
         self.pm.register(module, name=name)
+        names: list[str] = []
+        self.registered[name] = (dist, names)
 
         def register(cls: type[Backend]) -> None:
             existing = self.backends.get(cls.name)
@@ -105,14 +109,17 @@ class PluginRegistry:
                 self.duplicates[cls.name] = msg
                 raise ValueError(msg)
             self.backends[cls.name] = BackendInfo(cls.name, cls, dist, version)
+            names.append(cls.name)
 
         impl = getattr(module, "cadence_register_backends", None)
         if impl is not None:
             try:
                 impl(register=register)
             except Exception:
-                # A plugin that failed to register must not keep its other hooks running.
+                # A plugin that failed to register must not keep its other hooks running
+                # (its error is reported, not a mismatch of names).
                 self.pm.unregister(module)
+                self.registered.pop(name, None)
                 raise
 
     def probe_all(self) -> dict[str, ProbeResult]:
@@ -126,11 +133,28 @@ class PluginRegistry:
                 results[name] = ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
         return results
 
+    def mismatches(self) -> dict[str, tuple[str, str]]:
+        """Entry points that loaded but did not register the backend of their own name:
+        entry point -> (distribution, what went wrong). A misspelt hook registers nothing,
+        and a ``Backend.name`` other than the entry point's cannot be selected by it."""
+        out = {}
+        for ep, (dist, names) in self.registered.items():
+            if not names:
+                out[ep] = (dist, "registered no backend: the module has no "
+                                 "cadence_register_backends hook (is it misspelt?), or the "
+                                 "hook called register() with none")
+            elif ep not in names:
+                out[ep] = (dist, f"registered {names}, not {ep!r}: Backend.name must equal "
+                                 "the entry-point name")
+        return out
+
     def _explain(self) -> str:
         lines = [f"  {n}: {'available' if r.available else r.reason}"
                  for n, r in self.probe_all().items()]
         lines += [f"  {e.entry_point} ({e.distribution}): failed to load: {e.error}"
                   for e in self.errors]
+        lines += [f"  entry point {ep} ({dist}): {why}"
+                  for ep, (dist, why) in sorted(self.mismatches().items())]
         return "\n".join(lines) or "  (no backend plugins are installed)"
 
     def select(self, name: str) -> tuple[type[Backend], str]:

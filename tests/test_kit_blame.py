@@ -85,6 +85,7 @@ class _Out:
 
 class _Req:
     def __init__(self, ids, top=None):
+        self.prompt_token_ids = [7] * 5
         self.outputs = [_Out(ids, top)]
 
 
@@ -95,7 +96,8 @@ class _Lp:
 
 def test_token_mismatch_messages_say_what_was_expected():
     ref = _Req([1, 2, 3], [{1: _Lp(0.0)}, {2: _Lp(-0.1), 9: _Lp(-0.5)}, {3: _Lp(0.0)}])
-    with pytest.raises(AssertionError, match=r"rates them 0\.4 apart.*more than the 0\.01"):
+    with pytest.raises(AssertionError, match=r"prompt 0 \(5 tokens\) differs at output token 1"
+                                             r".*rates them 0\.4 apart.*more than the 0\.01"):
         assert_same_tokens([_Req([1, 9, 3])], [ref], 0.01, "backend vs reference")
     with pytest.raises(AssertionError, match="not among the reference's top logprobs"):
         assert_same_tokens([_Req([1, 7, 3])], [ref], 0.01, "backend vs reference")

@@ -7,6 +7,7 @@ one test installs a real ``.dist-info`` folder on ``sys.path`` instead. No torch
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -281,3 +282,26 @@ def test_loading_twice_and_registering_a_plugin_twice_is_harmless(install) -> No
     module = eps[0].loader()
     reg.register_plugin(module, "a", "fake-dist", "1.2.3")
     assert list(reg.backends) == ["a"] and reg.errors == []
+
+
+def test_an_entry_point_that_registers_no_backend_or_another_name_says_so(install,
+                                                                          capsys) -> None:
+    """A misspelt hook (cadence_register_backend) registers nothing, and a Backend.name
+    other than the entry point's cannot be selected by it: both are named where a user
+    looks (engine backends, and the error of selecting the entry point's name)."""
+    silent = types.ModuleType("silent_plugin")
+    silent.cadence_register_backend = lambda register: register(backend("silent"))
+    install(ep("good"), FakeEntryPoint("silent", lambda: silent, FakeDist("silent-dist")),
+            ep("naive", backend("naive2"), dist="naive-dist"))
+    reg = plugins.get_registry()
+    assert set(reg.mismatches()) == {"silent", "naive"}
+    for name, words in (("silent", "registered no backend: the module has no "
+                                   "cadence_register_backends hook"),
+                        ("naive", "registered ['naive2'], not 'naive': Backend.name must "
+                                  "equal the entry-point name")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            reg.select(name)
+    assert engine_main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "silent-dist" in out and "registered no backend" in out
+    assert "naive-dist" in out and "registered ['naive2']" in out

@@ -215,6 +215,8 @@ def cmd_backends() -> int:
         rows.append((name, info.version, info.distribution, status))
     for err in reg.errors:
         rows.append((err.entry_point, "?", err.distribution, f"failed to load: {err.error}"))
+    for ep, (dist, why) in sorted(reg.mismatches().items()):
+        rows.append((ep, "?", dist, f"entry point {why}"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])

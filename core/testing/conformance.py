@@ -47,6 +47,7 @@ __all__ = [
     "test_probe_never_initialises_the_device",
     "test_registration_is_idempotent",
     "test_structured_output_follows_its_constraint",
+    "test_the_kv_cache_has_the_blocks_asked_for",
 ]
 __all__ += conformance_features.__all__  # the optional features' checks, collected here too
 
@@ -235,6 +236,18 @@ def test_logit_bias_and_allowed_ids_steer_only_their_rows(cadence_llm: Any) -> N
     assert_all_blocks_free(cadence_llm)
 
 
+def test_the_kv_cache_has_the_blocks_asked_for(cadence_llm: Any) -> None:
+    """``LLM(num_kv_blocks=N)`` sizes the cache (the kit asks for a small one so requests
+    get preempted: a backend that sizes its cache otherwise skips that coverage unseen)."""
+    from cadence.testing.pytest_plugin import KIT_ENGINE_ARGS
+
+    asked = KIT_ENGINE_ARGS["num_kv_blocks"]
+    assert cadence_llm.engine.num_blocks == asked, (
+        f"the engine has {cadence_llm.engine.num_blocks} KV blocks, not the {asked} asked "
+        "for: allocate_kv_cache must honour config.cache_config.num_blocks "
+        "(ModelRunner.num_blocks_for_bytes does)")
+
+
 def test_every_kv_block_is_free_after_requests(cadence_llm: Any) -> None:
     """Blocks come back after finished, aborted (mid-decode and still waiting) requests."""
     engine = cadence_llm.engine
@@ -255,8 +268,11 @@ def test_probe_never_initialises_the_device(cadence_backend: str) -> None:
     initialises no torch device; the entry-point name equals ``Backend.name``."""
     facts = probe_in_subprocess(cadence_backend)
     assert not facts["errors"], f"plugin failed to load: {facts['errors']}"
-    assert facts["found"], (f"entry point {cadence_backend!r} registered {facts['backends']}: "
-                            "the entry-point name must equal Backend.name")
+    assert facts["found"], (
+        f"no backend named {cadence_backend!r} was registered by an entry point of that name "
+        f"({facts['mismatches'] or 'no such entry point is installed'}); the plugin needs an "
+        "entry point in the cadence.backends group named as its Backend.name, and a "
+        "cadence_register_backends hook that registers the class")
     assert facts["available"], f"probe says unavailable: {facts['reason']}"
     assert not facts["torch_imported"], (
         "importing the plugin module and calling probe() imported torch; `engine backends` "
@@ -273,6 +289,9 @@ def test_registration_is_idempotent(cadence_backend: str) -> None:
 
     first = PluginRegistry().load()
     assert first.load() is first
+    assert cadence_backend in first.backends, (
+        f"no backend {cadence_backend!r} is registered (registered: {sorted(first.backends)}; "
+        f"entry points that did not register their own name: {first.mismatches()})")
     info = first.backends[cadence_backend]
     plugin = next(p for n, p in first.pm.list_name_plugin() if n == cadence_backend)
     first.register_plugin(plugin, cadence_backend, info.distribution, info.version)

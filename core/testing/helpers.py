@@ -102,8 +102,8 @@ def assert_same_tokens(actual: list[Any], expected: list[Any], atol: float, what
             assert len(ta) == len(te), f"{what}: prompt {i} has {len(ta)} tokens, not {len(te)}"
             continue
         top = e.outputs[0].logprobs[n] if e.outputs[0].logprobs else {}
-        head = (f"{what}: prompt {i} differs at output token {n}: the backend chose token "
-                f"{ta[n]}, the reference {te[n]}")
+        head = (f"{what}: prompt {i} ({len(e.prompt_token_ids)} tokens) differs at output "
+                f"token {n}: the backend chose token {ta[n]}, the reference {te[n]}")
         tail = f"\n backend   {list(ta)}\n reference {list(te)}"
         assert ta[n] in top, (
             f"{head}, and the backend's token is not among the reference's top logprobs "
@@ -125,6 +125,7 @@ torch = sys.modules.get("torch")
 cuda = getattr(torch, "cuda", None)  # reads state only; never initialises a device
 print(json.dumps({
     "found": info is not None, "backends": sorted(reg.backends),
+    "mismatches": {ep: why for ep, (dist, why) in reg.mismatches().items()},
     "errors": [f"{e.entry_point}: {e.error}" for e in reg.errors],
     "available": getattr(probe, "available", None), "reason": getattr(probe, "reason", None),
     "device_modules": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2:])),
