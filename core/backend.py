@@ -41,7 +41,8 @@ class PostSample:
     Call it with no arguments at most once per step, while the device is busy. It runs the
     previous step's host work (detokenization, stop strings, outputs, freeing blocks, stats).
     It never touches device tensors, so calling it between launching work and waiting for it
-    is always safe. A second call raises: that is a backend bug.
+    is always safe. A second call raises a ``WorkerLostError`` that stops the engine: that
+    is a backend bug, not any request's fault, and the step's state cannot be trusted.
     """
 
     __slots__ = ("_fn", "called", "caller_thread", "ended_at", "started_at")
@@ -56,7 +57,10 @@ class PostSample:
 
     def __call__(self) -> None:
         if self.called:
-            raise RuntimeError("post_sample called twice in one step: backend bug")
+            # Not a step failure to pin on a request (the engine's isolation would re-run
+            # the step in halves and blame one): the backend breaks the contract.
+            raise WorkerLostError("post_sample called twice in one step: a bug in the "
+                                  "backend's execute (it may call it once)", restartable=False)
         import threading
 
         self.called = True

@@ -548,3 +548,32 @@ def test_a_worker_whose_engine_died_exits(tmp_path, monkeypatch):
         time.sleep(0.1)
     assert _gone(worker), "the worker outlived its engine"
     assert _gone(grandchild), "what the worker started outlived it"
+
+
+def test_post_sample_called_twice_is_the_backends_bug_not_a_requests(model):
+    """A backend that calls post_sample twice in a step breaks the contract: the engine
+    stops and names the bug, rather than re-running the step in halves and failing some
+    request for it."""
+    from cadence.faults import EngineFailedError
+
+    llm = make_llm(model)
+    try:
+        engine = llm.engine
+        execute = engine.backend.execute
+        calls = []
+
+        def twice(mi, post_sample):
+            calls.append(len(mi.request_ids))
+            out = execute(mi, post_sample)
+            post_sample()
+            return out
+
+        engine.backend.execute = twice
+        with pytest.raises(EngineFailedError, match="post_sample called twice in one step"):
+            _run_engine(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)})
+        # One step, not the step re-run in halves to find a request to blame; every
+        # request ends alike.
+        assert calls == [len(PROMPTS)]
+        assert engine.stats.finish_reasons == {"error": len(PROMPTS)}
+    finally:
+        llm.shutdown()
