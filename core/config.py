@@ -42,6 +42,9 @@ class ModelConfig:
     has_lm_head: bool = True
     # How the weights are kept in memory (cadence/quantization); None: the checkpoint's dtype.
     quantization: str | None = None
+    # The EOS ids generation stops on, from the generation config or config.json, resolved
+    # by EngineArgs (core/generation_defaults.py); None: the tokenizer's EOS.
+    eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)

@@ -93,7 +93,7 @@ class LLMEngine:
         self.backend.warmup()
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size_from_config(config.model_config.model)
-        self.eos_token_ids = eos_token_ids(tokenizer, config.model_config.model,
+        self.eos_token_ids = eos_token_ids(tokenizer, config.model_config.eos_token_ids,
                                            self.vocab_size)
         cc, sc = config.cache_config, config.scheduler_config
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,

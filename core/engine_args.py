@@ -21,7 +21,7 @@ from cadence.config import (
     SchedulerConfig,
 )
 from cadence.engine_arg_checks import MAX_TIMEOUT_S, check_engine_args
-from cadence.generation_defaults import load_generation_defaults
+from cadence.generation_defaults import load_eos_ids, load_generation_defaults
 from cadence.lora.adapter import check_lora_architecture
 from cadence.lora.config import LoRAConfig
 from cadence.model_limits import (
@@ -127,9 +127,10 @@ class EngineArgs:
 
         if args["tokenizer"] is not None:
             args["tokenizer"] = resolve_model_source(args["tokenizer"])
+        _config_json(model)  # before the tokenizer: an empty folder lacks config.json first
         check_tokenizer_folder(args["tokenizer"] or model)
-        hf_max_len = _max_position_embeddings(model)
-        max_len = hf_max_len if args["max_model_len"] is None else args["max_model_len"]
+        max_len = _max_position_embeddings(model) if args["max_model_len"] is None \
+            else args["max_model_len"]
         longest, why = longest_context(model)
         if longest and max_len > longest:
             raise ValueError(f"max_model_len={max_len} is larger than the model allows: {why}")
@@ -163,7 +164,9 @@ class EngineArgs:
             model_config=ModelConfig(model, dtype, max_len, args["seed"], args["tokenizer"],
                                      generation_defaults=defaults, pooler_config=pooler,
                                      has_lm_head=has_lm_head(model),
-                                     quantization=quantization),
+                                     quantization=quantization,
+                                     eos_token_ids=load_eos_ids(model,
+                                                                args["generation_config"])),
             cache_config=CacheConfig(args["block_size"], args["num_kv_blocks"],
                                      args["enable_prefix_caching"],
                                      sliding_window=model_kv_window(model)),
@@ -240,14 +243,36 @@ def trained_dtype(model: str) -> str | None:
     return str(value).removeprefix("torch.") if value else None
 
 
-def _max_position_embeddings(model: str) -> int | None:
+def _config_json(model: str) -> object:
+    """The model folder's config.json; a ValueError when there is none or it does not
+    parse (checked first: every later check reads it)."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model folder {model!r} has no config.json")
     try:
         with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"model folder {model!r} has an unreadable config.json: {e}") from e
+
+
+def _max_position_embeddings(model: str) -> int:
+    """config.json's context length, or where it names none, the default of the config
+    class transformers reads it with (LlamaConfig's 2048, ...), as transformers does."""
+    cfg = _config_json(model)
     # GPT-2's config.json names it n_positions (transformers maps the two).
-    return cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions") \
+        if isinstance(cfg, dict) else None
+    if value is None and isinstance(cfg, dict):
+        try:
+            from transformers import AutoConfig
+
+            value = getattr(AutoConfig.for_model(cfg.get("model_type")),
+                            "max_position_embeddings", None)
+        except (ImportError, ValueError):  # an unknown model_type: named below
+            value = None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model folder {model!r}: config.json's max_position_embeddings must "
+                         f"be a positive integer, got {value!r}; pass max_model_len "
+                         "(--max-model-len) to set the context length")
+    return value

@@ -62,6 +62,41 @@ def load_generation_defaults(model: str, generation_config: str = "auto"
     return tuple((k, getattr(params, k)) for k in raw)
 
 
+def load_eos_ids(model: str, generation_config: str = "auto") -> tuple[int, ...] | None:
+    """The EOS ids generation stops on, as transformers' ``generate()`` finds them: the
+    generation config's ``eos_token_id`` (the file ``generation_config`` selects, as for the
+    defaults; ``none`` ignores it), else config.json's; None when neither names one (the
+    tokenizer's EOS is then the one). A value that is no token id is a ValueError naming
+    the file; null entries in a list are skipped, as transformers skips them."""
+    if generation_config not in ("none", "vllm"):
+        folder = model if generation_config == "auto" else generation_config
+        path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(path):
+            # load_generation_defaults read it first: a JSON object, or refused there.
+            with open(path) as f:
+                ids = _eos_list(json.load(f).get("eos_token_id"), path)
+            if ids:
+                return ids
+    path = os.path.join(model, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    eos = cfg.get("eos_token_id")
+    if eos is None and isinstance(cfg.get("text_config"), dict):
+        eos = cfg["text_config"].get("eos_token_id")
+    return _eos_list(eos, path) or None
+
+
+def _eos_list(value: object, path: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0)
+           for v in values):
+        hint = "; pass --generation-config none to ignore the file" \
+            if os.path.basename(path) == "generation_config.json" else ""
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got "
+                         f"{value!r}{hint}")
+    return tuple(v for v in values if v is not None)
+
+
 def default_sampling_params(model_config: ModelConfig) -> SamplingParams:
     """What a request without SamplingParams gets: cadence's defaults overlaid with the
     model's (vLLM's ``LLM.get_default_sampling_params``)."""

@@ -17,9 +17,11 @@ def _config(model: str) -> dict:
 
 def check_architecture(model: str) -> None:
     """Refuse a model whose config.json names only architectures cadence cannot load, with
-    the supported list. A missing or unreadable config.json, or one without
-    ``architectures``, is left to the checks that report those."""
-    from cadence.models import supported_architectures  # the registry imports no torch
+    the supported list; one without ``architectures`` is known by its ``model_type``, as
+    transformers knows it. A missing or unreadable config.json is left to the checks that
+    report those."""
+    # The registry imports no torch.
+    from cadence.models import architectures_of, supported_architectures
 
     try:
         with open(os.path.join(model, "config.json")) as f:
@@ -29,9 +31,11 @@ def check_architecture(model: str) -> None:
     if not isinstance(cfg, dict):  # every reader of the file expects an object
         raise ValueError(f"model {model!r}: config.json must hold a JSON object, got "  # noqa: TRY004
                          f"{type(cfg).__name__}")
-    architectures = cfg.get("architectures")
-    if not isinstance(architectures, list) or not architectures:
-        return
+    architectures = architectures_of(cfg.get("architectures"), cfg.get("model_type"))
+    if not architectures:
+        raise ValueError(f"model {model!r}: config.json names no architectures, and its "
+                         f"model_type {cfg.get('model_type')!r} is none cadence knows; it "
+                         f"supports {', '.join(supported_architectures())}")
     supported = supported_architectures()
     if not any(arch in supported for arch in architectures):
         names = ", ".join(map(str, architectures))

@@ -89,7 +89,8 @@ def iterate_weights(path: str, skip: Callable[[str], bool] | None = None,
 def load_model(model_config: ModelConfig) -> tuple[torch.nn.Module, Any]:
     """Build the model at ``model_config.model`` and load its weights -> (model, hf_config)."""
     hf_config = load_hf_config(model_config.model)
-    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    model_cls = get_model_class(getattr(hf_config, "architectures", None),
+                                getattr(hf_config, "model_type", None))
     safetensors_files(model_config.model)  # fail before the (slower) model build
     dtype = torch_dtype(model_config.dtype)
     model = model_cls(hf_config, dtype, max_model_len=model_config.max_model_len)

@@ -134,20 +134,13 @@ def vocab_size_from_config(model_dir: str) -> int | None:
     return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
 
 
-def eos_token_ids(tokenizer: Any, model_dir: str, vocab_size: int | None
-                   ) -> tuple[int, ...]:
-    """Every EOS id generation_config.json lists (what generate() stops on; Llama 3 Instruct
-    lists three), else the tokenizer's. Ids outside the vocabulary are dropped: the model
+def eos_token_ids(tokenizer: Any, configured: tuple[int, ...] | None, vocab_size: int | None
+                  ) -> tuple[int, ...]:
+    """The EOS ids the model's configuration names (``ModelConfig.eos_token_ids``: the
+    generation config's, as generate() stops on them; Llama 3 Instruct lists three; else
+    config.json's), else the tokenizer's. Ids outside the vocabulary are dropped: the model
     can never sample them, and the sampler could not ban them below min_tokens."""
-    import json
-    import os
-
-    ids: list = []
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    ids: list = list(configured or ())
     if not ids:
         eos = getattr(tokenizer, "eos_token_id", None)
         ids = [] if eos is None else [eos]

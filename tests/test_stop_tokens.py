@@ -167,9 +167,57 @@ def test_a_stop_string_ends_the_output_only_past_min_tokens(llm_for, case):
     assert out.finish_reason == "length" and list(out.token_ids) == case.ref
 
 
-def test_eos_falls_back_to_the_tokenizer(case, tmp_path):
-    llm = make_llm(_copy(case, tmp_path / "m", None))
-    assert llm.engine.eos_token_ids == (case.eos,) and llm.engine.eos_token_id == case.eos
+def _edit_config(folder: str, **changes) -> str:
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+    return folder
+
+
+def test_eos_falls_back_to_config_json_then_the_tokenizer(case, tmp_path):
+    """As transformers' generate(): without a generation config, config.json's
+    eos_token_id (a list too); without either, the tokenizer's."""
+    both = _edit_config(_copy(case, tmp_path / "m", None), eos_token_id=[case.eos, case.unused])
+    llm = make_llm(both)
+    try:
+        assert llm.engine.eos_token_ids == (case.eos, case.unused)
+    finally:
+        llm.shutdown()
+    bare = _edit_config(_copy(case, tmp_path / "bare", None), eos_token_id=None)
+    llm = make_llm(bare)
+    try:
+        assert llm.engine.eos_token_ids == (case.eos,) and llm.engine.eos_token_id == case.eos
+    finally:
+        llm.shutdown()
+
+
+def test_generation_config_none_ignores_the_file_for_eos_too(case, tmp_path):
+    """The advice of a broken file's error, followed: the file is not read at all; null
+    entries of a list are skipped, and a value that is no token id names the file."""
+    broken = _copy(case, tmp_path / "broken", None)
+    (Path(broken) / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation-config none"):
+        make_llm(broken)
+    llm = make_llm(broken, generation_config="none")
+    try:
+        assert llm.engine.eos_token_ids == (case.eos,)  # config.json's
+    finally:
+        llm.shutdown()
+    holes = _copy(case, tmp_path / "holes", [case.unused, None])
+    llm = make_llm(holes)
+    try:
+        assert llm.engine.eos_token_ids == (case.unused,)
+    finally:
+        llm.shutdown()
+    bad = _copy(case, tmp_path / "bad", ["two"])
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a "
+                                         r"token id or a list of them, got \['two'\]"):
+        make_llm(bad)
 
 
 # ---- the stop token's text ----------------------------------------------------------------

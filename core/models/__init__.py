@@ -37,14 +37,37 @@ BASE_MODELS: dict[str, str] = {
 _MODELS.update({base: _MODELS[full] for base, full in BASE_MODELS.items()})
 
 
+# model_type -> the class transformers' AutoModelForCausalLM builds for it: a config.json
+# that names no ``architectures`` is loaded by its model_type, as transformers loads it.
+_BY_MODEL_TYPE = {
+    "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+    "granite": "GraniteForCausalLM", "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def architectures_of(architectures: object, model_type: object) -> list[str]:
+    """config.json's ``architectures``, or where it names none, the causal-LM class of its
+    ``model_type`` (empty when cadence knows neither)."""
+    if isinstance(architectures, list) and architectures:
+        return [str(a) for a in architectures]
+    arch = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    return [arch] if arch else []
+
+
 def supported_architectures() -> list[str]:
     """Architecture names (``config.architectures`` entries) that cadence can load."""
     return sorted(_MODELS)
 
 
-def get_model_class(architectures: list[str] | None) -> type:
-    """The class for the first supported name in ``architectures`` (``config.architectures``)."""
-    for arch in architectures or []:
+def get_model_class(architectures: list[str] | None, model_type: str | None = None) -> type:
+    """The class for the first supported name in ``architectures`` (``config.architectures``,
+    or where that is empty, the class of ``model_type``)."""
+    for arch in architectures_of(architectures, model_type):
         if arch in _MODELS:
             module_name, class_name = _MODELS[arch]
             module = importlib.import_module(f"{__name__}.{module_name}")
