@@ -32,6 +32,8 @@ from cadence.testing.pytest_plugin import (  # noqa: F401
     cadence_reference,
     cadence_lora_reference,
     cadence_reference_embeddings,
+    cadence_window_model_dir,
+    cadence_window_reference,
 )
 
 

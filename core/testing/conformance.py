@@ -46,6 +46,7 @@ __all__ = [
     "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
     "test_registration_is_idempotent",
+    "test_a_sliding_window_model_matches_cpu_reference",
     "test_structured_output_follows_its_constraint",
     "test_the_kv_cache_has_the_blocks_asked_for",
 ]
@@ -131,6 +132,26 @@ def test_greedy_matches_cpu_reference(cadence_llm: Any, cadence_reference: dict,
     outputs = cached_workload(cadence_llm, "greedy")
     assert_same_tokens(outputs, cadence_reference["greedy"], cadence_logprob_atol,
                        "backend vs CPU reference")
+
+
+def test_a_sliding_window_model_matches_cpu_reference(
+        cadence_window_model_dir: str, cadence_window_reference: list[Any],
+        cadence_backend: str, cadence_backend_options: dict[str, Any],
+        cadence_logprob_atol: float) -> None:
+    """On a Mistral whose window is shorter than the prompts, greedy tokens equal the CPU
+    backend's: the attention's ``sliding_window`` is honoured, in prefill chunks and decode
+    alike (and the blocks behind the window, freed as requests run, are never read)."""
+    from cadence.testing.pytest_plugin import _make_llm
+
+    llm = _make_llm(cadence_window_model_dir, cadence_backend,
+                    backend_options=cadence_backend_options)
+    try:
+        outputs = run_workload(llm, "greedy")
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+    assert_same_tokens(outputs, cadence_window_reference, cadence_logprob_atol,
+                       "backend vs CPU reference, sliding window")
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

@@ -181,6 +181,33 @@ def cadence_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_llama(tmp_path_factory.mktemp("cadence-kit-model"))
 
 
+# The window of the kit's sliding-window model: shorter than most of its prompts, so every
+# layer's attention must leave the older keys out.
+KIT_SLIDING_WINDOW = 24
+
+
+@pytest.fixture(scope="session")
+def cadence_window_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The kit's model as a Mistral attending to ``KIT_SLIDING_WINDOW`` tokens."""
+    from cadence.testing.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("cadence-kit-window-model"),
+                            sliding_window=KIT_SLIDING_WINDOW)
+
+
+@pytest.fixture(scope="session")
+def cadence_window_reference(cadence_window_model_dir: str) -> list[Any]:
+    """The CPU backend's sync greedy outputs of the kit's workload on the window model."""
+    from cadence.testing.helpers import run_workload
+
+    llm = _make_llm(cadence_window_model_dir, REFERENCE_BACKEND,
+                    disable_async_output_proc=True, backend_options={"overlap": "sync"})
+    try:
+        return run_workload(llm, "greedy")
+    finally:
+        llm.shutdown()
+
+
 def _make_llm(model_dir: str, backend: str, **kwargs: Any) -> Any:
     from cadence import LLM
 

@@ -54,16 +54,22 @@ def build_tokenizer(out_dir: str | Path) -> str:
     return str(out_dir)
 
 
-def build_tiny_llama(out_dir: str | Path, seed: int = 0) -> str:
-    """Save a tokenizer plus a 2-layer GQA Llama (hidden 64, 4 heads) in ``out_dir``."""
-    from transformers import LlamaConfig
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, sliding_window: int | None = None
+                     ) -> str:
+    """Save a tokenizer plus a 2-layer GQA Llama (hidden 64, 4 heads) in ``out_dir``; with
+    ``sliding_window``, the same shape as a Mistral whose every layer attends to that many
+    tokens."""
+    from transformers import LlamaConfig, MistralConfig
 
     out = Path(out_dir)
     tokenizer_dir = build_tokenizer(out)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
+    kind, extra = (LlamaConfig, {}) if sliding_window is None else \
+        (MistralConfig, {"sliding_window": sliding_window})
+    config = kind(
+        **extra,
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, tie_word_embeddings=False,
