@@ -36,6 +36,7 @@ from cadence.testing.helpers import (
 )
 
 __all__ = [
+    "test_a_sliding_window_model_matches_cpu_reference",
     "test_async_scheduling_equals_sync_or_is_refused",
     "test_batch_composition_and_padding_do_not_change_outputs",
     "test_core_calls_post_sample_when_backend_never_does",
@@ -46,7 +47,6 @@ __all__ = [
     "test_post_sample_at_most_once_per_step_on_engine_thread",
     "test_probe_never_initialises_the_device",
     "test_registration_is_idempotent",
-    "test_a_sliding_window_model_matches_cpu_reference",
     "test_structured_output_follows_its_constraint",
     "test_the_kv_cache_has_the_blocks_asked_for",
 ]
