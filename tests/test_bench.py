@@ -444,3 +444,21 @@ def test_edit_prompts_are_refused_where_runs_ignore_eos(tiny_model_dir, capsys):
                    "edit", *extra])
         assert rc == 2 and "--prompt-kind edit compares cadence's engine" in \
             capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_execute", [True, False])
+def test_other_time_counts_each_second_once(in_execute):
+    """The engine's own step times post_sample (and the grammar bitmask) inside execute's
+    clock; the step loops of async scheduling and the pipeline time it apart. Either way
+    other_s is the wall time no phase covered."""
+    from types import SimpleNamespace
+
+    from cadence.bench.floor import StepTimer, breakdown_from
+
+    timer = StepTimer(SimpleNamespace(backend=SimpleNamespace(execute=None),
+                                      output_processor=SimpleNamespace()))
+    phases = {"schedule": 0.05, "prepare": 0.05, "execute": 0.8, "commit": 0.05,
+              "drain": 0.0, "post_sample": 0.3, "bitmask": 0.02}
+    wall = 1.0 if in_execute else 1.32
+    b = breakdown_from(phases, 4, wall, timer, finalize_in_execute=in_execute)
+    assert b["other_s"] == pytest.approx(0.05)

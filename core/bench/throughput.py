@@ -297,7 +297,7 @@ def run_engine(engine: Any, workload: Workload, prompts: list[list[int]],
     if timer is not None:
         phases = {k: v - phases0.get(k, 0.0) for k, v in engine.stats.times.phases.items()}
         rec["breakdown"] = breakdown_from(phases, engine.stats.num_steps - steps0, elapsed,
-                                          timer)
+                                          timer, finalize_in_execute=engine._loop is None)
     return rec
 
 
