@@ -462,3 +462,16 @@ def test_other_time_counts_each_second_once(in_execute):
     wall = 1.0 if in_execute else 1.32
     b = breakdown_from(phases, 4, wall, timer, finalize_in_execute=in_execute)
     assert b["other_s"] == pytest.approx(0.05)
+
+
+def test_serve_latencies_are_nearest_rank_and_end_at_the_last_chunk():
+    """p99 of 1..100 ms is 99 ms (nearest rank, as numpy's is 99.01), not the maximum; TPOT
+    runs from the first chunk with text to the last, not to the stream's close."""
+    from cadence.bench.serve import _summary
+
+    results = [{"sent": 0.0, "arrivals": [0.001 * i, 0.001 * i + 0.1, 0.001 * i + 0.2],
+                "done": 0.001 * i + 0.25, "num_out": 3} for i in range(1, 101)]
+    s = _summary(results, 10.0, 100, float("inf"))
+    assert s["ttft_p99_ms"] == pytest.approx(99.0)
+    assert s["tpot_median_ms"] == pytest.approx(100.0)
+    assert s["itl_p99_ms"] == pytest.approx(100.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -207,7 +208,8 @@ async def _request(client: Any, model: str, ids: list[int], n: int, workload: Wo
 
 def _summary(results: list[dict], elapsed: float, num_in: int, rate: float) -> dict[str, Any]:
     ttft = [r["arrivals"][0] - r["sent"] for r in results if r["arrivals"]]
-    tpot = [(r["done"] - r["arrivals"][0]) / (r["num_out"] - 1)
+    # First to last chunk with text, as vLLM times it (not the stream's closing).
+    tpot = [(r["arrivals"][-1] - r["arrivals"][0]) / (r["num_out"] - 1)
             for r in results if r["arrivals"] and r["num_out"] > 1]
     itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     num_out = sum(r["num_out"] for r in results)
@@ -217,8 +219,9 @@ def _summary(results: list[dict], elapsed: float, num_in: int, rate: float) -> d
             return None
         if q == 0.5:
             return 1000 * statistics.median(values)
+        # Nearest rank: the smallest value with at least q of them at or below it.
         values = sorted(values)
-        return 1000 * values[min(len(values) - 1, int(q * len(values)))]
+        return 1000 * values[max(0, math.ceil(q * len(values)) - 1)]
 
     return {
         "name": "serve", "num_prompts": len(results), "num_input_tokens": num_in,

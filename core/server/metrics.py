@@ -61,10 +61,15 @@ _HISTOGRAMS = (
      "e2e_request_latency"),
     ("request_queue_time_seconds", "Time from arrival to the first time it is scheduled.",
      "request_queue_time"),
-    ("time_per_output_token_seconds",
+    ("request_time_per_output_token_seconds",
      "Per finished request: mean time between its output tokens.", "time_per_output_token"),
     ("inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
      "inter_token_latency"),
+    # vLLM's older name for the same per-gap histogram, kept for the dashboards that read it
+    # (vLLM fills it with every gap too; the per-request mean is the one above).
+    ("time_per_output_token_seconds",
+     "Time between consecutive output tokens of a request (the older name of "
+     "inter_token_latency_seconds).", "inter_token_latency"),
 )
 
 
