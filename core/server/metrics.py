@@ -68,8 +68,8 @@ _HISTOGRAMS = (
     # vLLM's older name for the same per-gap histogram, kept for the dashboards that read it
     # (vLLM fills it with every gap too; the per-request mean is the one above).
     ("time_per_output_token_seconds",
-     "Time between consecutive output tokens of a request (the older name of "
-     "inter_token_latency_seconds).", "inter_token_latency"),
+     ("Time between consecutive output tokens of a request (the older name of "
+      "inter_token_latency_seconds)."), "inter_token_latency"),
 )
 
 
