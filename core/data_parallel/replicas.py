@@ -70,7 +70,16 @@ class DataParallelAsyncLLM(RequestFront):
                 f"--data-parallel-size {size}: backend {config.backend!r} cannot serve "
                 f"replicas side by side; backends that can: {', '.join(capable) or 'none'}")
         configs = replica_configs(config, size)
-        return cls([AsyncLLM(e, max_pending_requests) for e in start_replicas(configs)])
+        from cadence.tokenizer_loader import load_tokenizer
+
+        # Loaded here, one after another: transformers' first import is not thread-safe
+        # (two replicas importing its tokenizer classes at once failed with an ImportError
+        # in a fresh process), and each replica keeps a tokenizer of its own, used by its
+        # engine thread only.
+        tokenizers = [load_tokenizer(c.model_config.tokenizer or c.model_config.model)
+                      for c in configs]
+        return cls([AsyncLLM(e, max_pending_requests)
+                    for e in start_replicas(configs, tokenizers)])
 
     # ---- the AsyncLLM calls ----------------------------------------------------------
     @property
@@ -141,28 +150,25 @@ class DataParallelAsyncLLM(RequestFront):
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
 
 
-def start_replicas(configs: Sequence[EngineConfig]) -> list[Any]:
+def start_replicas(configs: Sequence[EngineConfig], tokenizers: Sequence[Any] | None = None
+                   ) -> list[Any]:
     """An ``LLMEngine`` per config, started side by side: each replica's model load (a
     worker process on the CPU) runs while the others load. If one fails, the others are
     shut down and its error raised. On Ctrl-C the interrupt is raised at once, not after
     minutes of loading: the replicas already built are shut down now, and those still
     loading shut themselves down when they are built (their threads are daemons, so an
-    exiting process does not wait for them; their workers leave with it)."""
+    exiting process does not wait for them; their workers leave with it). ``tokenizers``:
+    each replica's, loaded beforehand (None: each engine loads its own in its thread)."""
     from cadence.engine import LLMEngine
-    from cadence.tokenizer_loader import load_tokenizer
 
-    # Loaded here, one after another: transformers' first import is not thread-safe (two
-    # replicas importing its tokenizer classes at once failed with an ImportError in a fresh
-    # process), and each replica keeps a tokenizer of its own, used by its engine thread only.
-    tokenizers = [load_tokenizer(c.model_config.tokenizer or c.model_config.model)
-                  for c in configs]
     results: list[Any] = [None] * len(configs)
     lock = threading.Lock()
     abandoned = False
 
     def start(i: int, config: EngineConfig) -> None:
         try:
-            engine = LLMEngine(config, tokenizers[i])
+            engine = LLMEngine(config) if tokenizers is None else \
+                LLMEngine(config, tokenizers[i])
         except BaseException as e:  # noqa: BLE001  # raised by the caller below
             results[i] = e
             return
