@@ -290,11 +290,12 @@ class AsyncLLM(RequestFront):
         except BaseException as e:  # a bug or a device failure: every stream must learn it
             logger.exception("engine loop failed")
             self._error = e
-            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
             # The gauges of a dead engine: nothing runs, waits or holds the cache (the last
-            # snapshot would report its failed requests as running forever).
+            # snapshot would report its failed requests as running forever). Set before the
+            # streams learn of the failure, so none of them reads the old ones after it.
             self._stats = replace(self._stats, num_running=0, num_waiting=0,
                                   kv_cache_usage=0.0, running_loras=(), waiting_loras=())
+            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
         finally:
             try:
                 engine.shutdown()
