@@ -238,3 +238,18 @@ def refuse_dense_weights_on_the_device(monkeypatch) -> None:
         return swap(model, make)
 
     monkeypatch.setattr(device, "swap_quantized", checked)
+
+
+def edit_config_json(folder: str, drop: tuple[str, ...] = (), **changes) -> str:
+    """A model folder's config.json with the keys ``drop`` removed and ``changes`` set (a
+    value of None writes null); returns ``folder``."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text())
+    for key in drop:
+        cfg.pop(key, None)
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+    return str(folder)

@@ -35,17 +35,12 @@ def test_dynamic_ntk_past_the_trained_positions_equals_transformers(tiny_model_d
 
 def _without(model: str, dst, *keys: str, **changes) -> str:
     """A copy of ``model`` whose config.json lacks ``keys`` (and has ``changes``)."""
-    import json
     import shutil
 
+    from engine_helpers import edit_config_json
+
     shutil.copytree(model, dst)
-    path = dst / "config.json"
-    cfg = json.loads(path.read_text())
-    for key in keys:
-        cfg.pop(key, None)
-    cfg.update(changes)
-    path.write_text(json.dumps(cfg))
-    return str(dst)
+    return edit_config_json(str(dst), drop=keys, **changes)
 
 
 def test_a_config_without_max_position_embeddings_takes_transformers_default(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import generate, make_llm
+from engine_helpers import edit_config_json, generate, make_llm
 
 from cadence import LLM, SamplingParams
 from cadence.output_state import OutputKind
@@ -167,28 +167,17 @@ def test_a_stop_string_ends_the_output_only_past_min_tokens(llm_for, case):
     assert out.finish_reason == "length" and list(out.token_ids) == case.ref
 
 
-def _edit_config(folder: str, **changes) -> str:
-    path = Path(folder) / "config.json"
-    cfg = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    path.write_text(json.dumps(cfg))
-    return folder
-
-
 def test_eos_falls_back_to_config_json_then_the_tokenizer(case, tmp_path):
     """As transformers' generate(): without a generation config, config.json's
     eos_token_id (a list too); without either, the tokenizer's."""
-    both = _edit_config(_copy(case, tmp_path / "m", None), eos_token_id=[case.eos, case.unused])
+    both = edit_config_json(_copy(case, tmp_path / "m", None),
+                            eos_token_id=[case.eos, case.unused])
     llm = make_llm(both)
     try:
         assert llm.engine.eos_token_ids == (case.eos, case.unused)
     finally:
         llm.shutdown()
-    bare = _edit_config(_copy(case, tmp_path / "bare", None), eos_token_id=None)
+    bare = edit_config_json(_copy(case, tmp_path / "bare", None), drop=("eos_token_id",))
     llm = make_llm(bare)
     try:
         assert llm.engine.eos_token_ids == (case.eos,) and llm.engine.eos_token_id == case.eos
