@@ -18,6 +18,7 @@ from cadence.request_intake import (
     tokenize_prompt,
     truncate_prompt,
     truncate_text_prompt,
+    truncation_length,
     validate_request,
 )
 from cadence.sampling_params import FieldError, SamplingParams, shown
@@ -63,12 +64,14 @@ class RequestFactory:
         if lora_request is not None:
             lora_request = self.loras.check(lora_request)
         text, ids = tokenize_prompt(tokenizer, prompt)
-        k = params.truncate_prompt_tokens
+        k = truncation_length(params.truncate_prompt_tokens,
+                              self.config.scheduler_config.max_model_len)
         # The text stays the request's prompt, as in vLLM; given ids, the model's ids are cut.
         ids = truncate_prompt(ids, k) if text is None or _ids_given(prompt) \
             else truncate_text_prompt(tokenizer, text, ids, k)
         if pooling is not None:
             self.pooling.check(ids, pooling)
+        params = params.for_vocabulary(vocab_size)
         validate_request(ids, params, self.config.scheduler_config, vocab_size)
         if params.structured_outputs is not None:
             engine.structured.check(params)

@@ -47,7 +47,7 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     """Refuse a request the engine could not run as asked: a ``FieldError`` (a ValueError)
     naming the field, the token ids as ``prompt``."""
     max_len = sc.max_model_len
-    k = params.truncate_prompt_tokens
+    k = truncation_length(params.truncate_prompt_tokens, max_len)
     if k is not None and k >= max_len:
         raise FieldError(f"truncate_prompt_tokens must be < max_model_len={max_len} (to leave "
                          f"room for output), got {shown(k)}", "truncate_prompt_tokens")
@@ -97,6 +97,13 @@ def bad_words_token_ids(tokenizer: Any, words: list[str] | None,
             if ids and (vocab_size is None or max(ids) < vocab_size):
                 seqs[ids] = None
     return tuple(seqs)
+
+
+def truncation_length(k: int | None, max_model_len: int) -> int | None:
+    """How many prompt tokens ``truncate_prompt_tokens=k`` keeps: ``k``, or with vLLM's -1
+    the whole context less the one token every request samples (a prompt of
+    ``max_model_len`` tokens would have no room for output); None keeps them all."""
+    return max_model_len - 1 if k == -1 else k
 
 
 def truncate_prompt(ids: list[int], k: int | None) -> list[int]:

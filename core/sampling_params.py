@@ -69,6 +69,7 @@ class SamplingParams:
     ``logprobs=k`` returns, per generated token, the sampled token's log-probability plus the
     ``k`` most likely tokens, computed from the raw model logits (before penalties and
     temperature, as vLLM V1 does by default).
+    ``logprobs=-1`` (and ``prompt_logprobs=-1``) asks for the whole vocabulary, as in vLLM.
     ``logit_bias`` maps token ids to a number in [-100, 100] added to their logits before
     penalties and sampling (OpenAI's field; -100 in effect bans a token, +100 all but forces
     it). The returned logprobs are the model's own, from before the bias.
@@ -78,7 +79,8 @@ class SamplingParams:
     the last token of such a sequence may not be sampled where the output's last tokens
     are the rest of it (a one-token word never). Only output tokens count, as in vLLM.
     ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (vLLM's field: left
-    truncation, for inputs longer than the context); a text prompt keeps the special
+    truncation, for inputs longer than the context; -1 keeps as many as the context holds
+    with room for one output token, ``max_model_len - 1``); a text prompt keeps the special
     tokens its tokenizer adds (a BOS) and loses its first tokens, as vLLM's tokenizer cuts
     it. The request's ``prompt`` stays the text.
     ``prompt_logprobs=k`` returns, per prompt token after the first, its log-probability
@@ -180,10 +182,11 @@ class SamplingParams:
         integer("min_tokens", "an integer >= 0", lambda v: v >= 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({shown(self.max_tokens)})")
-        integer("logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
-        integer("prompt_logprobs", "None or an integer >= 0", lambda v: v >= 0, optional=True)
-        integer("truncate_prompt_tokens", "None or an integer >= 1", lambda v: v >= 1,
-                optional=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            integer(name, "None, -1 (the whole vocabulary) or an integer >= 0",
+                    lambda v: v >= -1, optional=True)
+        integer("truncate_prompt_tokens", "None, -1 (the context less one token) or an "
+                "integer >= 1", lambda v: v >= 1 or v == -1, optional=True)
         integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
                 lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -245,6 +248,21 @@ class SamplingParams:
                                  f"{shown(bias)}", "logit_bias")
             clean[int(token)] = float(bias)
         self.logit_bias = clean or None
+
+    def for_vocabulary(self, vocab_size: int | None) -> SamplingParams:
+        """These params with vLLM's -1 for ``logprobs`` / ``prompt_logprobs`` spelled out as
+        the model's vocabulary size (self where neither asks for it)."""
+        if -1 not in (self.logprobs, self.prompt_logprobs):
+            return self
+        name = "logprobs" if self.logprobs == -1 else "prompt_logprobs"
+        if not vocab_size:
+            raise FieldError(f"{name}=-1 asks for the whole vocabulary, and this model does not "
+                             "give its vocabulary size; ask for a number of tokens", name)
+        from dataclasses import replace
+
+        return replace(self, logprobs=vocab_size if self.logprobs == -1 else self.logprobs,
+                       prompt_logprobs=vocab_size if self.prompt_logprobs == -1
+                       else self.prompt_logprobs)
 
     def check_against_model(self, vocab_size: int | None) -> None:
         """The checks that need the model: token ids and counts against its vocabulary."""

@@ -182,7 +182,11 @@ CASES: list[Case] = [
          _ids(IDS)),
     Case("min_tokens-equal-max_tokens", SERVED, {"min_tokens": 2, "max_tokens": 2}),
     # ---- logprobs (completions' integer; chat's bool + top_logprobs are below) ----------
-    Case("logprobs-negative", "logprobs", {"logprobs": -1}),
+    Case("logprobs-negative", "logprobs", {"logprobs": -2}),
+    # vLLM's -1 asks for the whole vocabulary: the Python API gives it, a server only when
+    # started with --max-logprobs -1 (the table's server keeps vLLM's default 20).
+    Case("logprobs-whole-vocabulary", SERVED, {"logprobs": -1, "max_tokens": 1}, on=PYTHON),
+    Case("logprobs-whole-vocabulary-http", "logprobs", {"logprobs": -1}, on=HTTP),
     Case("logprobs-float", "logprobs", {"logprobs": 2.0}),
     Case("logprobs-bool", "logprobs", {"logprobs": False}),
     Case("logprobs-huge", "logprobs", {"logprobs": 10**9}),
@@ -191,8 +195,12 @@ CASES: list[Case] = [
     Case("logprobs-vocab-plus-one", "logprobs", {"logprobs": Vocab(1)}, on=PYTHON),
     Case("logprobs-vocab", SERVED, {"logprobs": Vocab(0)}, on=PYTHON),
     Case("logprobs-zero", SERVED, {"logprobs": 0}),
-    # ---- truncate_prompt_tokens (vLLM's): the prompt's last k tokens, k < max_model_len ---
+    # ---- truncate_prompt_tokens (vLLM's): the last k tokens, k < max_model_len; -1 the most --
     Case("truncate_prompt_tokens-zero", "truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    Case("truncate_prompt_tokens-minus-two", "truncate_prompt_tokens",
+         {"truncate_prompt_tokens": -2}),
+    Case("truncate_prompt_tokens-context-less-one", SERVED,
+         {"truncate_prompt_tokens": -1, "max_tokens": 1}, _ids([5] * (MAX_MODEL_LEN + 10))),
     Case("truncate_prompt_tokens-float", "truncate_prompt_tokens",
          {"truncate_prompt_tokens": 2.0}),
     Case("truncate_prompt_tokens-context", "truncate_prompt_tokens",
@@ -201,7 +209,10 @@ CASES: list[Case] = [
          _ids([5] * (MAX_MODEL_LEN + 10))),
     Case("truncate_prompt_tokens-longer-than-prompt", SERVED, {"truncate_prompt_tokens": 40}),
     # ---- prompt_logprobs (vLLM's): the same rule as logprobs; not in a stream ------------
-    Case("prompt_logprobs-negative", "prompt_logprobs", {"prompt_logprobs": -1}),
+    Case("prompt_logprobs-negative", "prompt_logprobs", {"prompt_logprobs": -2}),
+    Case("prompt_logprobs-whole-vocabulary", SERVED, {"prompt_logprobs": -1}, on=PYTHON),
+    Case("prompt_logprobs-whole-vocabulary-http", "prompt_logprobs",
+         {"prompt_logprobs": -1}, on=HTTP),
     Case("prompt_logprobs-float", "prompt_logprobs", {"prompt_logprobs": 1.0}),
     Case("prompt_logprobs-bool", "prompt_logprobs", {"prompt_logprobs": True}),
     Case("prompt_logprobs-string", "prompt_logprobs", {"prompt_logprobs": "2"}),

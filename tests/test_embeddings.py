@@ -224,7 +224,7 @@ def test_bad_input_is_refused_and_nothing_leaks(model) -> None:
                 eng.add_request("bad", prompt, params)
             assert e.value.param == param
         for kw, param in (({"dimensions": 0}, "dimensions"), ({"normalize": 1}, "normalize"),
-                          ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens")):
+                          ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens")):
             with pytest.raises(ValueError, match=param) as e:
                 PoolingParams(**kw)
             assert e.value.param == param

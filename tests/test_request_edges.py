@@ -248,3 +248,96 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir) ->
     assert r.json()["usage"]["prompt_tokens"] == 40
     assert r.json()["choices"][0]["text"] == want.outputs[0].text
     assert c.status_code == 200 and c.json()["usage"]["prompt_tokens"] == 30, c.text
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds(tiny_model_dir) -> None:
+    """vLLM's -1: the prompt's last max_model_len - 1 tokens, the one left for the output
+    every request samples; through the Python API, completions, chat and embeddings."""
+    from engine_helpers import generate, make_llm
+
+    model = tiny_model_dir("llama")
+    llm = make_llm(model)
+    max_len = llm.engine.config.scheduler_config.max_model_len
+    ids = [(7 * i) % 300 + 3 for i in range(max_len + 40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    try:
+        (want,) = generate(llm, [{"prompt_token_ids": ids[-(max_len - 1):]}], greedy)
+        (got,) = generate(llm, [{"prompt_token_ids": ids}],
+                          dataclasses.replace(greedy, truncate_prompt_tokens=-1))
+        assert got.prompt_token_ids == ids[-(max_len - 1):]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        (short,) = generate(llm, [{"prompt_token_ids": ids[:10]}],
+                            dataclasses.replace(greedy, truncate_prompt_tokens=-1))
+        assert short.prompt_token_ids == ids[:10]
+        with pytest.raises(ValueError, match="max_tokens"):
+            generate(llm, [{"prompt_token_ids": ids}],
+                     dataclasses.replace(greedy, truncate_prompt_tokens=-1, max_tokens=2))
+        (emb,) = llm.embed([{"prompt_token_ids": ids}], truncate_prompt_tokens=-1,
+                           use_tqdm=False)
+        assert emb.prompt_token_ids == ids[-(max_len - 1):]
+    finally:
+        llm.shutdown()
+    pytest.importorskip("httpx", reason="the server part needs httpx (the test extra)")
+    from test_server import serve
+
+    async def body(client, engine):
+        r = await client.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 1, "temperature": 0, "truncate_prompt_tokens": -1})
+        c = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "the cat " * 400}], "max_tokens": 1,
+            "truncate_prompt_tokens": -1})
+        e = await client.post("/v1/embeddings", json={"input": ids,
+                                                       "truncate_prompt_tokens": -1})
+        return r, c, e
+
+    r, c, e = serve(model, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == max_len - 1
+    assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    assert c.status_code == 200 and c.json()["usage"]["prompt_tokens"] == max_len - 1, c.text
+    assert e.status_code == 200 and e.json()["usage"]["prompt_tokens"] == max_len - 1, e.text
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_model_dir) -> None:
+    """vLLM's -1 for logprobs and prompt_logprobs: every token of the vocabulary, the same
+    entries as asking for the vocabulary's size; a server gives it when started with
+    --max-logprobs -1, and refuses it, naming the flag, by default."""
+    from engine_helpers import generate, make_llm
+
+    model = tiny_model_dir("llama")
+    llm = make_llm(model)
+    vocab = llm.engine.vocab_size
+    base = SamplingParams(temperature=0.0, max_tokens=2)
+    try:
+        (got,) = generate(llm, ["the cat sat"], dataclasses.replace(
+            base, logprobs=-1, prompt_logprobs=-1))
+        (want,) = generate(llm, ["the cat sat"], dataclasses.replace(
+            base, logprobs=vocab, prompt_logprobs=vocab))
+    finally:
+        llm.shutdown()
+    for g, w in zip([*got.outputs[0].logprobs, *got.prompt_logprobs[1:]],
+                    [*want.outputs[0].logprobs, *want.prompt_logprobs[1:]], strict=True):
+        assert len(g) == vocab and list(g) == list(w)
+        assert all(g[t].logprob == w[t].logprob and g[t].rank == w[t].rank for t in g)
+    pytest.importorskip("httpx", reason="the server part needs httpx (the test extra)")
+    from test_server import serve
+
+    async def body(client, engine):
+        chat = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 1,
+                "logprobs": True, "top_logprobs": -1}
+        return (await client.post("/v1/chat/completions", json=chat),
+                await client.post("/v1/completions", json={
+                    "prompt": "the cat", "max_tokens": 1, "logprobs": -1}))
+
+    c, r = serve(model, body, max_logprobs=-1)
+    assert c.status_code == 200, c.text
+    (entry,) = c.json()["choices"][0]["logprobs"]["content"]
+    assert len(entry["top_logprobs"]) == vocab
+    # The legacy shape keys alternatives by their text, and byte tokens read alike ("\ufffd").
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > vocab // 2
+    c, r = serve(model, body)
+    for reply, name in ((c, "top_logprobs"), (r, "logprobs")):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == name
+        assert "--max-logprobs -1" in reply.json()["error"]["message"]

@@ -29,7 +29,7 @@ def model(tiny_model_dir) -> str:
 
 def serve(model: str, body, **kw):
     """Run ``body(client, engine)`` against a fresh app; always shut the engine down."""
-    limits = {k: kw.pop(k) for k in ("max_request_bytes",) if k in kw}
+    limits = {k: kw.pop(k) for k in ("max_request_bytes", "max_logprobs") if k in kw}
 
     async def run(engine):
         app = build_app(engine, "tiny", **limits)

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get HTTP 413")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / top_logprobs a request may ask for")
+                   help="largest logprobs / top_logprobs / prompt_logprobs a request may ask "
+                        "for; -1: the whole vocabulary, which a request asks for with -1")
     g.add_argument("--metrics-prefix", choices=("vllm", "cadence"), default="vllm",
                    help="name /metrics as vllm:* (vLLM's names, so its dashboards work) or "
                         "cadence:*")

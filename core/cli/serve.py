@@ -81,8 +81,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
     if ns.max_pending_requests is not None and ns.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {ns.max_pending_requests}")
-    if ns.max_logprobs < 0:
-        raise ValueError(f"--max-logprobs must be >= 0, got {ns.max_logprobs}")
+    if ns.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs must be >= 0, or -1 (the whole vocabulary), got "
+                         f"{ns.max_logprobs}")
     if ns.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {ns.max_request_bytes}")
     from cadence.server.lora_routes import parse_lora_modules

@@ -17,7 +17,8 @@ class PoolingParams:
     ``config.json`` says ``is_matryoshka`` or lists ``matryoshka_dimensions``), as in vLLM.
     ``normalize`` overrides the model's own choice (``PoolerConfig.normalize``) for this
     request: True scales the vector to unit L2 norm, False returns it as pooled.
-    ``truncate_prompt_tokens=k`` embeds the prompt's last ``k`` tokens.
+    ``truncate_prompt_tokens=k`` embeds the prompt's last ``k`` tokens; -1 as many as the
+    context holds (``max_model_len - 1``: an embedding runs as a one-token generation).
 
     Every invalid value raises a ``FieldError`` (a ValueError) naming the field.
     """
@@ -27,11 +28,13 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dimensions", "truncate_prompt_tokens"):
+        for name, minus_one in (("dimensions", ""),
+                                ("truncate_prompt_tokens", ", -1 (the context less one token)")):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
-                                  or v < 1):
-                raise FieldError(f"{name} must be None or an integer >= 1, got {v!r}", name)
+                                  or not (v >= 1 or (minus_one and v == -1))):
+                raise FieldError(f"{name} must be None{minus_one} or an integer >= 1, got "
+                                 f"{v!r}", name)
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise FieldError(f"normalize must be None, true or false, got "
                              f"{self.normalize!r}", "normalize")

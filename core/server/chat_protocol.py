@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadence.sampling_params import SamplingParams, is_valid_unicode
-from cadence.server.protocol import RequestError, _Common
+from cadence.server.protocol import RequestError, _Common, check_logprobs_count
 from cadence.server.tools import NamedToolChoice, ToolCallIn, ToolDef, constraint
 from cadence.structured_output.params import StructuredOutputsParams
 
@@ -77,9 +77,7 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= max_logprobs:
-                raise RequestError(f"top_logprobs must be in [0, {max_logprobs}], got "
-                                   f"{self.top_logprobs}", "top_logprobs")
+            check_logprobs_count("top_logprobs", self.top_logprobs, max_logprobs)
 
     def _check_tools(self) -> None:
         if self.tools and not is_valid_unicode(json.dumps(

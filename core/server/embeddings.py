@@ -15,7 +15,7 @@ from cadence.async_stream import add_all, final_outputs
 from cadence.output_state import OutputKind
 from cadence.outputs import EmbeddingRequestOutput
 from cadence.pooling import PoolingParams
-from cadence.request_intake import truncate_prompt, truncate_text_prompt
+from cadence.request_intake import truncate_prompt, truncate_text_prompt, truncation_length
 from cadence.sampling_params import FieldError
 from cadence.server.chat_protocol import ChatMessage
 from cadence.server.limits import check_request_count
@@ -104,6 +104,7 @@ class EmbeddingServing:
     def prompts(self, texts: list[str | list[int]], add_special_tokens: bool,
                 truncate: int | None, field: str) -> list[dict]:
         """Engine prompts of ``texts`` (strings or token ids) of the body field ``field``."""
+        truncate = truncation_length(truncate, self.max_model_len)
         if truncate is not None and truncate >= self.max_model_len:
             raise RequestError(f"truncate_prompt_tokens must be < max_model_len="
                                f"{self.max_model_len}, got {truncate}",

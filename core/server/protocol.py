@@ -29,6 +29,22 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 
 
+
+def check_logprobs_count(name: str, value: int | None, max_logprobs: int) -> None:
+    """A body's count of top tokens (``logprobs``, ``top_logprobs``, ``prompt_logprobs``)
+    against the server's ``--max-logprobs``: vLLM's -1 asks for the whole vocabulary, which
+    only a server started with ``--max-logprobs -1`` gives."""
+    if value is None:
+        return
+    if value == -1 and max_logprobs != -1:
+        raise RequestError(f"{name}=-1 asks for the whole vocabulary; this server gives at "
+                           f"most {max_logprobs} (it is started with --max-logprobs -1 to "
+                           "allow it)", name)
+    if value < -1 or (max_logprobs != -1 and value > max_logprobs):
+        most = "the vocabulary size" if max_logprobs == -1 else str(max_logprobs)
+        minus = ", or -1 (the whole vocabulary)" if max_logprobs == -1 else ""
+        raise RequestError(f"{name} must be in [0, {most}]{minus}, got {value}", name)
+
 class RequestError(ValueError):
     """A bad request: HTTP ``status`` with an OpenAI-shaped error body."""
 
@@ -125,13 +141,12 @@ class _Common(BaseModel):
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
         k = self.truncate_prompt_tokens
-        if k is not None and k < 1:
-            raise RequestError(f"truncate_prompt_tokens must be an integer >= 1 or null, got "
-                               f"{k}", "truncate_prompt_tokens")
+        if k is not None and k < 1 and k != -1:
+            raise RequestError(f"truncate_prompt_tokens must be an integer >= 1, -1 (the "
+                               f"context less one token) or null, got {k}",
+                               "truncate_prompt_tokens")
         if self.prompt_logprobs is not None:
-            if not 0 <= self.prompt_logprobs <= max_logprobs:
-                raise RequestError(f"prompt_logprobs must be in [0, {max_logprobs}], got "
-                                   f"{self.prompt_logprobs}", "prompt_logprobs")
+            check_logprobs_count("prompt_logprobs", self.prompt_logprobs, max_logprobs)
             if self.stream:
                 # vLLM's rule: a stream's chunks have no place for them.
                 raise RequestError("prompt_logprobs is not available with stream=true",
@@ -226,9 +241,7 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of must equal n ({self.n}) or be omitted; cadence does "
                                "not rank extra samples", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise RequestError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}",
-                               "logprobs")
+        check_logprobs_count("logprobs", self.logprobs, max_logprobs)
 
     @property
     def echo_only(self) -> bool:
@@ -242,7 +255,9 @@ class CompletionRequest(_Common):
         echo=true with logprobs asks for the prompt's logprobs too."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+            # -1 (the whole vocabulary) is the widest either may ask for.
+            prompt_logprobs = -1 if -1 in (prompt_logprobs, self.logprobs) else \
+                max(prompt_logprobs or 0, self.logprobs)
         return self._sampling(1 if self.echo_only else max_tokens, self.logprobs, defaults,
                               self._structured(), prompt_logprobs)
 

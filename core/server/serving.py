@@ -15,7 +15,7 @@ from cadence.async_stream import add_all, final_outputs, merge
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
-from cadence.request_intake import truncate_prompt, truncate_text_prompt
+from cadence.request_intake import truncate_prompt, truncate_text_prompt, truncation_length
 from cadence.sampling_params import FieldError, SamplingParams, is_valid_unicode
 from cadence.server import formats, reasoning, tools
 from cadence.server.chat_protocol import ChatCompletionRequest, ChatMessage
@@ -102,18 +102,25 @@ class OpenAIServing:
     def completion_prompts(self, req: CompletionRequest) -> list[dict]:
         """Each prompt of the body as an engine prompt (text and ids), truncated as asked."""
         prompts = []
+        k = truncation_length(req.truncate_prompt_tokens, self.max_model_len)
         for p in req.prompts():
             if isinstance(p, str):
                 if not p:
                     raise RequestError("prompt must not be empty", "prompt")
                 check_unicode(p, "prompt")
-                ids = truncate_text_prompt(self.tokenizer, p, self.tokenizer.encode(p),
-                                           req.truncate_prompt_tokens)
+                ids = truncate_text_prompt(self.tokenizer, p, self.tokenizer.encode(p), k)
                 prompts.append({"prompt": p, "prompt_token_ids": ids})
             else:
                 prompts.append({"prompt": None, "prompt_token_ids": truncate_prompt(
-                    list(p), req.truncate_prompt_tokens)})
+                    list(p), k)})
         return prompts
+
+    def chat_top_logprobs(self, req: ChatCompletionRequest) -> int | None:
+        """How many alternatives each chat logprobs entry lists; None without logprobs."""
+        if not req.logprobs:
+            return None
+        k = req.top_logprobs or 0
+        return (self.vocab_size or len(self.tokenizer)) if k == -1 else k
 
     def chat_input(self, req: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
         self.check_model(req.model)
@@ -140,7 +147,8 @@ class OpenAIServing:
                                [t.model_dump(exclude_none=True) for t in req.tools or ()],
                                req.continue_final_message, req.chat_template_kwargs)
         prompt = chat.as_engine_prompt()
-        kept = truncate_prompt(chat.token_ids, req.truncate_prompt_tokens)
+        kept = truncate_prompt(chat.token_ids,
+                               truncation_length(req.truncate_prompt_tokens, self.max_model_len))
         if len(kept) < len(chat.token_ids):
             prompt = {"prompt": None, "prompt_token_ids": kept}
         return prompt
@@ -203,7 +211,7 @@ class OpenAIServing:
         (out,) = await final_outputs(streams)
         usage = formats.Usage()
         usage.add(out)
-        choices = [formats.chat_choice(c, (req.top_logprobs or 0) if req.logprobs else None)
+        choices = [formats.chat_choice(c, self.chat_top_logprobs(req))
                    for c in out.outputs]
         reply = self._reply(req)
         echo = req.echo_text
@@ -261,7 +269,7 @@ class OpenAIServing:
         """The chat stream's chunks as objects: what ``chat_events`` sends, and what the
         endpoints in other APIs' shapes (chat_shaped.py) reshape without parsing JSON."""
         head = formats.Head("chatcmpl", "chat.completion.chunk", self.response_model(req))
-        k = (req.top_logprobs or 0) if req.logprobs else None
+        k = self.chat_top_logprobs(req)
         for index in range(req.n):
             yield head.chunk([formats.chat_delta(index, {"role": "assistant", "content": ""},
                                                  None, None)])
