@@ -178,7 +178,8 @@ class BeamSearch:
         return BeamSearchOutput(best, self.prompt)
 
 
-def detokenizer(tokenizer: Any, skip_special_tokens: bool = True
+def detokenizer(tokenizer: Any, skip_special_tokens: bool = True,
+                spaces_between_special_tokens: bool = True
                 ) -> Callable[[list[int], list[int]], str]:
     """A beam's text as a generation's would read: decoded as a continuation of its prompt
     (a token that completes a character begun in the prompt), through the engine's
@@ -186,7 +187,8 @@ def detokenizer(tokenizer: Any, skip_special_tokens: bool = True
     from cadence.detokenizer import IncrementalDetokenizer
 
     def decode(prompt: list[int], tokens: list[int]) -> str:
-        d = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        d = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens,
+                                   spaces_between_special_tokens)
         return "".join(d.step(t) for t in tokens)
 
     return decode

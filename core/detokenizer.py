@@ -13,46 +13,98 @@ from typing import Any
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's token ids into text, one token at a time."""
+    """Turns one sequence's token ids into text, one token at a time.
 
-    __slots__ = ("_tok", "_stream", "_backend", "_ids", "_prefix_offset", "_read_offset", "_skip")
+    ``spaces_between_special_tokens=False`` (vLLM's option; it matters only with
+    ``skip_special_tokens=False``) writes an added token that follows another added token
+    as its bare content, without the space a decoder may put before it.
+    """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+    __slots__ = (
+        "_added",
+        "_backend",
+        "_ids",
+        "_last_added",
+        "_prefix_offset",
+        "_read_offset",
+        "_skip",
+        "_spaces",
+        "_stream",
+        "_tok",
+    )
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._stream = None
+        # Added tokens by id, kept only where their spacing is to be taken out.
+        self._added: dict[int, str] | None = None
+        self._last_added = False
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            # Prime the stream with the prompt's tail so the first generated token decodes
-            # with the right leading-space handling, as a continuation of the prompt.
             self._backend = backend
-            for t in prompt_token_ids[-6:]:
-                self._stream.step(backend, t)
+            self._stream = self._new_stream(prompt_token_ids)
+            if not (skip_special_tokens or spaces_between_special_tokens):
+                self._added = _added_tokens(backend)
         else:
             self._ids = list(prompt_token_ids)
             self._read_offset = len(self._ids)
             self._prefix_offset = max(self._read_offset - 6, 0)
 
+    def _new_stream(self, context: list[int]) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        # Primed with the context's tail, so the next token decodes with the right
+        # leading-space handling, as a continuation of it.
+        for t in context[-6:]:
+            stream.step(self._backend, t)
+        return stream
+
     def step(self, token_id: int) -> str:
         """Return the new text that ``token_id`` completes (may be empty)."""
         if self._stream is not None:
-            try:
-                return self._stream.step(self._backend, token_id) or ""
-            except Exception:
-                # Out-of-vocabulary ids (a model with a padded vocab) decode to nothing.
-                return ""
+            text = self._fast_step(token_id)
+            if self._added is not None:
+                content = self._added.get(token_id)
+                if content is not None and self._last_added:
+                    text = content
+                self._last_added = content is not None
+            return text
         self._ids.append(token_id)
+        kw = {} if self._spaces else {"spaces_between_special_tokens": False}
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset],
-                                  skip_special_tokens=self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+                                  skip_special_tokens=self._skip, **kw)
+        full = self._tok.decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip,
+                                **kw)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             return full[len(prefix):]
         return ""
+
+    def _fast_step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception:  # noqa: BLE001 - any tokenizers error
+            # The stream's state may be broken (tokenizers refuses a decoded text that no
+            # longer extends the last one, "invalid prefix"): a fresh stream takes the
+            # token alone, as vLLM recovers; the text held back for an unfinished
+            # character is lost with the old stream.
+            self._stream = self._new_stream([])
+            try:
+                return self._stream.step(self._backend, token_id) or ""
+            except Exception:  # noqa: BLE001 - any tokenizers error
+                # An id the tokenizer does not know (a model with a padded vocabulary)
+                # decodes to nothing.
+                self._stream = self._new_stream([])
+                return ""
+
+
+def _added_tokens(backend: Any) -> dict[int, str]:
+    return {tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()}
 
 
 def token_text_decoder(tokenizer: Any) -> Callable[[int], str]:

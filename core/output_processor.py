@@ -210,7 +210,8 @@ class OutputProcessor:
             return
         if st.detokenizer is None:
             st.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                    sp.skip_special_tokens)
+                                                    sp.skip_special_tokens,
+                                                    sp.spaces_between_special_tokens)
         new = st.detokenizer.step(token)
         if not new:
             return

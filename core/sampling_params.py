@@ -108,6 +108,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: False writes an added token that follows another without a space between
+    # them (only where special tokens are kept, skip_special_tokens=False).
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     # Constrains the output to a JSON schema, regex, choice or grammar
     # (docs/structured_output.md).
@@ -190,7 +193,7 @@ class SamplingParams:
         integer("seed", "None or a 64-bit integer, in [-2**63, 2**63 - 1]",
                 lambda v: SEED_MIN <= v <= SEED_MAX, optional=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "detokenize"):
+                     "spaces_between_special_tokens", "detokenize"):
             flag(name)
         if any(not isinstance(s, str) or not s or not is_valid_unicode(s) for s in self.stop):
             raise bad("stop", "a list of non-empty strings (valid Unicode, no lone surrogates)")

@@ -95,3 +95,97 @@ def test_token_text_decoder_keeps_a_class_that_rewrites_decoded_text(tokenizer):
     decode = token_text_decoder(tok)
     assert [decode(i) for i in ids] == [tok.decode([i]) for i in ids]
     assert all("@" in decode(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def wordpiece():
+    """A WordPiece tokenizer, whose decoder joins tokens with spaces: a decode stream puts
+    one before an added token that follows another, which spaces_between_special_tokens
+    takes out."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(["the cat sat on the mat"] * 20,
+                            trainers.WordPieceTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.add_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+def test_spaces_between_special_tokens_false_joins_consecutive_added_tokens(wordpiece):
+    ids = wordpiece.encode("the cat <a><b><a> sat", add_special_tokens=False)
+    prompt = wordpiece.encode("on the mat", add_special_tokens=False)
+
+    def text(skip: bool, spaces: bool) -> str:
+        d = IncrementalDetokenizer(wordpiece, prompt, skip, spaces)
+        return "".join(d.step(t) for t in ids)
+
+    spaced = text(False, True)
+    assert spaced == " the cat <a> <b> <a> sat"  # the decoder's spaces, as a decode gives
+    assert text(False, False) == " the cat <a><b><a> sat"
+    # With special tokens skipped there is nothing between them to space.
+    assert text(True, False) == text(True, True) == " the cat sat"
+
+
+def test_a_broken_decode_stream_is_replaced_and_the_text_goes_on(tokenizer):
+    """tokenizers' DecodeStream can refuse a step ("invalid prefix") and keep a broken
+    state; the detokenizer starts a fresh stream for that token, as vLLM does."""
+    ids = tokenizer.encode(" the cat sat on the mat", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    real = detok._stream
+
+    class Breaks:
+        def step(self, backend, token):
+            raise RuntimeError("Invalid prefix encountered")
+
+    out = [detok.step(ids[0])]
+    detok._stream = Breaks()
+    out += [detok.step(t) for t in ids[1:]]
+    assert detok._stream is not real and not isinstance(detok._stream, Breaks)
+    assert out[1] == tokenizer.decode([ids[1]])  # the fresh stream decodes it alone
+    assert "".join(out) == tokenizer.decode(ids)
+
+
+def test_the_engine_and_the_server_honour_spaces_between_special_tokens(
+        wordpiece, tiny_model_dir, tmp_path):
+    """The option reaches a request's detokenizer: a model whose tokenizer spaces its added
+    tokens, made to write only them (allowed_token_ids)."""
+    import shutil
+
+    from engine_helpers import generate, make_llm
+
+    from cadence import SamplingParams
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    wordpiece.save_pretrained(model)
+    a, b = wordpiece.convert_tokens_to_ids(["<a>", "<b>"])
+    base = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[a, b],
+                          skip_special_tokens=False)
+    llm = make_llm(str(model))
+    try:
+        spaced, joined = (generate(llm, ["the cat"], SamplingParams(**{
+            **{f: getattr(base, f) for f in base.__dataclass_fields__},
+            "spaces_between_special_tokens": s}))[0].outputs[0] for s in (True, False))
+    finally:
+        llm.shutdown()
+    assert spaced.token_ids == joined.token_ids
+    # The first follows the prompt's word, so its space stays either way.
+    tokens = wordpiece.convert_ids_to_tokens(joined.token_ids)
+    assert joined.text == " " + "".join(tokens)
+    assert spaced.text == " " + " ".join(tokens)
+    pytest.importorskip("httpx", reason="the server part needs httpx (the test extra)")
+    from test_server import serve
+
+    async def body(client, engine):
+        return await client.post("/v1/completions", json={
+            "prompt": "the cat", "max_tokens": 4, "temperature": 0,
+            "allowed_token_ids": [a, b], "skip_special_tokens": False,
+            "spaces_between_special_tokens": False})
+
+    r = serve(str(model), body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == joined.text, r.text

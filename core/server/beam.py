@@ -84,11 +84,12 @@ class BeamServing:
             raise RequestError(str(e), {"beam_width": "n"}.get(e.param, e.param)) from None
 
     async def _search(self, prompts: list[list[int]], params: BeamSearchParams,
-                      req: Any, skip_special: bool) -> list[BeamSearchOutput]:
+                      req: Any) -> list[BeamSearchOutput]:
         check_request_count(self.engine, params.beam_width * len(prompts), "n")
         return await beam_search_async(self.engine, prompts, params, self.engine.eos_token_ids,
                                        self.serving.max_model_len,
-                                       detokenizer(self.serving.tokenizer, skip_special),
+                                       detokenizer(self.serving.tokenizer, req.skip_special_tokens,
+                                                   req.spaces_between_special_tokens),
                                        req.priority, self.serving.check_model(req.model))
 
     def _admit(self, req: Any) -> Any:
@@ -104,7 +105,7 @@ class BeamServing:
         s = self._admit(req)
         prompts = [p["prompt_token_ids"] for p in s.completion_prompts(req)]
         params = self._params(req, max(map(len, prompts)), req.max_tokens, "prompt")
-        outs = await self._search(prompts, params, req, req.skip_special_tokens)
+        outs = await self._search(prompts, params, req)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, out in enumerate(outs):
             usage["prompt_tokens"] += len(out.prompt_token_ids)
@@ -120,7 +121,7 @@ class BeamServing:
         prompt = s.chat_prompt(req)["prompt_token_ids"]
         params = self._params(req, len(prompt), req.requested_max_tokens, "messages",
                               req.max_tokens_field)
-        (out,) = await self._search([prompt], params, req, req.skip_special_tokens)
+        (out,) = await self._search([prompt], params, req)
         reply = s._reply(req)
         choices = []
         for j, seq in enumerate(out.sequences):

@@ -90,6 +90,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -169,7 +170,9 @@ class _Common(BaseModel):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=structured,
                 logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 prompt_logprobs=prompt_logprobs,
