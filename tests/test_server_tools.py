@@ -74,8 +74,14 @@ def test_llama3_json_parser() -> None:
     content, calls = p.extract('<|python_tag|>{"name": "f", "parameters": {}}; '
                                '{"name": "g", "parameters": {"b": 2}}')
     assert [c.name for c in calls] == ["f", "g"]
-    for plain in ("Hello", '{"name": 3}', '{"name": "f", "parameters": {}} trailing'):
+    for plain in ("Hello", '{"name": 3}', 'Hi {"name": "f", "parameters": {}}'):
         assert p.extract(plain) == (plain, [])
+    # Text after the calls is dropped, and calls may be separated by commas (vLLM's).
+    for after in ('{"name": "f", "parameters": {}} Let me know.',
+                  '{"name": "f", "parameters": {}}, {"name": "g", "parameters": {}}'):
+        content, calls = p.extract(after)
+        assert content is None and calls[0].name == "f"
+    assert len(p.extract(after)[1]) == 2
     for held in ("", "  ", " {", "<|py", "<|python_tag|>{"):
         assert p.streamable(held) == 0
     assert p.streamable("Hi there") == len("Hi there")
@@ -87,9 +93,36 @@ def test_mistral_parser() -> None:
                                ' {"name": "g", "arguments": {}}]')
     assert content == "Checking. " and [c.name for c in calls] == ["f", "g"]
     assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # Mistral's templates
-    for plain in ("no call", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"arguments": {}}]'):
+    for plain in ("no call", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"arguments": {}}]',
+                  "[TOOL_CALLS]f[ARGS]not json", "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]",
+                  '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g oops'):
         assert p.extract(plain) == (plain, [])
     assert p.streamable("ok [TOOL_") == len("ok ")
+    # Text after the list is dropped, as vLLM drops it.
+    content, calls = p.extract('[TOOL_CALLS] [{"name": "f", "arguments": {}}] Hope it helps.')
+    assert content is None and [c.name for c in calls] == ["f"]
+    # v11 and later: a marker before each call, its name, then [ARGS] (or not) and the JSON.
+    content, calls = p.extract('Sure.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                               '[TOOL_CALLS]get_time{"zone": "utc"} and more')
+    assert content == "Sure.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "utc"})]
+    # Blank text before the marker is no content.
+    assert p.extract('\n [TOOL_CALLS]f{}')[0] is None
+
+
+def test_arguments_written_as_text_go_out_as_json() -> None:
+    """A model that writes its arguments as a string: plain text becomes a JSON string
+    (vLLM's), so a client's json.loads works; a string that is JSON text is kept."""
+    p = HermesToolParser()
+    for written, sent in (('"Paris"', '"Paris"'), ('"city=Paris"', '"city=Paris"'),
+                          (json.dumps('{"city": "Paris"}'), '{"city": "Paris"}')):
+        (call,) = p.extract(f'<tool_call>{{"name": "f", "arguments": {written}}}'
+                            '</tool_call>')[1]
+        assert call.arguments == sent
+        json.loads(call.arguments)
+    (call,) = Llama3JsonToolParser().extract('{"name": "f", "parameters": "x=1"}')[1]
+    assert json.loads(call.arguments) == "x=1"
 
 
 def test_pythonic_parser() -> None:
@@ -303,6 +336,56 @@ def test_auto_reads_the_calls_with_the_servers_parser(model) -> None:
     # No call written: plain content, the usual finish.
     (choice,) = plain["choices"]
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "length"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(model) -> None:
+    """vLLM's rule for every tool choice: with parallel_tool_calls false, a reply of two
+    calls returns the first, whole and streamed."""
+    _constrained()
+    one = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    two = one + r'\n<tool_call>\{"name": "get_time", "arguments": \{"zone": "utc"\}\}</tool_call>'
+    body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 200,
+            "structured_outputs": {"regex": two}, "parallel_tool_calls": False}
+    [(status, r), (_, streamed), (_, both)] = _post(
+        model, body, {**body, "stream": True}, {**body, "parallel_tool_calls": True},
+        parser="hermes")
+    assert status == 200, r
+    (choice,) = r["choices"]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == \
+        ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = [d for c in events(streamed) if c["choices"]
+             for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [d["function"]["name"] for d in calls] == ["get_weather"]
+    assert len(both["choices"][0]["message"]["tool_calls"]) == 2
+
+
+def test_blank_content_beside_calls_and_a_reply_all_thinking_are_null() -> None:
+    """A blank line before the calls (Qwen3 writes one after its thinking) is no content,
+    whole or streamed; a reply that never leaves its thinking has null content under
+    "auto" too, as its stream has."""
+    from cadence.server.chat_reply import ChatReply
+    from cadence.server.reasoning import REASONING_PARSERS
+
+    text = ('<think>ok</think>\n\n<tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}</tool_call>')
+    reply = ChatReply("auto", HermesToolParser(), REASONING_PARSERS["qwen3"]())
+    fields, finish = reply.whole(text, "stop")
+    assert fields["content"] is None and fields["reasoning_content"] == "ok"
+    assert len(fields["tool_calls"]) == 1 and finish == "tool_calls"
+    stream = ChatReply("auto", HermesToolParser(), REASONING_PARSERS["qwen3"]())
+    deltas = [stream.delta(0, ch, False) for ch in text]
+    last, finish = stream.finish(0, "stop")
+    assert not any(d and d.get("content") for d in [*deltas, last])
+    assert finish == "tool_calls" and len(last["tool_calls"]) == 1
+    # Blank text alone is still the reply's content.
+    plain = ToolStream("auto", HermesToolParser())
+    assert plain.delta(0, "\n\n") is None
+    assert plain.finish(0, "stop") == ({"content": "\n\n"}, "stop")
+    thinking = ChatReply("auto", HermesToolParser(), REASONING_PARSERS["deepseek_r1"]())
+    fields, finish = thinking.whole("still thinking", "length")
+    assert fields["content"] is None and fields["reasoning_content"] == "still thinking"
+    assert "tool_calls" not in fields and finish == "length"
 
 
 def test_a_conversation_with_calls_is_served(model_rendering_tools) -> None:

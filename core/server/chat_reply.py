@@ -12,14 +12,18 @@ from cadence.server import reasoning, tools
 
 class ChatReply:
     """One chat request's reply shaping: its tool choice, the server's tool parser and
-    reasoning parser (either may be None)."""
+    reasoning parser (either may be None), and whether it may make several calls
+    (``parallel_tool_calls``)."""
 
     def __init__(self, choice: str | tools.NamedToolChoice,
                  tool_parser: tools.ToolParser | None,
-                 reasoning_parser: reasoning.ReasoningParser | None) -> None:
+                 reasoning_parser: reasoning.ReasoningParser | None,
+                 parallel: bool = True) -> None:
         self.choice, self.tool_parser, self.reasoning_parser = choice, tool_parser, \
             reasoning_parser
-        self._calls = None if choice == "none" else tools.ToolStream(choice, tool_parser)
+        self.parallel = parallel
+        self._calls = None if choice == "none" else \
+            tools.ToolStream(choice, tool_parser, parallel)
         self._thinks = None if reasoning_parser is None else \
             reasoning.ReasoningStream(reasoning_parser)
 
@@ -34,7 +38,10 @@ class ChatReply:
             fields["content"] = answer
         if self.choice == "none":
             return fields, finish_reason
-        fields["content"], calls = tools.reply_of(self.choice, self.tool_parser, answer or "")
+        if answer is None:  # all thinking: no answer to read calls from
+            return fields, tools.finish_reason_of(self.choice, [], finish_reason)
+        fields["content"], calls = tools.reply_of(self.choice, self.tool_parser, answer,
+                                                  self.parallel)
         if calls:
             fields["tool_calls"] = [call.as_json() for call in calls]
         return fields, tools.finish_reason_of(self.choice, calls, finish_reason)

@@ -161,7 +161,8 @@ class OpenAIServing:
         constraint = req._structured()
         thinking = self.reasoning_parser if constraint is None or \
             constraint.regex is not None or constraint.grammar is not None else None
-        return ChatReply(req.effective_tool_choice, self.tool_parser, thinking)
+        return ChatReply(req.effective_tool_choice, self.tool_parser, thinking,
+                         req.parallel_tool_calls)
 
     async def submit(self, inputs: list[tuple[dict, SamplingParams]],
                      req: CompletionRequest | ChatCompletionRequest, kind: OutputKind

@@ -76,12 +76,24 @@ def call_from(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str) and not _is_json(args):
+        # Arguments a model wrote as plain text ("Paris") go out as a JSON string, as vLLM
+        # sends them, so a client's json.loads of them works; JSON text is kept as it is.
+        args = json.dumps(args, ensure_ascii=False)
     try:
         call = ToolCall(obj["name"], args if isinstance(args, str)
                         else json.dumps(args, ensure_ascii=False, allow_nan=False))
     except ValueError:  # NaN or an infinity: no JSON form
         return None
     return call if _sendable(call) else None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _sendable(call: ToolCall) -> bool:
@@ -120,7 +132,8 @@ class HermesToolParser(ToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1/3.2's JSON tool calls: the reply is ``{"name": ..., "parameters": {...}}``
-    (after an optional ``<|python_tag|>``), several separated by ``;``; anything else is
+    (after an optional ``<|python_tag|>``), several separated by ``;`` or ``,``. Text after
+    the calls is dropped, as vLLM drops it; a reply that does not open with a call is
     content."""
 
     name = "llama3_json"
@@ -134,52 +147,78 @@ class Llama3JsonToolParser(ToolParser):
         calls = []
         decoder = json.JSONDecoder()
         at = 0
-        while at < len(body):
+        while at < len(body) and body[at] == "{":
             try:
                 obj, end = decoder.raw_decode(body, at)
             except ValueError:
-                return text, []
+                break
             call = call_from(obj)
             if call is None:
-                return text, []
+                break
             calls.append(call)
             at = end
-            while at < len(body) and body[at] in " \t\r\n;":
+            while at < len(body) and body[at] in " \t\r\n;,":
                 at += 1
-        return None, calls
+        return (None, calls) if calls else (text, [])
 
     def streamable(self, text: str) -> int:
         return 0 if _may_open_with(text, ("{", self.TAG)) else len(text)
 
 
 class MistralToolParser(ToolParser):
-    """Mistral's ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``: content is the
-    text before the marker. Call ids are 9 letters and digits, the only ids Mistral's chat
-    templates take back."""
+    """Mistral's calls after ``[TOOL_CALLS]``: a JSON list ``[{"name": ..., "arguments":
+    {...}}, ...]`` (tokenizers before v11), or ``name[ARGS]{...}`` / ``name{...}``, one
+    marker before each call (v11 and later: Mistral Small 3.2, Magistral, Devstral).
+    Content is the text before the first marker; text after a call's JSON is dropped, as
+    vLLM drops it. Call ids are 9 letters and digits, the only ids Mistral's chat templates
+    take back."""
 
     name = "mistral"
     keeps_special_tokens = True
     START = "[TOOL_CALLS]"
     _ID = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    _NAMED = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = text.find(self.START)
         if at < 0:
             return text, []
-        try:
-            items = json.loads(text[at + len(self.START):])
-        except ValueError:
+        segments = [s for s in text[at:].split(self.START) if s.strip()]
+        if not segments:
             return text, []
-        items = items if isinstance(items, list) else [items]
-        calls = [call_from(item) for item in items]
+        calls: list[ToolCall | None]
+        if segments[0].lstrip().startswith(("[", "{")):
+            # The list form: one list; a later marker's text is trailing output.
+            items = _first_json(segments[0])
+            items = items if isinstance(items, list) else [items]
+            calls = [call_from(item) for item in items]
+        else:
+            calls = [self._named_call(segment) for segment in segments]
         if not calls or any(c is None for c in calls):
             return text, []
         for c in calls:
             c.id = "".join(secrets.choice(self._ID) for _ in range(9))
-        return text[:at] or None, calls
+        return (text[:at] if text[:at].strip() else None), calls
+
+    def _named_call(self, segment: str) -> ToolCall | None:
+        m = self._NAMED.match(segment)
+        if m is None:
+            return None
+        args = _first_json(segment[m.end():])
+        return call_from({"name": m.group(1), "arguments": args}) \
+            if isinstance(args, dict) else None
 
     def streamable(self, text: str) -> int:
         return _before_marker(text, self.START)
+
+
+def _first_json(text: str) -> Any:
+    """The JSON value ``text`` opens with (leading whitespace aside), None where it opens
+    with none; what follows it is ignored."""
+    try:
+        return json.JSONDecoder().raw_decode(text.lstrip())[0]
+    except ValueError:
+        return None
 
 
 class PythonicToolParser(ToolParser):

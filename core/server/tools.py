@@ -130,15 +130,20 @@ def calls_from_constrained(choice: str | NamedToolChoice, text: str) -> list[Too
     return [c for c in calls if c is not None]
 
 
-def reply_of(choice: str | NamedToolChoice, parser: ToolParser | None, text: str
-             ) -> tuple[str | None, list[ToolCall]]:
+def reply_of(choice: str | NamedToolChoice, parser: ToolParser | None, text: str,
+             parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """A finished reply's content and calls. A reply whose calls do not parse (cut short by
-    max_tokens, or a model that wrote something else) is all content."""
+    max_tokens, or a model that wrote something else) is all content. Without ``parallel``
+    (``parallel_tool_calls: false``) only the first call is kept, as vLLM keeps it, whatever
+    the model wrote."""
     if isinstance(choice, NamedToolChoice) or choice == "required":
         calls = calls_from_constrained(choice, text)
-        return (None, calls) if calls else (text, [])
+        return (None, calls[:1] if not parallel else calls) if calls else (text, [])
     if choice == "auto" and parser is not None:
-        return parser.extract(text)
+        content, calls = parser.extract(text)
+        if calls and content is not None and not content.strip():
+            content = None  # the blank line a model writes before its calls (vLLM's too)
+        return content, calls if parallel else calls[:1]
     return text, []
 
 
@@ -156,8 +161,9 @@ class ToolStream:
     streams do); under "required" the calls come at the end; under "auto" content is sent
     once it cannot be part of a call (``ToolParser.streamable``) and the calls at the end."""
 
-    def __init__(self, choice: str | NamedToolChoice, parser: ToolParser | None) -> None:
-        self.choice, self.parser = choice, parser
+    def __init__(self, choice: str | NamedToolChoice, parser: ToolParser | None,
+                 parallel: bool = True) -> None:
+        self.choice, self.parser, self.parallel = choice, parser, parallel
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}
         self._named: dict[int, ToolCall] = {}
@@ -174,7 +180,8 @@ class ToolStream:
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
         safe = self.parser.streamable(text) if self.choice == "auto" and self.parser else 0
         sent = self._sent.get(index, 0)
-        if safe <= sent:
+        if safe <= sent or not text[:safe].strip():
+            # Blank text before calls is no content (reply_of): held until text follows.
             return None
         self._sent[index] = safe
         return {"content": text[sent:safe]}
@@ -188,7 +195,7 @@ class ToolStream:
             # Its arguments went out as they came: a call cut short stays one (docs/server.md).
             calls = [self._named[index]] if index in self._named else []
             return None, finish_reason_of(self.choice, calls, finish_reason)
-        content, calls = reply_of(self.choice, self.parser, text)
+        content, calls = reply_of(self.choice, self.parser, text, self.parallel)
         delta: dict[str, Any] = {}
         rest = (content or "")[sent:]
         if rest:
