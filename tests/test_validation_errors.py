@@ -11,7 +11,7 @@ pytest.importorskip("fastapi", reason="the server tests need the server extra")
 
 from pydantic import ValidationError
 
-from cadence.server.anthropic import MessagesRequest
+from cadence.server.anthropic_protocol import MessagesRequest
 from cadence.server.chat_protocol import ChatCompletionRequest
 from cadence.server.protocol import CompletionRequest
 from cadence.server.responses_protocol import ResponsesRequest
