@@ -263,19 +263,42 @@ class BlockManager:
             existing = self._cached.get(block_hash)
             if existing is None:
                 block = self._blocks[table[i]]
-                block.block_hash, block.token_ids = block_hash, token_ids
-                block.parent_gen, block.cache_gen = chain.last_gen, self._next_gen
-                self._next_gen += 1
-                self._cached[block_hash] = block
+                self._register(block, block_hash, token_ids, chain.last_gen)
                 gen = block.cache_gen
             elif existing.token_ids == token_ids and existing.parent_gen == chain.last_gen:
                 # The same prefix was computed twice (e.g. by two requests in one step): our
                 # copy stays unregistered, and our chain continues through the cached one.
                 gen = existing.cache_gen
+            elif existing.token_ids == token_ids:
+                # The same tokens after another copy of the same prefix: the block was
+                # registered by a request whose chain went through a twin of our parent
+                # (two requests computed that prefix in one step), and that twin may be
+                # evicted by now, leaving it unreachable. Ours takes the slot, so the
+                # chain goes on being cached and found.
+                self._unhash(existing)
+                block = self._blocks[table[i]]
+                self._register(block, block_hash, token_ids, chain.last_gen)
+                gen = block.cache_gen
             else:
                 chain.is_broken = True
                 return
             chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, gen
+
+    def _register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
+                  parent_gen: int) -> None:
+        block.block_hash, block.token_ids = block_hash, token_ids
+        block.parent_gen, block.cache_gen = parent_gen, self._next_gen
+        self._next_gen += 1
+        self._cached[block_hash] = block
+
+    def _unhash(self, block: KVBlock) -> None:
+        """Take the block out of the prefix cache; a free one goes to the front of the
+        pool, as a block holding nothing reusable."""
+        del self._cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
+        block.cache_gen = block.parent_gen = -1
+        if block.ref_count == 0:
+            self._free.move_to_end(block.block_id, last=False)
 
     def _new_chain(self, request: Request) -> _Chain:
         """An empty chain in the request's cache namespace (``Request.cache_namespace``)."""

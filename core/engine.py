@@ -141,9 +141,11 @@ class LLMEngine:
             raise FieldError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids, children = self.requests.build(request_id, prompt, params, priority,
                                                   lora_request, self._arrival)
-        # Scheduled, or waiting for its grammar: either way a live sample holds the id.
+        # Scheduled, waiting for its grammar, or a finished sample of a live request
+        # whose output is still to come: a sample holds the id until its parent ends.
         clash = [c.request_id for c in children if self.scheduler.get_request(c.request_id)
-                 or self.structured.holds(c.request_id)]
+                 or self.structured.holds(c.request_id)
+                 or self.output_processor.holds_sample(c.request_id)]
         if clash:
             # Checked before anything is added: a half-added request would never finish.
             raise FieldError(f"request_id {request_id!r}: the id {clash[0]!r} of one of its "

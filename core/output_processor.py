@@ -56,6 +56,15 @@ class OutputProcessor:
         for child in parent.children:
             child.detok_state = SeqOutputState()
 
+    def holds_sample(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a sample of a live request with n > 1 (its
+        ``<index>_<parent>`` id): taken until the parent's last output, even once that
+        sample finished and left the scheduler."""
+        _, _, parent_id = request_id.partition("_")
+        p = self.parents.get(parent_id)
+        return p is not None and len(p.children) > 1 and \
+            any(c.request_id == request_id for c in p.children)
+
     # ---- commit (critical path) -------------------------------------------------------
     def commit(self, scheduled: list, sample_seq_indices: list[int], out: SamplerOutput,
                mi: ModelInput | None = None) -> list[Request]:

@@ -138,6 +138,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def holds(self, request: Request) -> bool:
+        """Whether this very request is still known here (not yet freed); its id may
+        already name a newer request once it has been."""
+        return self._requests.get(request.request_id) is request
+
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
@@ -158,9 +163,13 @@ class Scheduler:
         return request
 
     def free_request(self, request: Request) -> None:
-        """Forget the request and free its blocks; idempotent."""
-        if self._requests.get(request.request_id) is request:
-            del self._requests[request.request_id]
+        """Forget the request and free its blocks; idempotent. A request already freed
+        does nothing, even where a newer request now holds its id (the queues and the
+        block tables are keyed by id, and an old sample's late finalize must not free the
+        new one's blocks)."""
+        if self._requests.get(request.request_id) is not request:
+            return
+        del self._requests[request.request_id]
         self.waiting.remove(request.request_id)
         if request in self.running:
             self.running.remove(request)
@@ -201,8 +210,7 @@ class Scheduler:
         for entry in plan.scheduled:
             request = entry.request
             status = request.status
-            finished_now = status in _FINISHED_AT_COMMIT and \
-                bool(self.block_manager.get_block_table(request.request_id))
+            finished_now = status in _FINISHED_AT_COMMIT and self.holds(request)
             # Aborted, preempted or finished by a stop string since scheduling: its blocks
             # are gone or were given back; nothing to advance.
             if status != RequestStatus.RUNNING and not finished_now:

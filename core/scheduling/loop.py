@@ -186,8 +186,8 @@ class AsyncSchedulingLoop:
         bm = e.block_manager
         for sr in plan.scheduled:
             req = sr.request
-            finished_now = req.status in _FINISHED_AT_COMMIT and \
-                bool(bm.get_block_table(req.request_id))
+            # Not yet freed: by identity, since its id may name a newer request by now.
+            finished_now = req.status in _FINISHED_AT_COMMIT and e.scheduler.holds(req)
             if req.status is not RequestStatus.RUNNING and not finished_now:
                 continue
             bm.cache_full_blocks(req)
