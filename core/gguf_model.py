@@ -18,10 +18,16 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from cadence.gguf_rope import gguf_rope_parameters
 
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
+# Part of a converted folder's cache key: raised when conversion changes what it writes, so
+# folders written before are converted again (2: the file's RoPE scaling, core/gguf_rope.py).
+_CONVERSION = 2
 
 
 def cache_root() -> Path:
@@ -51,7 +57,7 @@ def find_gguf(path: str) -> Path | None:
 def gguf_model_path(gguf_file: Path) -> str:
     """The converted folder of ``gguf_file``, converting it on first use."""
     st = gguf_file.stat()
-    key = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{_CONVERSION}|{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf_file.stem}-{digest}"
     if not (target / "config.json").is_file():
@@ -107,7 +113,7 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     try:  # a cheap read of its header and tensor table (memory-mapped) before transformers
-        gguf.GGUFReader(str(gguf_file))
+        reader = gguf.GGUFReader(str(gguf_file))
     except Exception as e:  # noqa: BLE001  # truncated or damaged: struct, index, value errors
         raise ValueError(f"{gguf_file} is not a readable GGUF file (truncated or damaged?): "
                          f"{type(e).__name__}: {e}") from None
@@ -117,6 +123,7 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
                                                       dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
+    _add_rope_scaling(config_dict, reader, gguf_file)
     config = type(gguf_model.config).from_dict(config_dict)
     if eos_token is not None:
         eos_id = tokenizer.convert_tokens_to_ids(eos_token)
@@ -135,3 +142,20 @@ def convert_gguf(gguf_file: Path, out: Path, eos_token: str | None = None) -> No
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     record_source(gguf_file, out)
+
+
+def _add_rope_scaling(config: dict, reader: Any, gguf_file: Path) -> None:
+    """The file's RoPE scaling into ``config`` where transformers left it out
+    (core/gguf_rope.py)."""
+    key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    current = dict(config.get(key) or {})
+    if current.get("rope_type", current.get("type", "default")) not in ("default", None):
+        return  # transformers read it
+    theta = current.get("rope_theta", config.get("rope_theta"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    try:
+        params = gguf_rope_parameters(reader, float(theta), int(head_dim))
+    except ValueError as e:
+        raise ValueError(f"{gguf_file}: {e}") from None
+    if params is not None:
+        config[key] = {**current, **params}

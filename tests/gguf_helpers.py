@@ -5,6 +5,7 @@ tests of GGUF conversion (test_model_source.py) and of running its blocks
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,27 @@ def _permute_rotary(w, num_heads: int):
     # pairs; transformers undoes it when reading a llama GGUF.
     return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int):
+    """llama.cpp's converter's ``rope_freqs`` tensor for Llama 3's scaling: each rotary
+    frequency's divisor (its metadata keeps none of the four numbers)."""
+    import numpy as np
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    orig = rope["original_max_position_embeddings"]
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def write_llama_gguf(model_dir: str, out_file: Path,
@@ -39,6 +61,13 @@ def write_llama_gguf(model_dir: str, out_file: Path,
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg["rope_parameters"]
+    kind = rope.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(getattr(gguf.RopeScalingType, kind.upper()))
+        w.add_rope_scaling_factor(rope["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     added = {t["content"]: t["id"] for t in tok["added_tokens"]}
     vocab = {**tok["model"]["vocab"], **added}
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -65,6 +94,8 @@ def write_llama_gguf(model_dir: str, out_file: Path,
         else:
             qtype = getattr(gguf.GGMLQuantizationType, fmt)
             w.add_tensor(gguf_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+    if kind == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, cfg["head_dim"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -4,6 +4,7 @@ Hub cache is laid out in a temporary folder the way huggingface_hub writes it.""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -129,6 +130,70 @@ def test_gguf_greedy_equals_safetensors(gguf_file, tiny_model_dir, caplog):
     assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+
+
+@pytest.mark.parametrize("kind", ["llama-rope-llama3", "llama-rope-yarn", "llama-rope-linear"])
+def test_gguf_rope_scaling_survives_conversion(kind, tmp_path, monkeypatch, tiny_model_dir):
+    """A GGUF's RoPE scaling, as llama.cpp's converter records it (Llama 3's as a
+    rope_freqs tensor, linear and yarn as metadata), which transformers' GGUF loader leaves
+    out: the converted model's prompt logprobs are the original folder's."""
+    pytest.importorskip("gguf")
+    from cadence import gguf_model
+
+    monkeypatch.setattr(gguf_model, "cache_root", lambda: tmp_path / "cadence-cache")
+    out = tmp_path / f"{kind}.gguf"
+    write_llama_gguf(tiny_model_dir(kind), out)
+    converted = json.loads((Path(resolve_model_source(str(out))) / "config.json").read_text())
+    want = json.loads((Path(tiny_model_dir(kind)) / "config.json").read_text())
+    assert converted["rope_parameters"] == want["rope_parameters"]
+    prompt = {"prompt_token_ids": [(7 * i) % 300 + 3 for i in range(200)]}
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (got,) = generate(make_llm(str(out)), [prompt], params)
+    (ref,) = generate(make_llm(tiny_model_dir(kind)), [prompt], params)
+    for g, r in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+        (tg, lg), (tr, lr) = next(iter(g.items())), next(iter(r.items()))
+        assert tg == tr and abs(lg.logprob - lr.logprob) < 1e-4
+
+
+def test_gguf_rope_scaling_cadence_cannot_reproduce_is_refused(tmp_path, monkeypatch):
+    """Divisors no Llama 3 scaling gives, and a scaling type cadence does not convert, are
+    refused by name rather than run with the wrong positions."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from cadence.gguf_rope import gguf_rope_parameters, llama3_divisors
+
+    def reader(divisors=None, **meta):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.gguf"
+        w = gguf.GGUFWriter(str(out), "llama")
+        for key, value in meta.items():
+            getattr(w, f"add_{key}")(value)
+        w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+        if divisors is not None:
+            w.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return gguf.GGUFReader(str(out))
+
+    real = llama3_divisors(500000.0, 128, 8.0, 1.0, 4.0, 8192)  # Llama 3.1's
+    assert gguf_rope_parameters(reader(real), 500000.0, 128) == {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert gguf_rope_parameters(reader([1.0] * 64), 500000.0, 128) is None
+    assert gguf_rope_parameters(reader(), 500000.0, 128) is None
+    bumpy = list(real)
+    bumpy[40] *= 1.5
+    with pytest.raises(ValueError, match="not Llama 3's RoPE scaling"):
+        gguf_rope_parameters(reader(bumpy), 500000.0, 128)
+    with pytest.raises(ValueError, match="RoPE scaling 'longrope'.*linear and yarn"):
+        gguf_rope_parameters(reader(rope_scaling_type=gguf.RopeScalingType.LONGROPE,
+                                    rope_scaling_factor=2.0), 10000.0, 64)
+    with pytest.raises(ValueError, match="yarn_log_multiplier"):
+        gguf_rope_parameters(reader(rope_scaling_type=gguf.RopeScalingType.YARN,
+                                    rope_scaling_factor=4.0,
+                                    rope_scaling_yarn_log_mul=0.1), 10000.0, 64)
 
 
 def test_gguf_folder_reuses_the_cached_conversion(gguf_file, caplog):
