@@ -1,14 +1,9 @@
 """Paged KV-cache blocks with ref counts and prefix caching. No torch here.
 
-A request's KV cache lives in fixed-size physical blocks listed by its block table. A full,
-computed block is registered under a chained hash of (parent hash, its token ids), so a later
-request with the same prefix (an ``n > 1`` sibling, a shared system prompt, a preempted request
-coming back) takes a reference on it instead of computing it again.
-
-NOTE collision safety: a hit compares the block's token ids *and* the generation of its
-parent. Each registration gets a unique generation number, so a child block is only reachable
-through the exact parent it was computed after; a hash collision anywhere in the chain can
-cost a cache miss but never hands out KV computed over a different prefix.
+A request's KV cache lives in fixed-size physical blocks listed by its block table. Full,
+computed blocks are named in the prefix cache (core/prefix_cache.py), so a later request with
+the same prefix takes a reference on them instead of computing them again; a freed block keeps
+its name in the free pool until it is handed out again.
 
 NOTE sliding windows: when every layer attends to a window of at most W tokens, a query at
 position p never reads keys before p - W + 1, so once a request has computed c tokens the
@@ -17,8 +12,9 @@ leaves ``FREED_BLOCK`` in their table entries, so a position still maps to its e
 inside ``cache_full_blocks``, after a step's results are in: the step that read those blocks
 has finished, and every later step of the request (one may be in flight under async
 scheduling) queries later positions, so it reads from later keys. A freed block handed to
-another request is written by a later step, never alongside one that could read it. A freed block keeps its prefix-cache identity in the free pool until it is handed
-out again, as any freed block does; a later request can hit it only through the whole chain
+another request is written by a later step, never alongside one that could read it. A freed
+block keeps its prefix-cache identity in the free pool until it is handed out again, as any
+freed block does; a later request can hit it only through the whole chain
 of blocks before it (vLLM can serve a hit whose blocks before the window were evicted; cadence
 recomputes from the first evicted block). With some layers full, nothing is freed: the cache
 is shared by all layers.
@@ -27,43 +23,16 @@ is shared by all layers.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from cadence.prefix_cache import Chain, KVBlock, PrefixCache
 
 if TYPE_CHECKING:
     from cadence.request import Request
 
-_ROOT_GEN = 0  # the "parent generation" of a request's first block
 # Table entry of a block freed behind a sliding window: a valid id, so a kernel that gathers
 # whole tables and masks stays in bounds; the request no longer holds that block.
 FREED_BLOCK = 0
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The chained hash of one full block; it covers the whole prefix through ``parent_hash``."""
-    return hash((parent_hash, token_ids))
-
-
-@dataclass(slots=True)
-class KVBlock:
-    """One physical KV-cache block and, while it is registered, its prefix-cache identity."""
-
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()
-    cache_gen: int = -1
-    parent_gen: int = -1
-
-
-@dataclass(slots=True)
-class _Chain:
-    """How far a request's table is hashed, and the chain state to continue from."""
-
-    num_blocks: int = 0
-    last_hash: int | None = None
-    last_gen: int = _ROOT_GEN
-    is_broken: bool = False  # a true hash collision: stop registering this request's blocks
 
 
 class BlockManager:
@@ -108,15 +77,11 @@ class BlockManager:
         # Blocks used before and free now, eviction-ordered: empty ones first, then cached
         # ones, least recently freed first. The never-used ones come between the two.
         self._free: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, KVBlock] = {}
+        self._cache = PrefixCache()
         self._tables: dict[str, list[int]] = {}
-        self._chains: dict[str, _Chain] = {}
+        self._chains: dict[str, Chain] = {}
         # Leading table entries freed behind the window, per request (FREED_BLOCK entries).
         self._num_freed: dict[str, int] = {}
-        self._next_gen = _ROOT_GEN + 1
-        # Per cache namespace (a LoRA adapter's blocks are its own), the generation its
-        # chains start from: a block is reachable only from the root it was computed under.
-        self._roots: dict[object, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,7 +95,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return len(self._cache)
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's block table (the live list: read it, do not mutate it). Entries of
@@ -185,10 +150,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
         if block.block_hash is not None:
-            # Evict: the block is about to hold other tokens.
-            del self._cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
-            block.cache_gen = block.parent_gen = -1
+            self._cache.forget(block)  # evicted: the block is about to hold other tokens
         block.ref_count = 1
         return block_id
 
@@ -207,13 +169,10 @@ class BlockManager:
         chain = self._new_chain(request)
         hits: list[KVBlock] = []
         for i in range((num_tokens - 1) // bs):
-            token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
-            block_hash = hash_block_tokens(chain.last_hash, token_ids)
-            block = self._cached.get(block_hash)
-            if block is None or block.token_ids != token_ids or block.parent_gen != chain.last_gen:
+            block = self._cache.hit(chain, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+            if block is None:
                 break
             hits.append(block)
-            chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, block.cache_gen
         table = self._tables.setdefault(request.request_id, [])
         # Hits wholly behind the window of the first token to compute are not taken.
         num_dead = min(self._num_dead(len(hits) * bs), len(hits))
@@ -259,57 +218,15 @@ class BlockManager:
         num_full = min(num_done // bs, len(table))
         for i in range(chain.num_blocks, num_full):
             token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
-            block_hash = hash_block_tokens(chain.last_hash, token_ids)
-            existing = self._cached.get(block_hash)
-            if existing is None:
-                block = self._blocks[table[i]]
-                self._register(block, block_hash, token_ids, chain.last_gen)
-                gen = block.cache_gen
-            elif existing.token_ids == token_ids and existing.parent_gen == chain.last_gen:
-                # The same prefix was computed twice (e.g. by two requests in one step): our
-                # copy stays unregistered, and our chain continues through the cached one.
-                gen = existing.cache_gen
-            elif existing.token_ids == token_ids:
-                # The same tokens after another copy of the same prefix: the block was
-                # registered by a request whose chain went through a twin of our parent
-                # (two requests computed that prefix in one step), and that twin may be
-                # evicted by now, leaving it unreachable. Ours takes the slot, so the
-                # chain goes on being cached and found.
-                self._unhash(existing)
-                block = self._blocks[table[i]]
-                self._register(block, block_hash, token_ids, chain.last_gen)
-                gen = block.cache_gen
-            else:
-                chain.is_broken = True
+            displaced = self._cache.register(chain, self._blocks[table[i]], token_ids)
+            if chain.is_broken:
                 return
-            chain.num_blocks, chain.last_hash, chain.last_gen = i + 1, block_hash, gen
+            if displaced is not None and displaced.ref_count == 0:
+                # Holds nothing reusable now: handed out before any cached block.
+                self._free.move_to_end(displaced.block_id, last=False)
 
-    def _register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
-                  parent_gen: int) -> None:
-        block.block_hash, block.token_ids = block_hash, token_ids
-        block.parent_gen, block.cache_gen = parent_gen, self._next_gen
-        self._next_gen += 1
-        self._cached[block_hash] = block
-
-    def _unhash(self, block: KVBlock) -> None:
-        """Take the block out of the prefix cache; a free one goes to the front of the
-        pool, as a block holding nothing reusable."""
-        del self._cached[block.block_hash]
-        block.block_hash, block.token_ids = None, ()
-        block.cache_gen = block.parent_gen = -1
-        if block.ref_count == 0:
-            self._free.move_to_end(block.block_id, last=False)
-
-    def _new_chain(self, request: Request) -> _Chain:
-        """An empty chain in the request's cache namespace (``Request.cache_namespace``)."""
-        ns = getattr(request, "cache_namespace", 0)
-        if not ns:
-            return _Chain()
-        gen = self._roots.get(ns)
-        if gen is None:
-            gen = self._roots[ns] = self._next_gen
-            self._next_gen += 1
-        return _Chain(last_hash=hash(("namespace", ns)), last_gen=gen)
+    def _new_chain(self, request: Request) -> Chain:
+        return self._cache.new_chain(getattr(request, "cache_namespace", 0))
 
     def _num_dead(self, num_computed_tokens: int) -> int:
         """Blocks wholly before the first key a query at ``num_computed_tokens`` sees."""
@@ -386,8 +303,9 @@ class BlockManager:
             assert (block.block_id in self._free) == (block.ref_count == 0), block
             num_used += block.ref_count > 0
             if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) is block, block
-        assert all(b.block_hash == h for h, b in self._cached.items())
+                assert self._cache.holds(block), block
+        self._cache.check_invariants()
+        assert len(self._cache) == sum(b.block_hash is not None for b in self._blocks.values())
         assert num_used + self.num_free_blocks == self.num_blocks
         assert set(self._chains) <= set(self._tables)
         assert set(self._num_freed) <= set(self._tables)

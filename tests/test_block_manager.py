@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cadence.block_manager as bm_module
+import cadence.prefix_cache as prefix_cache_module
 from cadence.block_manager import BlockManager
 from cadence.request import Request
 from cadence.sampling_params import SamplingParams
@@ -30,7 +30,8 @@ def compute_all(bm: BlockManager, req: Request) -> None:
 
 
 def test_no_torch_import() -> None:
-    code = ("import sys, cadence.block_manager, cadence.scheduler, cadence.sched_policy; "
+    code = ("import sys, cadence.block_manager, cadence.prefix_cache, cadence.scheduler, "
+            "cadence.sched_policy; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -125,7 +126,7 @@ def test_lru_eviction_order() -> None:
 
 
 def test_constant_hash_never_gives_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 0)
+    monkeypatch.setattr(prefix_cache_module, "hash_block_tokens", lambda parent, tokens: 0)
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     compute_all(bm, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Same hash, different tokens: the token compare refuses the hit.
@@ -137,7 +138,7 @@ def test_constant_hash_never_gives_wrong_blocks(monkeypatch: pytest.MonkeyPatch)
 
 def test_parent_identity_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     # A hash that ignores the parent: equal blocks after different prefixes collide.
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: hash(tokens))
+    monkeypatch.setattr(prefix_cache_module, "hash_block_tokens", lambda parent, tokens: hash(tokens))
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
     compute_all(bm, make_request("c", [7, 7, 1, 1, 0]))  # caches [7, 7] then [1, 1]
     compute_all(bm, make_request("a", [5, 5, 3, 3, 0]))  # caches [5, 5] then [3, 3]

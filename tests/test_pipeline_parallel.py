@@ -525,14 +525,14 @@ def test_a_long_prompts_chunks_follow_each_other_through_the_stages():
     s.release(plans[0])
     s.update_after_step(plans[0])
     assert r.num_computed_tokens == 40  # counted when submitted, not again
-    assert len(bm._cached) == 4  # the first chunk's 4 blocks, not the ones in flight
+    assert bm.num_cached_blocks == 4  # the first chunk's 4 blocks, not the ones in flight
     s.release(plans[1])
     s.update_after_step(plans[1])
-    assert len(bm._cached) == 8
+    assert bm.num_cached_blocks == 8
     s.release(plans[2])
     r.output_token_ids.append(5)
     s.update_after_step(plans[2])
-    assert len(bm._cached) == 10 and not s.in_flight
+    assert bm.num_cached_blocks == 10 and not s.in_flight
     assert _chunks(s.schedule()) == [("long", 40, 1)]  # its first decode
 
 
@@ -554,9 +554,9 @@ def test_a_failed_chunk_takes_its_request_back_to_where_it_began():
     assert r.num_computed_tokens == 0
     s.release(second)
     s.update_after_step(second)
-    assert r.num_computed_tokens == 0 and not s.block_manager._cached
+    assert r.num_computed_tokens == 0 and not s.block_manager.num_cached_blocks
     s.update_after_step(first)  # its rerun alone, committed
-    assert r.num_computed_tokens == 16 and len(s.block_manager._cached) == 4
+    assert r.num_computed_tokens == 16 and s.block_manager.num_cached_blocks == 4
     assert _chunks(s.schedule()) == [("long", 16, 16)]
 
 
