@@ -33,7 +33,6 @@ from cadence.request import Request
 from cadence.request_factory import RequestFactory
 from cadence.request_intake import eos_token_ids, vocab_size_from_config
 from cadence.sampling_params import FieldError, SamplingParams, resolve_output_kind
-from cadence.scheduler import RequestTooLargeError, StepPlan
 from cadence.scheduling import (
     check_backend_supports,
     check_quantization_support,
@@ -42,6 +41,7 @@ from cadence.scheduling import (
     make_step_loop,
     require_backend_flag,
 )
+from cadence.step_plan import RequestTooLargeError, StepPlan
 from cadence.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadence.backend import Backend, ModelInput, PostSample, SamplerOutput, WorkerLostError
-from cadence.scheduler import ScheduledRequest, StepPlan
+from cadence.step_plan import ScheduledRequest, StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 from cadence.backend import ModelInput, PostSample, WorkerLostError
 from cadence.outputs import RequestOutput
 from cadence.request import Request, RequestStatus
-from cadence.scheduler import ScheduledRequest, StepPlan
 from cadence.scheduling.placeholders import build_async_input
+from cadence.step_plan import ScheduledRequest, StepPlan
 
 if TYPE_CHECKING:
     from cadence.engine import LLMEngine

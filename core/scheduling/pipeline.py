@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING
 from cadence.backend import ModelInput, SamplerOutput, WorkerLostError
 from cadence.outputs import RequestOutput
 from cadence.request import Request
-from cadence.scheduler import ScheduledRequest, Scheduler, StepPlan
+from cadence.scheduler import Scheduler
 from cadence.scheduling.loop import finalize_pending, rerun_alone
+from cadence.step_plan import ScheduledRequest, StepPlan
 
 if TYPE_CHECKING:
     from cadence.engine import LLMEngine

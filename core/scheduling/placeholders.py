@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.backend import ModelInput
 from cadence.input_builder import build_model_input
-from cadence.scheduler import StepPlan
+from cadence.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from cadence.scheduling.loop import InFlightStep
