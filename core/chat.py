@@ -39,11 +39,15 @@ def has_chat_template(tokenizer: Any) -> bool:
 def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None) -> ChatPrompt:
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                documents: Sequence[Mapping[str, Any]] | None = None,
+                add_special_tokens: bool = False) -> ChatPrompt:
     """Render one conversation with the tokenizer's template (or ``chat_template``) and
-    tokenize it without adding special tokens again; ``tools`` (OpenAI's function
-    definitions) reach the template as transformers passes them. Raises ValueError naming
-    ``messages`` or ``chat_template`` when either is unusable."""
+    tokenize it without adding special tokens again (the template placed them;
+    ``add_special_tokens=True`` adds the tokenizer's anyway, vLLM's option); ``tools``
+    (OpenAI's function definitions) and ``documents`` reach the template as transformers
+    passes them. Raises ValueError naming ``messages`` or ``chat_template`` when either is
+    unusable."""
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("chat_template: this model's tokenizer has no chat template; pass "
                          "one as chat_template, or send plain prompts instead")
@@ -59,7 +63,9 @@ def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | Non
             conversation, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **({"tools": list(tools)} if tools else {}), **dict(chat_template_kwargs or {}))
+            **({"tools": list(tools)} if tools else {}),
+            **({"documents": list(documents)} if documents else {}),
+            **dict(chat_template_kwargs or {}))
     # The template is the model author's (or the caller's) code: jinja's TemplateError for
     # roles out of order, but a template may raise anything, and it is the input's fault.
     except Exception as e:  # noqa: BLE001
@@ -71,7 +77,7 @@ def render_chat(tokenizer: Any, messages: Conversation, chat_template: str | Non
         raise ValueError("messages: the chat template rendered them as an empty prompt")
     if not is_valid_unicode(text):
         raise ValueError("messages must be valid Unicode text (they hold a lone surrogate)")
-    return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
 
 def split_conversations(messages: Any) -> list[Conversation]:

@@ -8,6 +8,7 @@ multi-byte character split over tokens appears whole, once.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -121,6 +122,49 @@ def token_text_decoder(tokenizer: Any) -> Callable[[int], str]:
         return lambda token: tokenizer.decode([token])
     decode = backend.decode
     return lambda token: decode([token], skip_special_tokens=False)
+
+
+def token_bytes_decoder(tokenizer: Any) -> Callable[[int, str], bytes]:
+    """``(id, its decoded text) -> the token's own bytes``, for OpenAI's logprob ``bytes``:
+    a token holding part of a UTF-8 character decodes to "\ufffd", whose bytes are not the
+    token's, and a client joins the tokens' bytes to rebuild the text. Read from the token's
+    vocabulary entry where it spells its bytes: byte-level BPE's printable stand-ins (GPT-2,
+    Llama 3, Qwen, SmolLM) and SentencePiece's byte fallback (``<0xE2>``); any other token's
+    bytes are its text's."""
+    decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
+    byte_level = "ByteLevel" in repr(decoder)
+    table = {c: b for b, c in _byte_level_alphabet().items()} if byte_level else {}
+
+    def token_bytes(token: int, text: str) -> bytes:
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            m = _BYTE_FALLBACK.fullmatch(piece)
+            if m is not None:
+                return bytes([int(m.group(1), 16)])
+            if table and piece and all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return text.encode("utf-8")
+
+    return token_bytes
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters, which byte-level BPE
+    vocabularies are written in: printable Latin-1 bytes stand for themselves, the rest
+    for the characters from U+0100 on."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 def _plain_fast_decode(cls: type) -> bool:

@@ -59,15 +59,9 @@ def validate_request(ids: list[int], params: SamplingParams, sc: SchedulerConfig
     if len(ids) >= max_len:
         raise FieldError(f"prompt has {len(ids)} tokens; it must be shorter than "
                          f"max_model_len={max_len} to leave room for output", "prompt")
-    # The server's words for the same mistake (serving.py), so clients that look for
-    # "maximum context length" find it either way. None means the rest of the context.
+    # A max_tokens past the context is not refused, as in vLLM: the request ends with
+    # "length" when the context is full. min_tokens past it could never be met.
     room = max_len - len(ids)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise FieldError(
-            f"this model's maximum context length is max_model_len={max_len} tokens; "
-            f"{len(ids)} in the prompt + max_tokens={shown(params.max_tokens)} is "
-            f"{shown(len(ids) + params.max_tokens)}; lower max_tokens to {room} or less, or "
-            "pass None for the rest of the context", "max_tokens")
     if params.min_tokens > room:
         raise FieldError(f"min_tokens must be <= {room} (max_model_len={max_len} less "
                          f"the prompt's {len(ids)} tokens), got {shown(params.min_tokens)}",

@@ -22,7 +22,7 @@ from cadence.output_state import OutputKind
     ({"min_p": 2.0}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stop": [""]}, "stop"),
     # types, NaN and infinities: a ValueError naming the field, never a TypeError

@@ -269,9 +269,11 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds(tiny_mode
         (short,) = generate(llm, [{"prompt_token_ids": ids[:10]}],
                             dataclasses.replace(greedy, truncate_prompt_tokens=-1))
         assert short.prompt_token_ids == ids[:10]
-        with pytest.raises(ValueError, match="max_tokens"):
-            generate(llm, [{"prompt_token_ids": ids}],
-                     dataclasses.replace(greedy, truncate_prompt_tokens=-1, max_tokens=2))
+        # More tokens than the context leaves: the one it has room for (vLLM's rule).
+        (full,) = generate(llm, [{"prompt_token_ids": ids}],
+                           dataclasses.replace(greedy, truncate_prompt_tokens=-1, max_tokens=16))
+        assert full.outputs[0].token_ids == want.outputs[0].token_ids
+        assert full.outputs[0].finish_reason == "length"
         (emb,) = llm.embed([{"prompt_token_ids": ids}], truncate_prompt_tokens=-1,
                            use_tqdm=False)
         assert emb.prompt_token_ids == ids[-(max_len - 1):]

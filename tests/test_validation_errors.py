@@ -30,7 +30,7 @@ def named(model: type, body: dict) -> tuple[str, str]:
     # An unknown field named like a class is still a field (not a union branch).
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "x", "Foo": 1}]}]}, "messages.0.content.0.Foo",
-     "valid fields: text, type"),
+     "valid fields: cache_control, text, type"),
     (MessagesRequest, {"max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "x", "TextBlock": 1}]}]},
      "messages.0.content.0.TextBlock", "valid fields: cache_control, citations, text, type"),

@@ -19,21 +19,47 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint; nothing to do
+
+
+class RefusalPart(BaseModel):
+    """OpenAI's refusal part of an assistant message sent back: its text is what the
+    assistant said."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["refusal"]
+    refusal: str
 
 
 class ChatMessage(BaseModel):
+    """One message. The roles a template knows are its own business (vLLM passes any role
+    on: Llama 3.1's ``ipython``, the older ``function``); "developer" reaches templates
+    written before it as "system". The fields OpenAI's SDK puts on an assistant message it
+    returned (``refusal``, ``annotations``, ``audio`` and ``function_call`` as null) come
+    back with it, and ``reasoning_content`` (or ``reasoning``) reaches the template, which
+    may render earlier thinking (vLLM passes it the same way)."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart | RefusalPart] | None = None
     name: str | None = None
     # An assistant message's calls, and a tool message's answer to one (tool calling).
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)  # as LLM.chat (chat.py)
+            content = "\n".join(part.text if isinstance(part, ContentPart) else part.refusal
+                                for part in content)  # as LLM.chat (chat.py)
+        if not content and self.refusal:
+            content = self.refusal
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
@@ -43,12 +69,32 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:  # templates that know a speaker's name use it, as in vLLM
             out["name"] = self.name
+        for key in ("reasoning_content", "reasoning"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
+    # OpenAI's fields that ask nothing of a local server: nothing is stored, the prefix
+    # cache needs no key, and no tier or safety id applies.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI's reasoning controls: the chat template reads reasoning_effort where it knows it
+    # (gpt-oss), as in vLLM; a model's verbosity is its template's too.
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    # OpenAI's deprecated form of tools: refused by name, with what to send instead.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # vLLM's: documents for templates that take them (RAG templates: Command R, Granite).
+    documents: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -66,6 +112,13 @@ class ChatCompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common(max_logprobs)
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            raise RequestError(f"{name} is OpenAI's deprecated form of tool calling; send "
+                               "tools (and tool_choice) instead", name)
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise RequestError(f"modalities: this server writes text only, got "
+                               f"{self.modalities}", "modalities")
         # Both, though max_completion_tokens wins: a bad max_tokens beside it is no less bad.
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
@@ -74,7 +127,7 @@ class ChatCompletionRequest(_Common):
         check_template_options(self)
         self._check_tools()
         self._structured()  # a bad response_format is a 400 now
-        if self.top_logprobs is not None:
+        if self.top_logprobs:  # 0 asks for nothing, with or without logprobs (OpenAI's)
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
             check_logprobs_count("top_logprobs", self.top_logprobs, max_logprobs)

@@ -12,9 +12,11 @@ from cadence.outputs import CompletionOutput, RequestOutput
 
 
 def envelope(prefix: str, obj: str, model: str, choices: list[dict],
-             usage: dict | None) -> dict:
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage}
+             usage: dict | None, request_id: str | None = None) -> dict:
+    """A whole response; its id is ``<prefix>-<request_id>`` where the body named one
+    (vLLM's ``request_id``), else a fresh one."""
+    return {"id": f"{prefix}-{request_id or uuid.uuid4().hex}", "object": obj,
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
 
 
 @dataclass(slots=True)
@@ -30,7 +32,7 @@ class Head:
     running_usage: Usage | None = None
 
     def __post_init__(self) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{self.id or uuid.uuid4().hex}"  # id: the body's request_id
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.obj, "created": self.created,
@@ -161,23 +163,28 @@ def _legacy_logprobs(token_ids: list[int], entries: list, text_offset: int,
             "text_offset": offsets}
 
 
-def chat_logprobs(c: CompletionOutput, top: int) -> dict:
-    """The chat shape: one entry per token with its ``top`` most likely alternatives."""
+def chat_logprobs(c: CompletionOutput, top: int,
+                  token_bytes: Callable[[int, str], bytes] | None = None) -> dict:
+    """The chat shape: one entry per token with its ``top`` most likely alternatives;
+    ``token_bytes`` gives a token's own bytes (detokenizer.token_bytes_decoder), else
+    those of its text."""
     content = []
     for tid, entry in zip(c.token_ids, c.logprobs or []):
         chosen = entry[tid]
         content.append({
-            **_token(chosen.decoded_token, chosen.logprob),
-            "top_logprobs": [_token(lp.decoded_token, lp.logprob)
-                             for _, lp in _by_rank(entry)
+            **_token(chosen.decoded_token, chosen.logprob, tid, token_bytes),
+            "top_logprobs": [_token(lp.decoded_token, lp.logprob, t, token_bytes)
+                             for t, lp in _by_rank(entry)
                              if lp.rank is not None and lp.rank <= top],
         })
     return {"content": content}
 
 
-def chat_choice(c: CompletionOutput, top_logprobs: int | None) -> dict:
+def chat_choice(c: CompletionOutput, top_logprobs: int | None,
+                token_bytes: Callable[[int, str], bytes] | None = None) -> dict:
     return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c, top_logprobs) if top_logprobs is not None else None,
+            "logprobs": chat_logprobs(c, top_logprobs, token_bytes)
+            if top_logprobs is not None else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
@@ -191,9 +198,11 @@ def _by_rank(entry: dict) -> list[tuple[int, Any]]:
     return sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
 
 
-def _token(text: str | None, logprob: float) -> dict:
+def _token(text: str | None, logprob: float, token: int = -1,
+           token_bytes: Callable[[int, str], bytes] | None = None) -> dict:
     text = text or ""
-    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+    raw = token_bytes(token, text) if token_bytes is not None else text.encode("utf-8")
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
 
 def _finite(logprob: float) -> float:

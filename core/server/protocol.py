@@ -4,7 +4,9 @@ chat_protocol.py.
 
 Unknown fields are rejected (a misspelt ``max_token`` must not be silently ignored), and
 OpenAI fields cadence does not implement (``suffix``) are
-rejected with a message naming them, never ignored. Structured output arrives as OpenAI's
+rejected with a message naming them, never ignored; OpenAI fields that ask nothing of a
+local server (``store``, ``metadata``...) are accepted. A JSON null takes the field's
+default, as OpenAI's spec makes those fields nullable. Structured output arrives as OpenAI's
 ``response_format`` or vLLM's ``structured_outputs`` object and older ``guided_*`` fields, on
 both endpoints (vLLM takes ``response_format`` on completions too); see
 docs/structured_output.md.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
 from cadence.sampling_params import FieldError, SamplingParams, token_id_key
@@ -23,6 +25,9 @@ from cadence.structured_output.params import StructuredOutputsParams
 # Entries one request's logit_bias may hold: each is work on every step the request is in,
 # and one request's cost must not become every batch's.
 MAX_LOGIT_BIAS = 1024
+
+# Fields whose null says something of its own rather than "the default".
+_NULL_MEANS_ITSELF = frozenset({"max_tokens"})
 
 # vLLM's older request fields -> StructuredOutputsParams fields.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -106,6 +111,25 @@ class _Common(BaseModel):
     # (core/server/beam.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool = False
+    # vLLM's: whether tokenizing the prompt adds the tokenizer's special tokens (a BOS);
+    # None: yes for a completion's text, no for a rendered chat (its template places them).
+    add_special_tokens: bool | None = None
+    # vLLM's: the caller's id for the request (the response's id, and the engine's).
+    request_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # Clients that send every field send null for those they leave alone (OpenAI's spec
+        # makes them nullable); max_tokens keeps its null, which means the rest of the
+        # context.
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields
+                    or k in _NULL_MEANS_ITSELF or fields[k].default is None}
+        return data
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""

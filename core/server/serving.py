@@ -13,6 +13,7 @@ from typing import Any
 from cadence.async_engine import AsyncLLM, RequestStream
 from cadence.async_stream import add_all, final_outputs, merge
 from cadence.chat import ChatPrompt, has_chat_template, render_chat
+from cadence.detokenizer import token_bytes_decoder
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.request_intake import truncate_prompt, truncate_text_prompt, truncation_length
@@ -47,6 +48,8 @@ class OpenAIServing:
         self.max_logprobs = max_logprobs
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
+        # A logprob entry's bytes: the token's own, also for part of a UTF-8 character.
+        self.token_bytes = token_bytes_decoder(self.tokenizer)
         self.max_model_len = engine.max_model_len
         # The model's vocabulary (config.json), which may be wider than the tokenizer's.
         self.vocab_size = getattr(getattr(engine, "engine", None), "vocab_size", None)
@@ -83,13 +86,10 @@ class OpenAIServing:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {num_prompt}", prompt_field, code="context_length_exceeded")
-        if requested is not None and requested > room:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"{num_prompt} in the prompt + {tokens_field}={requested} is "
-                f"{num_prompt + requested}; lower {tokens_field} to {room} or less",
-                tokens_field, code="context_length_exceeded")
-        return make(requested if requested is not None else self.limits.max_tokens_for(room))
+        # More than the context holds is cut to what it does, as vLLM's server does: clients
+        # send one max_tokens to models of every context length.
+        return make(min(requested, room) if requested is not None
+                    else self.limits.max_tokens_for(room))
 
     def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
         self.check_model(req.model)
@@ -108,7 +108,9 @@ class OpenAIServing:
                 if not p:
                     raise RequestError("prompt must not be empty", "prompt")
                 check_unicode(p, "prompt")
-                ids = truncate_text_prompt(self.tokenizer, p, self.tokenizer.encode(p), k)
+                special = req.add_special_tokens is not False
+                ids = truncate_text_prompt(self.tokenizer, p, self.tokenizer.encode(
+                    p, add_special_tokens=special), k)
                 prompts.append({"prompt": p, "prompt_token_ids": ids})
             else:
                 prompts.append({"prompt": None, "prompt_token_ids": truncate_prompt(
@@ -145,7 +147,8 @@ class OpenAIServing:
         chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
                                "use /v1/completions",
                                [t.model_dump(exclude_none=True) for t in req.tools or ()],
-                               req.continue_final_message, req.chat_template_kwargs)
+                               req.continue_final_message, _template_kwargs(req),
+                               req.documents, bool(req.add_special_tokens))
         prompt = chat.as_engine_prompt()
         kept = truncate_prompt(chat.token_ids,
                                truncation_length(req.truncate_prompt_tokens, self.max_model_len))
@@ -169,7 +172,7 @@ class OpenAIServing:
                      ) -> list[RequestStream]:
         """Queue every prompt at once, or none: one prompt's error aborts the others."""
         check_request_count(self.engine, len(inputs), "prompt")
-        base = uuid.uuid4().hex
+        base = req.request_id or uuid.uuid4().hex
         try:
             lora = self.check_model(req.model)
             streams = await add_all(self.engine, [
@@ -200,37 +203,45 @@ class OpenAIServing:
             for c in out.outputs:
                 choice, _ = formats.completion_choice_of(i * req.n + c.index, c,
                                                          req.logprobs, echo, 0)
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = formats.prompt_logprobs_json(
                         out.prompt_logprobs)
                 choices.append(choice)
         return formats.envelope("cmpl", "text_completion", self.response_model(req), choices,
-                                usage.as_dict())
+                                usage.as_dict(), req.request_id)
 
     async def chat_body(self, streams: list[RequestStream], req: ChatCompletionRequest
                         ) -> dict:
         (out,) = await final_outputs(streams)
         usage = formats.Usage()
         usage.add(out)
-        choices = [formats.chat_choice(c, self.chat_top_logprobs(req))
+        choices = [formats.chat_choice(c, self.chat_top_logprobs(req), self.token_bytes)
                    for c in out.outputs]
         reply = self._reply(req)
         echo = req.echo_text
         for choice, c in zip(choices, out.outputs):
             fields, choice["finish_reason"] = reply.whole(c.text, c.finish_reason)
             choice["message"].update(fields)
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
             if echo:
                 choice["message"]["content"] = echo + (choice["message"]["content"] or "")
         body = formats.envelope("chatcmpl", "chat.completion", self.response_model(req),
-                                choices, usage.as_dict())
+                                choices, usage.as_dict(), req.request_id)
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = formats.prompt_logprobs_json(out.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
     # ---- streams -----------------------------------------------------------------------
     async def completion_events(self, streams: list[RequestStream], req: CompletionRequest
                                 ) -> AsyncIterator[str]:
-        head = formats.Head("cmpl", "text_completion", self.response_model(req))
+        head = formats.Head("cmpl", "text_completion", self.response_model(req),
+                            req.request_id or "")
         offsets: dict[int, int] = {}
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
@@ -251,6 +262,10 @@ class OpenAIServing:
                 choice, offsets[index] = formats.completion_choice_of(
                     index, c, req.logprobs, echoes[i] if first else None,
                     offsets.get(index, 0))
+                if req.return_token_ids:  # vLLM's: the prompt's with a choice's first chunk
+                    if first:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
                 # echo with max_tokens=0 has nothing to send between the prompt and the end.
                 if not req.echo_only or first or choice["finish_reason"]:
                     yield _sse(head.chunk([choice]))
@@ -269,7 +284,8 @@ class OpenAIServing:
                           ) -> AsyncIterator[dict]:
         """The chat stream's chunks as objects: what ``chat_events`` sends, and what the
         endpoints in other APIs' shapes (chat_shaped.py) reshape without parsing JSON."""
-        head = formats.Head("chatcmpl", "chat.completion.chunk", self.response_model(req))
+        head = formats.Head("chatcmpl", "chat.completion.chunk", self.response_model(req),
+                            req.request_id or "")
         k = self.chat_top_logprobs(req)
         for index in range(req.n):
             yield head.chunk([formats.chat_delta(index, {"role": "assistant", "content": ""},
@@ -281,17 +297,26 @@ class OpenAIServing:
         usage = formats.Usage()
         head.running_usage = usage if req.continuous_usage else None
         reply = self._reply(req)
+        # vLLM's return_token_ids: the prompt's ids with the first chunk of output, and each
+        # chunk's new ids in its choice.
+        prompt_ids: list[int] | None = None
         async for _, out in merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
                 delta = reply.delta(c.index, c.text, c.finished)
                 # Tokens whose text is held back (a partial character, a possible stop
-                # string or tool call) still send their logprobs; without logprobs they
-                # wait for text.
-                if delta or (c.token_ids and k is not None):
-                    lp = formats.chat_logprobs(c, k) if k is not None else None
-                    yield head.chunk([formats.chat_delta(c.index, delta or {"content": ""}, lp,
-                                                         None)])
+                # string or tool call) still send their logprobs and ids; without either
+                # they wait for text.
+                if delta or (c.token_ids and (k is not None or req.return_token_ids)):
+                    lp = formats.chat_logprobs(c, k, self.token_bytes) if k is not None \
+                        else None
+                    choice = formats.chat_delta(c.index, delta or {"content": ""}, lp, None)
+                    chunk = head.chunk([choice])
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(c.token_ids)
+                        if prompt_ids is None:
+                            prompt_ids = chunk["prompt_token_ids"] = list(out.prompt_token_ids)
+                    yield chunk
                 if c.finished:
                     last, finish = reply.finish(c.index, c.finish_reason)
                     if last is not None:
@@ -312,7 +337,9 @@ def _sse(payload: dict) -> str:
 def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                     instead: str, tool_defs: list[dict] | None = None,
                     continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+                    template_kwargs: dict[str, Any] | None = None,
+                    documents: list[dict[str, Any]] | None = None,
+                    add_special_tokens: bool = False) -> ChatPrompt:
     """The chat template's rendering of ``messages``, or a 400 naming ``messages`` (with
     ``instead`` saying what to do when the model has no template)."""
     if not has_chat_template(tokenizer):
@@ -321,9 +348,18 @@ def render_messages(tokenizer: Any, messages: list[ChatMessage], add_generation_
         return render_chat(tokenizer, [m.as_template_dict() for m in messages],
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,
-                           chat_template_kwargs=template_kwargs, tools=tool_defs)
+                           chat_template_kwargs=template_kwargs, tools=tool_defs,
+                           documents=documents, add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's extra variables: the body's own, and OpenAI's ``reasoning_effort``
+    where the body sets it (templates that know it read it, as vLLM hands it over)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def check_unicode(text: str, param: str) -> None:

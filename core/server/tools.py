@@ -39,6 +39,9 @@ class ToolDef(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: FunctionDef
+    # A prompt-caching hint some clients add (Anthropic's, through LiteLLM); the prefix
+    # cache needs none.
+    cache_control: dict[str, Any] | None = None
 
 
 class NamedFunction(BaseModel):
@@ -65,6 +68,8 @@ class ToolCallIn(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    # Left in calls a client rebuilt from a stream's deltas.
+    index: int | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         # Templates write the arguments with ``tojson``: a dict, where the JSON parses

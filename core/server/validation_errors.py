@@ -10,6 +10,8 @@ meant is found from the value's own shape or its ``type``, and that branch's err
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 _PRIMITIVES = frozenset({"str", "int", "float", "bool", "dict"})
@@ -121,7 +123,8 @@ class ErrorNamer:
                     loc[n] not in shapes:
                 shapes.append(loc[n])
         return field, f"{field} has the wrong type or value; it must be one of: " + \
-            ", ".join(shapes)
+            ", ".join(_UNION.sub(lambda m: m.group(1).replace(",", " | "), shape)
+                      for shape in shapes)
 
     def _unknown(self, loc: list[str]) -> tuple[str, str]:
         """An unknown field (its name kept, whatever it is), with the valid ones of the
@@ -182,3 +185,7 @@ def _literals(model: type, field: str) -> list[str]:
     if info is None:
         return []
     return [repr(v) for v in _types_in(info.annotation) if isinstance(v, str)]
+
+
+# pydantic's tag of a union inside a shape, "list[union[A,B]]", read as "list[A | B]".
+_UNION = re.compile(r"union\[([^\[\]]*)\]")
