@@ -90,8 +90,8 @@ def constraint(tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bo
                ) -> StructuredOutputsParams | None:
     """The structured-output constraint ``choice`` puts on the output, or None.
 
-    The JSON is compact (no whitespace between its tokens): arguments are read by programs,
-    and a grammar that allows any whitespace lets a weak model spend every token it has on
+    The JSON has one fixed layout (one space after each ``:`` and ``,``, none elsewhere):
+    arguments are read by programs, and a grammar that allows any whitespace lets a weak model spend every token it has on
     it and end cut short, with no call."""
     if isinstance(choice, NamedToolChoice):
         fn = next(t.function for t in tools if t.function.name == choice.function.name)
