@@ -159,9 +159,9 @@ def _banned(req: Request, ahead: int = 0) -> list[int]:
         # The grammar decides where a constrained output ends: banning EOS where it is the
         # only token the grammar allows would leave nothing to sample.
         return []
-    ids = list(sp.stop_token_ids)
-    if not sp.ignore_eos:
-        ids.extend(req.eos_token_ids)
+    # EOS too under ignore_eos, as vLLM and transformers ban it: min_tokens promises that
+    # many tokens of text, and an EOS sampled under ignore_eos is still an end-of-text token.
+    ids = [*sp.stop_token_ids, *req.eos_token_ids]
     if sp.allowed_token_ids and set(sp.allowed_token_ids) <= set(ids):
         return []  # as with a grammar: banning every allowed token leaves nothing to sample
     return ids

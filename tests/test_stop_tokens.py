@@ -152,6 +152,10 @@ def test_min_tokens_bans_every_eos(llm_for, case, multi_eos_model):
     assert out.token_ids[:case.k] == case.ref[:case.k] and out.token_ids[case.k] != case.target
     assert _hf_generate(multi_eos_model, case.prompt, max_new_tokens=NUM_REF,
                         min_new_tokens=min_tokens) == list(out.token_ids)
+    # Under ignore_eos too (vLLM's and transformers' rule): min_tokens is that many tokens of
+    # text, and only after them may an EOS come, and not end the output.
+    ignored = _run(llm, case, min_tokens=min_tokens, ignore_eos=True)
+    assert list(ignored.token_ids[:min_tokens]) == list(out.token_ids[:min_tokens])
 
 
 def test_a_stop_string_ends_the_output_only_past_min_tokens(llm_for, case):
