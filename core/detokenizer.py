@@ -119,9 +119,74 @@ def token_text_decoder(tokenizer: Any) -> Callable[[int], str]:
     if backend is None or not hasattr(backend, "decode") or \
             getattr(tokenizer, "clean_up_tokenization_spaces", True) or \
             not _plain_fast_decode(type(tokenizer)):
-        return lambda token: tokenizer.decode([token])
-    decode = backend.decode
-    return lambda token: decode([token], skip_special_tokens=False)
+        def decode(token: int) -> str:
+            return tokenizer.decode([token])
+    else:
+        fast = backend.decode
+
+        def decode(token: int) -> str:
+            return fast([token], skip_special_tokens=False)
+    marker = _space_marker(backend)
+    if marker is None:
+        return decode
+
+    def with_its_space(token: int) -> str:
+        # SentencePiece's decoder drops the space a word's first piece stands for ("▁Green"
+        # decodes to "Green"), as it drops a text's first space; a token alone keeps it,
+        # as vLLM shows it, so the tokens of a text join up to it.
+        text = decode(token)
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):
+            return text
+        missing = (len(piece) - len(piece.lstrip(marker))) - \
+            (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    return with_its_space
+
+
+def _space_marker(backend: Any) -> str | None:
+    """The character a Metaspace (SentencePiece) pre-tokenizer writes for a space, or None
+    for tokenizers whose single-token decode keeps its spaces (byte-level, WordPiece)."""
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    import json
+
+    try:
+        pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    except (ValueError, TypeError):
+        return None
+    for sub in [pre, *pre.get("pretokenizers", ())]:
+        if isinstance(sub, dict) and sub.get("type") == "Metaspace":
+            return sub.get("replacement", "\u2581")
+    return None
+
+
+def complete_partial_token(tokenizer: Any, token: int, context: list[int]) -> str:
+    """The text of a token that holds part of a UTF-8 character (it decodes to one ending
+    in "\ufffd"), read with the tokens before it: the character it completes, with what
+    those tokens began of it; "" where it completes none yet (vLLM's logprob text). At most
+    four tokens back, the longest a UTF-8 character spans."""
+    for n in range(1, min(len(context), 4) + 1):
+        before = context[-n:]
+        whole = tokenizer.decode(before + [token])
+        if whole.endswith("\ufffd"):
+            continue
+        # The tokens before that were themselves partial gave no text of their own; what
+        # they began belongs to this one.
+        clean = n
+        while clean > 0 and tokenizer.decode([before[clean - 1]]).endswith("\ufffd"):
+            clean -= 1
+        head = tokenizer.decode(before[:clean]) if clean else ""
+        if whole.startswith(head):
+            return whole[len(head):]
+        shared = 0
+        for a, b in zip(head, whole):
+            if a != b:
+                break
+            shared += 1
+        return whole[shared:]
+    return ""
 
 
 def token_bytes_decoder(tokenizer: Any) -> Callable[[int, str], bytes]:
@@ -134,18 +199,24 @@ def token_bytes_decoder(tokenizer: Any) -> Callable[[int, str], bytes]:
     decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
     byte_level = "ByteLevel" in repr(decoder)
     table = {c: b for b, c in _byte_level_alphabet().items()} if byte_level else {}
+    known: dict[int, bytes | None] = {}
+
+    def own(token: int) -> bytes | None:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str) or not piece:
+            return None
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        if table and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return None
 
     def token_bytes(token: int, text: str) -> bytes:
-        if "\ufffd" not in text:
-            return text.encode("utf-8")
-        piece = tokenizer.convert_ids_to_tokens(token)
-        if isinstance(piece, str):
-            m = _BYTE_FALLBACK.fullmatch(piece)
-            if m is not None:
-                return bytes([int(m.group(1), 16)])
-            if table and piece and all(ch in table for ch in piece):
-                return bytes(table[ch] for ch in piece)
-        return text.encode("utf-8")
+        if token not in known:
+            known[token] = own(token)
+        raw = known[token]
+        return raw if raw is not None else text.encode("utf-8")
 
     return token_bytes
 

@@ -17,11 +17,16 @@ pending token is applied to a reset request and nothing is freed or emitted twic
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cadence.backend import ModelInput, SamplerOutput
-from cadence.detokenizer import IncrementalDetokenizer, find_stop_string, token_text_decoder
+from cadence.detokenizer import (
+    IncrementalDetokenizer,
+    complete_partial_token,
+    find_stop_string,
+    token_text_decoder,
+)
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
 from cadence.outputs import Logprob, RequestOutput
@@ -214,7 +219,8 @@ class OutputProcessor:
         lp = req.output_logprobs[i]
         if lp is not None:
             st.cumulative_logprob += lp[0]
-            st.logprobs.append(self._format_logprobs(token, lp, sp.detokenize))
+            st.logprobs.append(self._format_logprobs(
+                token, lp, sp.detokenize, req.output_token_ids[max(0, i - 4):i]))
         if not sp.detokenize or _is_hidden_stop_token(req, i):
             return
         if st.detokenizer is None:
@@ -235,8 +241,10 @@ class OutputProcessor:
                 req.stop_reason = stop
                 req.status = RequestStatus.FINISHED_STOPPED
 
-    def _format_logprobs(self, token: int, lp: tuple, detokenize: bool = True
-                         ) -> dict[int, Logprob]:
+    def _format_logprobs(self, token: int, lp: tuple, detokenize: bool = True,
+                         context: Sequence[int] = ()) -> dict[int, Logprob]:
+        """One position's logprobs; ``context``: the tokens before it (at most four), which
+        complete the text of a token holding part of a character."""
         sampled_lp, rank, top_ids, top_lps = lp
         # detokenize=False asks for no text at all: decoded_token None, as in vLLM.
         text, decode = (self._token_text, self._decode_one) if detokenize else ({}, _no_text)
@@ -246,6 +254,13 @@ class OutputProcessor:
                             decode(token))}
         for r, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
             d[tid] = Logprob(tlp, r + 1, text[tid] if tid in text else decode(tid))
+        if detokenize and self.tokenizer is not None:
+            for tid, entry in d.items():
+                if entry.decoded_token is not None and entry.decoded_token.endswith("\ufffd"):
+                    # Part of a character: the text it completes after the tokens before
+                    # it, or "" (vLLM's), never the replacement character.
+                    entry.decoded_token = complete_partial_token(self.tokenizer, tid,
+                                                                 list(context))
         return d
 
     def _decode_one(self, token: int) -> str | None:
@@ -265,11 +280,13 @@ class OutputProcessor:
             # A step returns as many top entries for every row as its most demanding
             # request asked for.
             k = owner.sampling_params.prompt_logprobs
+            ids_before = p.prompt_token_ids
             p.prompt_logprobs = [None] + [
                 self._format_logprobs(token, (lp, rank, ids[:k], lps[:k]),
-                                      owner.sampling_params.detokenize)
-                for token, (lp, rank, ids, lps) in zip(p.prompt_token_ids[1:],
-                                                       owner.prompt_logprobs)]
+                                      owner.sampling_params.detokenize,
+                                      ids_before[max(0, j - 3):j + 1])
+                for j, (token, (lp, rank, ids, lps)) in enumerate(zip(
+                    p.prompt_token_ids[1:], owner.prompt_logprobs))]
         out = p.make_output(finished)
         if finished:
             p.final_emitted = True

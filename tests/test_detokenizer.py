@@ -189,3 +189,40 @@ def test_the_engine_and_the_server_honour_spaces_between_special_tokens(
 
     r = serve(str(model), body)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == joined.text, r.text
+
+
+def test_a_logprob_token_text_keeps_its_word_space_on_sentencepiece_tokenizers(tmp_path):
+    """SentencePiece's decoder drops the space a word's first piece stands for when the
+    piece is decoded alone; a logprob's text keeps it (vLLM's), so the tokens' texts join
+    up to the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from cadence.detokenizer import token_text_decoder
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(["the cat sat on the mat", "hello world the end"] * 50,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    ids = fast.encode("the cat sat on the mat", add_special_tokens=False)
+    assert fast.decode([ids[1]]) == fast.decode([ids[1]]).lstrip()  # the decoder drops it
+    texts = [token_text_decoder(fast)(i) for i in ids]
+    assert "".join(texts) == " the cat sat on the mat" and texts[1].startswith(" ")
+
+
+@pytest.mark.parametrize("text", RARE)
+def test_a_token_holding_part_of_a_character_reads_what_it_completes(tokenizer, text):
+    """vLLM's logprob text for such a token: the character it completes after the tokens
+    before it (with what they began of it), or "" while it completes none."""
+    from cadence.detokenizer import complete_partial_token
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = []
+    for i, t in enumerate(ids):
+        alone = tokenizer.decode([t])
+        pieces.append(complete_partial_token(tokenizer, t, ids[max(0, i - 4):i])
+                      if alone.endswith("\ufffd") else alone)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
