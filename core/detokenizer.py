@@ -249,15 +249,19 @@ def _plain_fast_decode(cls: type) -> bool:
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
-    """Find the earliest stop string that ends inside the last ``new_len`` characters.
+    """Find the stop string that the last ``new_len`` characters complete first.
 
-    Returns ``(stop, index where it starts)``; only the tail that can contain a new match is
-    searched, so the cost per token does not grow with the output.
+    Returns ``(stop, index where it starts)``: of several, the one that ends earliest in the
+    text (ties: the first in ``stops``), as vLLM picks it, so that text arriving several
+    tokens at once (speculative decoding) ends where it would one token at a time. Only the
+    tail that can contain a new match is searched, so the cost per token does not grow with
+    the output.
     """
     best: tuple[str, int] | None = None
+    best_end = len(text) + 1
     for stop in stops:
         start = max(len(text) - new_len - len(stop) + 1, 0)
         i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[1]):
-            best = (stop, i)
+        if i != -1 and i + len(stop) < best_end:
+            best, best_end = (stop, i), i + len(stop)
     return best

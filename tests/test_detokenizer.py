@@ -47,6 +47,11 @@ def test_find_stop_string_searches_only_the_new_tail():
     assert find_stop_string("abcSTO" + "P!", 2, ["STOP"]) == ("STOP", 3)
     # The earliest match wins when several end in the new text.
     assert find_stop_string("xx ab cd", 5, ["cd", "ab"]) == ("ab", 3)
+    # Of stop strings one token completes, the one that ends first wins (vLLM's rule), even
+    # where another starts earlier; equal ends go to the first in the list.
+    assert find_stop_string(" Father", 7, ["Father", "ath"]) == ("ath", 2)
+    assert find_stop_string(" Father", 7, ["her", "r"]) == ("her", 4)
+    assert find_stop_string(" Father", 7, ["r", "her"]) == ("r", 6)
 
 
 def test_token_text_decoder_equals_decode_for_every_id(tokenizer):
