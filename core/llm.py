@@ -48,11 +48,22 @@ class LLM:
     ``backend_options`` carries backend-specific knobs.
     """
 
-    def __init__(self, model: str | None = None, backend: str = "cpu", **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, backend: str = "cpu",
+                 max_logprobs: int | None = None, **kwargs: Any) -> None:
         valid = set(EngineArgs.__dataclass_fields__)
         unknown = sorted(set(kwargs) - valid)
         if unknown:
-            raise ValueError(f"unknown LLM argument(s) {unknown}; valid: {sorted(valid)}")
+            raise ValueError(f"unknown LLM argument(s) {unknown}; valid: "
+                             f"{sorted(valid | {'max_logprobs'})}")
+        if max_logprobs is not None and (not isinstance(max_logprobs, int)
+                                         or isinstance(max_logprobs, bool)
+                                         or max_logprobs < -1):
+            raise FieldError(f"max_logprobs must be None (no limit but the vocabulary), -1 "
+                             f"(the whole vocabulary) or an integer >= 0, got "
+                             f"{max_logprobs!r}", "max_logprobs")
+        # vLLM's limit on logprobs / prompt_logprobs (its default is 20; cadence's None
+        # leaves only the vocabulary's).
+        self.max_logprobs = max_logprobs
         args = EngineArgs(model=model, backend=backend, **kwargs)
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
@@ -75,7 +86,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
@@ -87,11 +99,16 @@ class LLM:
         Invalid input raises ValueError before anything is queued. A request the engine
         failed on (docs/reliability.md) comes back with ``finish_reason="error"`` and the
         reason in ``RequestOutput.error``; the others are unaffected.
+        ``tokenization_kwargs`` (vLLM's): ``{"truncate_prompt_tokens": k}`` cuts every prompt
+        to its last ``k`` tokens (-1: as many as the context holds).
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
+        params = _with_tokenization(params, tokenization_kwargs)
+        for sp in params:
+            self._check_logprobs(sp)
         if priority is not None and (not isinstance(priority, (list, tuple))
                                      or len(priority) != len(prompts)):
             raise FieldError(f"priority must be None or a list of integers with one entry "
@@ -172,6 +189,19 @@ class LLM:
                 raise RuntimeError("score: the engine failed to embed one of the texts")
             out.append(ScoringRequestOutput(str(k), ScoringOutput(cosine(a, b))))
         return out
+
+    def _check_logprobs(self, sp: SamplingParams) -> None:
+        limit = self.max_logprobs
+        if limit is None:
+            return
+        vocab = self.engine.vocab_size or len(self.engine.tokenizer)
+        most = vocab if limit == -1 else limit
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sp, name)
+            if asked is not None and (vocab if asked == -1 else asked) > most:
+                raise FieldError(f"{name}={asked} asks for more tokens than this LLM's "
+                                 f"max_logprobs={limit} allows (LLM(max_logprobs=-1) gives "
+                                 "the whole vocabulary)", name)
 
     def _run_all(self, prompts: list, params: list, priority: Sequence[int] | None,
                  use_tqdm: bool, loras: list | None = None) -> list:
@@ -288,6 +318,20 @@ def _per_prompt(given: Any, cls: type, name: str, n: int) -> list:
         raise FieldError(f"{name} has {len(given)} entries for {n} prompts; pass one, or one "
                          "per prompt", name)
     return list(given)
+
+
+def _with_tokenization(params: list, kwargs: dict[str, Any] | None) -> list:
+    """vLLM's ``tokenization_kwargs`` of ``generate``: only ``truncate_prompt_tokens``
+    changes how cadence tokenizes a prompt."""
+    if kwargs is None:
+        return params
+    if not isinstance(kwargs, dict) or set(kwargs) - {"truncate_prompt_tokens"}:
+        raise FieldError(f"tokenization_kwargs may hold truncate_prompt_tokens only, got "
+                         f"{kwargs!r:.80}", "tokenization_kwargs")
+    if "truncate_prompt_tokens" not in kwargs:
+        return params
+    k = kwargs["truncate_prompt_tokens"]
+    return [dataclasses.replace(p, truncate_prompt_tokens=k) for p in params]
 
 
 def _per_lora(given: Any, n: int) -> list | None:

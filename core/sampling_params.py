@@ -65,7 +65,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``seed`` makes the request's samples reproducible
     whatever else shares its batch and whether async output processing is on. With ``n > 1``
-    and a seed, sample ``i`` uses ``seed + i`` (vLLM's convention).
+    and a seed, sample ``i`` uses ``seed + i`` (vLLM's convention); ``seed=-1`` means no
+    fixed seed, as in vLLM.
     ``logprobs=k`` returns, per generated token, the sampled token's log-probability plus the
     ``k`` most likely tokens, computed from the raw model logits (before penalties and
     temperature, as vLLM V1 does by default).
@@ -144,6 +145,8 @@ class SamplingParams:
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:
+            self.seed = None  # vLLM's: -1 asks for no fixed seed
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
@@ -305,7 +308,9 @@ class SamplingParams:
         from dataclasses import replace
 
         seed = None if self.seed is None else _wrap_seed(self.seed + index)
-        return replace(self, n=1, seed=seed)
+        out = replace(self, n=1, seed=seed)
+        out.seed = seed  # a sample's -1 (seed -2, sample 1) is a seed, not "none"
+        return out
 
 
 def token_id_key(key: str) -> int | None:

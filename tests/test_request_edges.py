@@ -343,3 +343,47 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_model_dir) -> None:
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == name
         assert "--max-logprobs -1" in reply.json()["error"]["message"]
+
+
+def test_vllm_offline_arguments_port_as_they_are(tiny_model_dir) -> None:
+    """What vLLM scripts pass: LLM(max_logprobs=...) (its limit on logprobs; -1 the whole
+    vocabulary), generate(tokenization_kwargs={"truncate_prompt_tokens": k}), seed=-1 (no
+    fixed seed)."""
+    from engine_helpers import make_llm
+
+    model = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="max_logprobs must be") as e:
+        make_llm(model, max_logprobs=-2)
+    assert e.value.param == "max_logprobs"
+    llm = make_llm(model, max_logprobs=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    try:
+        ok = llm.generate(["the cat"], dataclasses.replace(greedy, logprobs=3),
+                          use_tqdm=False)
+        assert len(ok[0].outputs[0].logprobs[0]) >= 3
+        for name in ("logprobs", "prompt_logprobs"):
+            for asked in (4, -1):
+                with pytest.raises(ValueError, match="max_logprobs=3") as e:
+                    llm.generate(["the cat"], dataclasses.replace(greedy, **{name: asked}),
+                                 use_tqdm=False)
+                assert e.value.param == name
+        assert not llm.engine.has_unfinished_requests()
+        ids = list(range(3, 60))
+        (cut,) = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False,
+                              tokenization_kwargs={"truncate_prompt_tokens": 10})
+        assert cut.prompt_token_ids == ids[-10:]
+        with pytest.raises(ValueError, match="truncate_prompt_tokens only") as e:
+            llm.generate(["x"], greedy, use_tqdm=False, tokenization_kwargs={"padding": True})
+        assert e.value.param == "tokenization_kwargs"
+    finally:
+        llm.shutdown()
+    whole = make_llm(model, max_logprobs=-1)
+    try:
+        (out,) = whole.generate(["the cat"], dataclasses.replace(greedy, logprobs=-1),
+                                use_tqdm=False)
+        assert len(out.outputs[0].logprobs[0]) == whole.engine.vocab_size
+    finally:
+        whole.shutdown()
+    assert SamplingParams(seed=-1).seed is None
+    # A sample's own seed of -1 (seed -2, sample 1) stays a seed.
+    assert SamplingParams(n=2, seed=-2).for_sample(1).seed == -1
