@@ -106,8 +106,7 @@ def test_streamed_completion_equals_whole_response(model):
         # A stop string never shows up in the text, streamed or not.
         assert all(" the" not in c["text"] and "ab" not in c["text"]
                    for c in whole["choices"])
-        # vLLM's continuous_usage_stats: every chunk carries the usage so far, counting up
-        # to the whole response's, for both endpoints.
+        # vLLM's continuous_usage_stats, for both endpoints.
         for path, extra in (("/v1/completions", {}),
                             ("/v1/chat/completions", {"messages": [
                                 {"role": "user", "content": PROMPTS[0]}]})):
@@ -115,11 +114,17 @@ def test_streamed_completion_equals_whole_response(model):
                 "include_usage": True, "continuous_usage_stats": True}}
             if "messages" in streamed:
                 streamed.pop("prompt"), streamed.pop("logprobs")
-            chunks = events((await client.post(path, json=streamed)).text)
-            running = [c["usage"] for c in chunks if c["choices"] and "usage" in c]
-            counts = [u["completion_tokens"] for u in running]
-            assert running and counts == sorted(counts)
-            assert running[-1] == chunks[-1]["usage"]
+            # Each chunk counts its own choice's tokens so far (vLLM's); the last count of
+            # every choice adds up to the whole response's.
+            for extra_n in ({}, {"n": 2, "seed": 3, "temperature": 1.0}):
+                chunks = events((await client.post(path, json={**streamed, **extra_n})).text)
+                last: dict[int, int] = {}
+                for c in chunks:
+                    if c["choices"] and "usage" in c:
+                        index, n = c["choices"][0]["index"], c["usage"]["completion_tokens"]
+                        assert n >= last.get(index, 0)
+                        last[index] = n
+                assert last and sum(last.values()) == chunks[-1]["usage"]["completion_tokens"]
 
     serve(model, body)
 

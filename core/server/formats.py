@@ -28,8 +28,6 @@ class Head:
     model: str
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
-    #: stream_options.continuous_usage_stats: every chunk with choices carries it so far.
-    running_usage: Usage | None = None
 
     def __post_init__(self) -> None:
         self.id = f"{self.prefix}-{self.id or uuid.uuid4().hex}"  # id: the body's request_id
@@ -37,8 +35,6 @@ class Head:
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.obj, "created": self.created,
                 "model": self.model, "choices": choices}
-        if usage is None and choices and self.running_usage is not None:
-            usage = self.running_usage.as_dict()
         if usage is not None:
             body["usage"] = usage
         return body

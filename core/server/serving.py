@@ -244,7 +244,8 @@ class OpenAIServing:
                             req.request_id or "")
         offsets: dict[int, int] = {}
         usage = formats.Usage()
-        head.running_usage = usage if req.continuous_usage else None
+        # continuous_usage_stats: each chunk carries its choice's tokens so far (vLLM's).
+        so_far: dict[int, int] = {}
         # A delta output lists only the samples with news (core/output_state.py), and a
         # finish once, so every sample it lists becomes a chunk.
         # echo=true: each stream's prompt, from its first output; each choice's first chunk
@@ -266,9 +267,11 @@ class OpenAIServing:
                     if first:
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     choice["token_ids"] = list(c.token_ids)
+                so_far[index] = so_far.get(index, 0) + len(c.token_ids)
                 # echo with max_tokens=0 has nothing to send between the prompt and the end.
                 if not req.echo_only or first or choice["finish_reason"]:
-                    yield _sse(head.chunk([choice]))
+                    yield _sse(head.chunk([choice], _choice_usage(
+                        req, len(out.prompt_token_ids), so_far[index])))
         if req.include_usage:
             yield _sse(head.chunk([], usage.as_dict()))
         yield "data: [DONE]\n\n"
@@ -295,7 +298,7 @@ class OpenAIServing:
                 yield head.chunk([formats.chat_delta(index, {"content": req.echo_text}, None,
                                                      None)])
         usage = formats.Usage()
-        head.running_usage = usage if req.continuous_usage else None
+        so_far: dict[int, int] = {}  # each choice's tokens, for continuous_usage_stats
         reply = self._reply(req)
         # vLLM's return_token_ids: the prompt's ids with the first chunk of output, and each
         # chunk's new ids in its choice.
@@ -303,6 +306,8 @@ class OpenAIServing:
         async for _, out in merge(streams):
             usage.add(out, delta=True)
             for c in out.outputs:
+                so_far[c.index] = so_far.get(c.index, 0) + len(c.token_ids)
+                running = _choice_usage(req, len(out.prompt_token_ids), so_far[c.index])
                 delta = reply.delta(c.index, c.text, c.finished)
                 # Tokens whose text is held back (a partial character, a possible stop
                 # string or tool call) still send their logprobs and ids; without either
@@ -311,7 +316,7 @@ class OpenAIServing:
                     lp = formats.chat_logprobs(c, k, self.token_bytes) if k is not None \
                         else None
                     choice = formats.chat_delta(c.index, delta or {"content": ""}, lp, None)
-                    chunk = head.chunk([choice])
+                    chunk = head.chunk([choice], running)
                     if req.return_token_ids:
                         choice["token_ids"] = list(c.token_ids)
                         if prompt_ids is None:
@@ -320,11 +325,22 @@ class OpenAIServing:
                 if c.finished:
                     last, finish = reply.finish(c.index, c.finish_reason)
                     if last is not None:
-                        yield head.chunk([formats.chat_delta(c.index, last, None, None)])
+                        yield head.chunk([formats.chat_delta(c.index, last, None, None)],
+                                         running)
                     yield head.chunk([formats.chat_delta(c.index, {}, None, finish,
-                                                         c.stop_reason)])
+                                                         c.stop_reason)], running)
         if req.include_usage:
             yield head.chunk([], usage.as_dict())
+
+
+def _choice_usage(req: CompletionRequest | ChatCompletionRequest, num_prompt: int,
+                  num_tokens: int) -> dict | None:
+    """A chunk's usage under continuous_usage_stats: its prompt and its own choice's tokens
+    so far, as vLLM counts them; None without the option."""
+    if not req.continuous_usage:
+        return None
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
+            "total_tokens": num_prompt + num_tokens}
 
 
 def _sse(payload: dict) -> str:
