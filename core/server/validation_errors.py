@@ -11,7 +11,6 @@ meant is found from the value's own shape or its ``type``, and that branch's err
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
 _PRIMITIVES = frozenset({"str", "int", "float", "bool", "dict"})
