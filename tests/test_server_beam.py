@@ -73,7 +73,6 @@ def test_completions_and_chat_return_the_beams(model, offline) -> None:
     ("/v1/completions", {"stop": ["x"]}, "stop"),
     ("/v1/completions", {"seed": 3}, "seed"),
     ("/v1/completions", {"n": 100}, "n"),
-    ("/v1/completions", {"max_tokens": 1000}, "max_tokens"),
     ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
