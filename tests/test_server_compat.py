@@ -59,14 +59,17 @@ def test_return_token_ids_whole_and_streamed(model) -> None:
 
 
 def test_request_id_names_the_response(model) -> None:
-    async def body(client, engine):
-        return (await client.post("/v1/completions", json={
-                    "prompt": "a", "max_tokens": 2, "request_id": "abc123"}),
-                await client.post("/v1/chat/completions", json={
-                    "messages": USER, "max_tokens": 2, "request_id": "xyz", "stream": True}))
+    import asyncio
 
-    comp, chat = serve(model, body)
-    assert comp.json()["id"] == "cmpl-abc123"
+    async def body(client, engine):
+        # The same id twice at once (a client's retry) is not refused.
+        both = await asyncio.gather(*(client.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 2, "request_id": "abc123"}) for _ in range(2)))
+        return both, await client.post("/v1/chat/completions", json={
+            "messages": USER, "max_tokens": 2, "request_id": "xyz", "stream": True})
+
+    comps, chat = serve(model, body)
+    assert [c.json()["id"] for c in comps] == ["cmpl-abc123"] * 2
     assert {e["id"] for e in events(chat.text)} == {"chatcmpl-xyz"}
 
 

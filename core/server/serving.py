@@ -172,7 +172,10 @@ class OpenAIServing(StreamedReplies):
                      ) -> list[RequestStream]:
         """Queue every prompt at once, or none: one prompt's error aborts the others."""
         check_request_count(self.engine, len(inputs), "prompt")
-        base = req.request_id or uuid.uuid4().hex
+        # The body's request_id names the response; the engine's ids stay unique, so a
+        # client that sends one id twice (a retry) is not refused for it.
+        base = uuid.uuid4().hex if req.request_id is None else \
+            f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         try:
             lora = self.check_model(req.model)
             streams = await add_all(self.engine, [
