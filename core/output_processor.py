@@ -17,19 +17,15 @@ pending token is applied to a reset request and nothing is freed or emitted twic
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from cadence.backend import ModelInput, SamplerOutput
-from cadence.detokenizer import (
-    IncrementalDetokenizer,
-    complete_partial_token,
-    find_stop_string,
-    token_text_decoder,
-)
+from cadence.detokenizer import IncrementalDetokenizer, find_stop_string
+from cadence.logprob_text import LogprobFormatter
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind, ParentRequest, SeqOutputState
-from cadence.outputs import Logprob, RequestOutput
+from cadence.outputs import RequestOutput
 from cadence.request import Request, RequestStatus
 from cadence.spec_decode.acceptance import accept_drafts
 from cadence.structured_output.manager import advance as advance_grammar
@@ -50,11 +46,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.parents: dict[str, ParentRequest] = {}
         self.ready: list[RequestOutput] = []
-        # One token's text, as ``tokenizer.decode([id])`` gives it, for logprobs: with
-        # top-k logprobs every sampled token asks for k + 1 of them, and the tokenizer's
-        # ``decode`` costs ~40 us a call in Python wrappers; the vocabulary is finite.
-        self._token_text: dict[int, str | None] = {}
-        self._decode_text = None if tokenizer is None else token_text_decoder(tokenizer)
+        self.logprobs = LogprobFormatter(tokenizer)
 
     def add(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
@@ -219,7 +211,7 @@ class OutputProcessor:
         lp = req.output_logprobs[i]
         if lp is not None:
             st.cumulative_logprob += lp[0]
-            st.logprobs.append(self._format_logprobs(
+            st.logprobs.append(self.logprobs.entry(
                 token, lp, sp.detokenize, req.output_token_ids[max(0, i - 4):i]))
         if not sp.detokenize or _is_hidden_stop_token(req, i):
             return
@@ -241,33 +233,6 @@ class OutputProcessor:
                 req.stop_reason = stop
                 req.status = RequestStatus.FINISHED_STOPPED
 
-    def _format_logprobs(self, token: int, lp: tuple, detokenize: bool = True,
-                         context: Sequence[int] = ()) -> dict[int, Logprob]:
-        """One position's logprobs; ``context``: the tokens before it (at most four), which
-        complete the text of a token holding part of a character."""
-        sampled_lp, rank, top_ids, top_lps = lp
-        # detokenize=False asks for no text at all: decoded_token None, as in vLLM.
-        text, decode = (self._token_text, self._decode_one) if detokenize else ({}, _no_text)
-        # vLLM's order: the chosen token first, then the top k by rank; one of them, it keeps
-        # its place and takes the top-k entry (the same logprob, its rank among the k).
-        d = {token: Logprob(sampled_lp, rank, text[token] if token in text else
-                            decode(token))}
-        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
-            d[tid] = Logprob(tlp, r + 1, text[tid] if tid in text else decode(tid))
-        if detokenize and self.tokenizer is not None:
-            for tid, entry in d.items():
-                if entry.decoded_token is not None and entry.decoded_token.endswith("\ufffd"):
-                    # Part of a character: the text it completes after the tokens before
-                    # it, or "" (vLLM's), never the replacement character.
-                    entry.decoded_token = complete_partial_token(self.tokenizer, tid,
-                                                                 list(context))
-        return d
-
-    def _decode_one(self, token: int) -> str | None:
-        text = None if self._decode_text is None else self._decode_text(token)
-        self._token_text[token] = text
-        return text
-
     def _emit(self, p: ParentRequest) -> RequestOutput | None:
         finished = all(c.detok_state.is_final for c in p.children)
         if p.output_kind is OutputKind.FINAL_ONLY and not finished:
@@ -277,16 +242,9 @@ class OutputProcessor:
         owner = p.children[0]
         if p.prompt_logprobs is None and owner.prompt_logprobs is not None \
                 and not owner.needs_prompt_logprobs:
-            # A step returns as many top entries for every row as its most demanding
-            # request asked for.
-            k = owner.sampling_params.prompt_logprobs
-            ids_before = p.prompt_token_ids
-            p.prompt_logprobs = [None] + [
-                self._format_logprobs(token, (lp, rank, ids[:k], lps[:k]),
-                                      owner.sampling_params.detokenize,
-                                      ids_before[max(0, j - 3):j + 1])
-                for j, (token, (lp, rank, ids, lps)) in enumerate(zip(
-                    p.prompt_token_ids[1:], owner.prompt_logprobs))]
+            p.prompt_logprobs = self.logprobs.prompt(
+                p.prompt_token_ids, owner.prompt_logprobs,
+                owner.sampling_params.prompt_logprobs, owner.sampling_params.detokenize)
         out = p.make_output(finished)
         if finished:
             p.final_emitted = True
@@ -367,7 +325,3 @@ def _file_prompt_outputs(scheduled: list, out: SamplerOutput, mi: ModelInput) ->
             req = scheduled[seq_idx].request
             if req.pooling is not None:
                 req.pooling.add(start, count, sums)
-
-
-def _no_text(token: int) -> None:
-    return None
