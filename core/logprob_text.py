@@ -36,11 +36,19 @@ class LogprobFormatter:
         for r, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
             d[tid] = Logprob(tlp, r + 1, text[tid] if tid in text else decode(tid))
         if detokenize and self.tokenizer is not None:
+            context_open: bool | None = None
             for tid, e in d.items():
-                if e.decoded_token is not None and e.decoded_token.endswith("\ufffd"):
-                    # Part of a character: the text it completes after the tokens before
-                    # it, or "" (vLLM's), never the replacement character.
-                    e.decoded_token = complete_partial_token(self.tokenizer, tid, list(context))
+                if e.decoded_token is None or not e.decoded_token.endswith("\ufffd"):
+                    continue
+                # Part of a character: the text it completes after the tokens before it, or
+                # "" (vLLM's), never the replacement character. Where the tokens before end
+                # on a whole character there is nothing to complete, and one decode says so
+                # for every such entry of the position (logprobs=-1 has thousands).
+                if context_open is None:
+                    context_open = bool(context) and \
+                        self.tokenizer.decode(list(context)).endswith("\ufffd")
+                e.decoded_token = complete_partial_token(self.tokenizer, tid, list(context)) \
+                    if context_open else ""
         return d
 
     def prompt(self, prompt_ids: list[int], rows: list[tuple], k: int, detokenize: bool

@@ -46,13 +46,14 @@ def test_completions_and_chat_return_the_beams(model, offline) -> None:
             "length_penalty": 0.5, "temperature": 0})
         r2 = await client.post("/v1/chat/completions", json={
             "messages": MESSAGES, "n": 3, "max_tokens": 6, "use_beam_search": True,
-            "length_penalty": 0.5})
+            "length_penalty": 0.5, "request_id": "beams"})
         assert r1.status_code == 200, r1.text
         assert r2.status_code == 200, r2.text
         assert not engine.engine.has_unfinished_requests()
         return r1.json(), r2.json()
 
     cmpl, chat = serve(model, body)
+    assert chat["id"] == "chatcmpl-beams"  # the body's request_id names the response
     want = [s for o in outs[:2] for s in o.sequences]
     assert [c["index"] for c in cmpl["choices"]] == list(range(6))
     assert [c["text"] for c in cmpl["choices"]] == [s.text for s in want]
@@ -73,6 +74,7 @@ def test_completions_and_chat_return_the_beams(model, offline) -> None:
     ("/v1/completions", {"stop": ["x"]}, "stop"),
     ("/v1/completions", {"seed": 3}, "seed"),
     ("/v1/completions", {"n": 100}, "n"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
     ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}},

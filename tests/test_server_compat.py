@@ -173,3 +173,32 @@ def test_logprob_bytes_rebuild_characters_split_over_tokens(model) -> None:
     assert "".join(e["token"] for e in entries) == word
     assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == word
     assert json.loads(r.text)["choices"][0]["message"]["content"] == word
+
+
+def test_null_inside_stream_options_and_min_tokens_past_the_context(model, tmp_path) -> None:
+    """A null inside stream_options is its default too; a min_tokens past the context is
+    refused for the context, not for a max_tokens the body never sent; a tool's
+    cache_control hint does not reach the prompt (templates write tools with tojson)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    out = Path(tmp_path) / "m"
+    shutil.copytree(model, out)
+    (out / "chat_template.jinja").write_text(
+        "{{ tools | tojson }}{% for m in messages %}{{ m.role ~ ':' ~ m.content }}{% endfor %}")
+
+    async def body(client, engine):
+        s = await client.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+        m = await client.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 100000, "min_tokens": 100000})
+        toks = [await client.post("/tokenize", json={"messages": USER, "tools": [t]})
+                for t in (tool, {**tool, "cache_control": {"type": "ephemeral"}})]
+        return s, m, toks
+
+    s, m, (plain, hinted) = serve(str(out), body)
+    assert s.status_code == 200 and events(s.text)
+    assert m.status_code == 400 and m.json()["error"]["param"] == "min_tokens"
+    assert "max_model_len" in m.json()["error"]["message"], m.text
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["tokens"] == hinted.json()["tokens"]
+    assert plain.json()["count"] > 10  # the tools are in the prompt

@@ -203,6 +203,48 @@ def test_strings_with_a_length_hold_no_raw_control_characters(llm):
         jsonschema.validate(json.loads(text), schema)  # strict: no raw control character
 
 
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf"),
+    ({"type": "object", "properties": {"v": {"type": "number", "multipleOf": 0.5}}},
+     "multipleOf on a number at properties.v"),
+    ({"type": "string", "format": "date", "maxLength": 4}, "pattern or format"),
+    ({"type": "string", "format": "color"}, "format 'color'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}},
+     "not at the root"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+])
+def test_schema_keywords_xgrammar_would_ignore_are_refused(llm, schema, named):
+    """xgrammar compiles these and drops the keyword, so a finished output could break the
+    schema; the request is refused, naming the keyword and where it is."""
+    with pytest.raises(ValueError, match=re.escape(named)) as e:
+        llm.engine.add_request("x", "hello", SamplingParams(structured_outputs=so(json=schema)))
+    assert str(e.value).startswith("structured_outputs.json is invalid")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_compact_json_and_lark_grammars_as_vllm_takes_them(llm):
+    """disable_any_whitespace writes JSON with no whitespace at all (vLLM's layout); an
+    integer's multipleOf is enforced; a grammar in Lark's syntax is read as Lark."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7,
+                                                     "minimum": 0, "maximum": 999},
+                                               "t": {"type": "array", "maxItems": 2,
+                                                     "items": {"type": "boolean"}}},
+              "required": ["n", "t"], "additionalProperties": False}
+    lark = 'start: item ("," item)*\nitem: "dog" | "cat"'
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=c)
+              for i, c in enumerate([so(json=schema, disable_any_whitespace=True)] * 4
+                                    + [so(grammar=lark)] * 2)]
+    outs = [o.outputs[0] for o in generate(llm, ["a"] * len(params), params)]
+    for out in outs[:4]:
+        assert out.finish_reason == "stop" and not re.search(r"\s", out.text), out.text
+        value = json.loads(out.text)
+        jsonschema.validate(value, schema)
+        assert value["n"] % 7 == 0
+    for out in outs[4:]:
+        assert re.fullmatch(r"(dog|cat)(,(dog|cat))*", out.text), out.text
+
+
 def test_bad_constraint_is_refused_and_others_run(llm):
     eng = llm.engine
     good = SamplingParams(temperature=1.0, seed=3, max_tokens=20,

@@ -38,6 +38,7 @@ _NEUTRAL: dict[str, tuple] = {
     "logprobs": (None, False), "echo": (False,),
     # /v1/chat/completions
     "top_logprobs": (None,), "tools": (None, []),
+    "return_token_ids": (False,),
 }
 
 
@@ -72,10 +73,9 @@ class BeamServing:
         self.serving = serving
         self.engine = serving.engine
 
-    def _params(self, req: Any, num_prompt: int, requested: int | None, field: str,
-                tokens_field: str = "max_tokens") -> BeamSearchParams:
-        max_tokens = self.serving._params(num_prompt, requested, lambda m: m, field,
-                                          tokens_field)
+    def _params(self, req: Any, num_prompt: int, requested: int | None, field: str
+                ) -> BeamSearchParams:
+        max_tokens = self.serving._params(num_prompt, requested, lambda m: m, field)
         try:
             return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                                     ignore_eos=req.ignore_eos,
@@ -114,13 +114,13 @@ class BeamServing:
                 choices.append(formats.completion_choice(i * req.n + j, seq.text, None,
                                                          seq.finish_reason, None))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return formats.envelope("cmpl", "text_completion", s.response_model(req), choices, usage)
+        return formats.envelope("cmpl", "text_completion", s.response_model(req), choices, usage,
+                                req.request_id)
 
     async def chat_body(self, req: Any) -> dict:
         s = self._admit(req)
         prompt = s.chat_prompt(req)["prompt_token_ids"]
-        params = self._params(req, len(prompt), req.requested_max_tokens, "messages",
-                              req.max_tokens_field)
+        params = self._params(req, len(prompt), req.requested_max_tokens, "messages")
         (out,) = await self._search([prompt], params, req)
         reply = s._reply(req)
         choices = []
@@ -132,4 +132,4 @@ class BeamServing:
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                  "total_tokens": len(prompt) + n_out}
         return formats.envelope("chatcmpl", "chat.completion", s.response_model(req), choices,
-                                usage)
+                                usage, req.request_id)

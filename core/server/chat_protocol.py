@@ -86,7 +86,7 @@ class ChatCompletionRequest(_Common):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # OpenAI's reasoning controls: the chat template reads reasoning_effort where it knows it
-    # (gpt-oss), as in vLLM; a model's verbosity is its template's too.
+    # (gpt-oss), as in vLLM; verbosity has no template that reads it, and is accepted only.
     reasoning_effort: str | None = None
     verbosity: str | None = None
     modalities: list[str] | None = None

@@ -34,7 +34,6 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 
 
-
 def check_logprobs_count(name: str, value: int | None, max_logprobs: int) -> None:
     """A body's count of top tokens (``logprobs``, ``top_logprobs``, ``prompt_logprobs``)
     against the server's ``--max-logprobs``: vLLM's -1 asks for the whole vocabulary, which
@@ -50,6 +49,7 @@ def check_logprobs_count(name: str, value: int | None, max_logprobs: int) -> Non
         minus = ", or -1 (the whole vocabulary)" if max_logprobs == -1 else ""
         raise RequestError(f"{name} must be in [0, {most}]{minus}, got {value}", name)
 
+
 class RequestError(ValueError):
     """A bad request: HTTP ``status`` with an OpenAI-shaped error body."""
 
@@ -59,14 +59,30 @@ class RequestError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body's object: a JSON null takes the field's default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # Clients that send every field send null for those they leave alone (OpenAI's spec
+        # makes them nullable); max_tokens keeps its null, which means the rest of the
+        # context.
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields
+                    or k in _NULL_MEANS_ITSELF or fields[k].default is None}
+        return data
+
+
+class StreamOptions(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     # vLLM's: every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     # strict: the types mean what SamplingParams's mean (docs/validation.md). Lax parsing
@@ -118,18 +134,6 @@ class _Common(BaseModel):
     add_special_tokens: bool | None = None
     # vLLM's: the caller's id for the request (the response's id, and the engine's).
     request_id: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        # Clients that send every field send null for those they leave alone (OpenAI's spec
-        # makes them nullable); max_tokens keeps its null, which means the rest of the
-        # context.
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            data = {k: v for k, v in data.items() if v is not None or k not in fields
-                    or k in _NULL_MEANS_ITSELF or fields[k].default is None}
-        return data
 
     def _structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, from whichever field."""

@@ -80,7 +80,7 @@ class OpenAIServing(StreamedReplies):
         return lambda max_tokens: req.sampling_params(max_tokens, self.generation_defaults)
 
     def _params(self, num_prompt: int, requested: int | None, make: Any, prompt_field: str,
-                tokens_field: str = "max_tokens") -> SamplingParams:
+                min_tokens: int = 0) -> SamplingParams:
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise RequestError(
@@ -88,15 +88,19 @@ class OpenAIServing(StreamedReplies):
                 f"prompt has {num_prompt}", prompt_field, code="context_length_exceeded")
         # More than the context holds is cut to what it does, as vLLM's server does: clients
         # send one max_tokens to models of every context length.
-        return make(min(requested, room) if requested is not None
-                    else self.limits.max_tokens_for(room))
+        cut = min(requested, room) if requested is not None \
+            else self.limits.max_tokens_for(room)
+        # Never below min_tokens where the body allows that many: a min_tokens past the
+        # context is then refused for the context, not for a max_tokens the body never sent.
+        return make(max(cut, min(min_tokens, requested if requested is not None
+                                 else min_tokens)))
 
     def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
         self.check_model(req.model)
         self.limits.check(req)
         req.check(self.max_logprobs)
         return [(prompt, self._params(len(prompt["prompt_token_ids"]), req.max_tokens,
-                                      self._make_params(req), "prompt"))
+                                      self._make_params(req), "prompt", req.min_tokens))
                 for prompt in self.completion_prompts(req)]
 
     def completion_prompts(self, req: CompletionRequest) -> list[dict]:
@@ -130,7 +134,7 @@ class OpenAIServing(StreamedReplies):
         req.check(self.max_logprobs)
         prompt = self.chat_prompt(req)
         params = self._params(len(prompt["prompt_token_ids"]), req.requested_max_tokens,
-                              self._make_params(req), "messages", req.max_tokens_field)
+                              self._make_params(req), "messages", req.min_tokens)
         if req.effective_tool_choice == "auto" and self.tool_parser.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return prompt, params
@@ -146,7 +150,7 @@ class OpenAIServing(StreamedReplies):
                 '"required" or "none"', "tool_choice")
         chat = render_messages(self.tokenizer, req.messages, req.add_generation_prompt,
                                "use /v1/completions",
-                               [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                               [t.as_template_dict() for t in req.tools or ()],
                                req.continue_final_message, _template_kwargs(req),
                                req.documents, bool(req.add_special_tokens))
         prompt = chat.as_engine_prompt()

@@ -68,7 +68,7 @@ def tokenize(tokenizer: Any, max_model_len: int, req: TokenizeRequest) -> dict:
         check_template_options(req)
         chat = render_messages(tokenizer, req.messages, req.add_generation_prompt,
                                "tokenize a prompt instead",
-                               [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                               [t.as_template_dict() for t in req.tools or ()],
                                req.continue_final_message, req.chat_template_kwargs)
         ids = chat.token_ids
         if req.add_special_tokens:

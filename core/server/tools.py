@@ -43,6 +43,11 @@ class ToolDef(BaseModel):
     # cache needs none.
     cache_control: dict[str, Any] | None = None
 
+    def as_template_dict(self) -> dict[str, Any]:
+        """The definition as the chat template reads it: the hint is no part of it (it
+        would change the prompt, and the prefix cache's hits with it)."""
+        return self.model_dump(exclude_none=True, exclude={"cache_control"})
+
 
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -90,9 +95,9 @@ def constraint(tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bo
                ) -> StructuredOutputsParams | None:
     """The structured-output constraint ``choice`` puts on the output, or None.
 
-    The JSON has one fixed layout (one space after each ``:`` and ``,``, none elsewhere):
-    arguments are read by programs, and a grammar that allows any whitespace lets a weak model spend every token it has on
-    it and end cut short, with no call."""
+    The JSON is compact (no whitespace between its tokens, as vLLM lays it out): arguments
+    are read by programs, and a grammar that allows any whitespace lets a weak model spend
+    every token it has on it and end cut short, with no call."""
     if isinstance(choice, NamedToolChoice):
         fn = next(t.function for t in tools if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=_parameters(fn), disable_any_whitespace=True)

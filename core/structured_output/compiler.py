@@ -6,12 +6,14 @@ structured output, so ``import cadence`` and engines that never use it stay ligh
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cadence.structured_output.params import StructuredOutputsParams, choice_grammar
+from cadence.structured_output.schema_support import unsupported_schema_feature
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
 _ERROR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -35,12 +37,42 @@ _JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
 def json_schema_grammar(xgr: Any, schema: str, any_whitespace: bool) -> Any:
-    """xgrammar's grammar of ``schema``, its strings held to JSON's characters."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    """xgrammar's grammar of ``schema``, its strings held to JSON's characters; without
+    ``any_whitespace``, compact (``{"a":1,"b":[2,3]}``), as vLLM lays it out. A keyword
+    xgrammar would not enforce is a ValueError (schema_support.py)."""
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        parsed = None  # xgrammar names what is wrong with it
+    unsupported = unsupported_schema_feature(parsed)
+    if unsupported is not None:
+        raise ValueError(f"the schema uses {unsupported}, which the grammar engine "
+                         "(xgrammar) would not enforce, so an output could break the "
+                         "schema; leave it out or check it after generation")
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=any_whitespace,
+        separators=None if any_whitespace else (",", ":"))
     ebnf = str(grammar)
     if _LENGTH_CHARS not in ebnf:
         return grammar
     return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_CHARS, _JSON_CHARS))
+
+
+def grammar_of(xgr: Any, text: str) -> Any:
+    """A grammar in xgrammar's EBNF (GBNF: ``root ::= ...``), or in Lark's syntax
+    (``start: ...``), as vLLM tells them apart: Lark where no rule is written with
+    ``::=``."""
+    if "::=" not in text and _LARK_RULE.search(text):
+        try:
+            return xgr.Grammar.from_lark(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar's C++ errors
+            raise ValueError(f"(read as a Lark grammar, having no '::=' rule) "
+                             f"{_clean(e)}") from None
+    return xgr.Grammar.from_ebnf(text)
+
+
+# A Lark rule or terminal definition at the start of a line: "start:", "?expr:", "NAME:".
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*:", re.MULTILINE)
 
 
 def _clean(error: BaseException) -> str:
@@ -81,7 +113,7 @@ class GrammarCompiler:
             elif kind == "choice":
                 g.from_ebnf(choice_grammar(params.choice))
             elif kind == "grammar":
-                g.from_ebnf(params.grammar)
+                grammar_of(self._xgr, params.grammar)
         except Exception as e:  # xgrammar raises RuntimeError (and others) from C++
             raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
 
@@ -110,13 +142,13 @@ class GrammarCompiler:
                 return c.compile_grammar(json_schema_grammar(
                     self._xgr, params.spec, not params.disable_any_whitespace))
             if kind == "json_object":  # any JSON object, as vLLM compiles it
-                return c.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+                return c.compile_grammar(json_schema_grammar(
+                    self._xgr, '{"type": "object"}', not params.disable_any_whitespace))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(params.choice))
-            return c.compile_grammar(params.grammar)
+            return c.compile_grammar(grammar_of(self._xgr, params.grammar))
         except Exception as e:
             raise ValueError(f"structured_outputs.{kind} does not compile: {_clean(e)}") \
                 from None

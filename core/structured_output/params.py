@@ -18,9 +18,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutputsParams:
     """The constraint on one request's output; every sample of ``n > 1`` follows it.
 
-    ``disable_any_whitespace=True`` gives JSON one fixed layout (one space after ``:`` and
-    ``,``, no other whitespace between tokens of the JSON syntax); by default any whitespace
-    is allowed, as in vLLM.
+    ``disable_any_whitespace=True`` makes JSON compact (no whitespace between tokens of the
+    JSON syntax, as vLLM writes it); by default any whitespace is allowed, as in vLLM.
     """
 
     json: dict | str | None = None
