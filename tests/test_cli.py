@@ -321,7 +321,7 @@ def test_generate_fails_when_a_prompt_fails(model, monkeypatch, capsys):
 @pytest.mark.parametrize(("flags", "words"), [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-pending-requests", "0"], "--max-pending-requests must be >= 1"),
-    (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
+    (["--max-logprobs", "-2"], "--max-logprobs must be >= 0, or -1"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
 ])
 def test_serve_refuses_bad_limits_before_loading(model, capsys, flags, words):
