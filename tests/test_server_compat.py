@@ -202,3 +202,21 @@ def test_null_inside_stream_options_and_min_tokens_past_the_context(model, tmp_p
     assert plain.status_code == 200, plain.text
     assert plain.json()["tokens"] == hinted.json()["tokens"]
     assert plain.json()["count"] > 10  # the tools are in the prompt
+
+
+def test_a_max_tokens_past_the_context_is_cut_on_every_endpoint(model) -> None:
+    """vLLM's server cuts a max_tokens the context cannot hold to what it holds; so do the
+    endpoints in other APIs' shapes, whose replies then say they were cut."""
+    async def body(client, engine):
+        return (await client.post("/v1/chat/completions", json={
+                    "messages": USER, "max_completion_tokens": 10**6, "ignore_eos": True}),
+                await client.post("/v1/responses", json={
+                    "input": "hi", "max_output_tokens": 10**6}),
+                await client.post("/v1/messages", json={
+                    "messages": USER, "max_tokens": 10**6}))
+
+    chat, responses, messages = serve(model, body)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] == "length"
+    assert responses.status_code == 200, responses.text
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["stop_reason"] in ("max_tokens", "end_turn")
