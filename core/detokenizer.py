@@ -67,7 +67,10 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Return the new text that ``token_id`` completes (may be empty)."""
         if self._stream is not None:
-            text = self._fast_step(token_id)
+            try:
+                text = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # noqa: BLE001 - any tokenizers error
+                text = self._recover(token_id)
             if self._added is not None:
                 content = self._added.get(token_id)
                 if content is not None and self._last_added:
@@ -86,22 +89,19 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
-    def _fast_step(self, token_id: int) -> str:
+    def _recover(self, token_id: int) -> str:
+        # The stream's state may be broken (tokenizers refuses a decoded text that no longer
+        # extends the last one, "invalid prefix"): a fresh stream takes the token alone, as
+        # vLLM recovers; the text held back for an unfinished character is lost with the
+        # old stream.
+        self._stream = self._new_stream([])
         try:
             return self._stream.step(self._backend, token_id) or ""
         except Exception:  # noqa: BLE001 - any tokenizers error
-            # The stream's state may be broken (tokenizers refuses a decoded text that no
-            # longer extends the last one, "invalid prefix"): a fresh stream takes the
-            # token alone, as vLLM recovers; the text held back for an unfinished
-            # character is lost with the old stream.
+            # An id the tokenizer does not know (a model with a padded vocabulary) decodes
+            # to nothing.
             self._stream = self._new_stream([])
-            try:
-                return self._stream.step(self._backend, token_id) or ""
-            except Exception:  # noqa: BLE001 - any tokenizers error
-                # An id the tokenizer does not know (a model with a padded vocabulary)
-                # decodes to nothing.
-                self._stream = self._new_stream([])
-                return ""
+            return ""
 
 
 def _added_tokens(backend: Any) -> dict[int, str]:

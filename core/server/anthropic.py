@@ -21,6 +21,7 @@ from cadence.server.anthropic_protocol import FIELDS, CountTokensRequest, Messag
 from cadence.server.chat_shaped import ChatShaped, ReplyContext, renamed
 from cadence.server.limits import DeadlineExceeded
 from cadence.server.protocol import RequestError
+from cadence.server.tool_parsers import is_json
 from cadence.server.tools import merge_call_delta
 
 _STOP = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -60,14 +61,6 @@ def _tool_use(call: dict) -> dict:
         args = {}
     return {"type": "tool_use", "id": call["id"] or f"toolu_{uuid.uuid4().hex[:24]}",
             "name": call["function"]["name"], "input": args if isinstance(args, dict) else {}}
-
-
-def _parses(arguments: str) -> bool:
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return False
-    return True
 
 
 def message_of(chat: dict, req: MessagesRequest, ctx: ReplyContext) -> dict:
@@ -144,7 +137,7 @@ async def message_events(chunks: AsyncIterator[dict], req: MessagesRequest,
         # Arguments that do not parse (a call cut short by max_tokens) go as generated: the
         # client's partial-JSON reading makes what it can of them, as of Anthropic's own.
         arguments = call["function"]["arguments"] or ""
-        partial = arguments if arguments.strip() and not _parses(arguments) else \
+        partial = arguments if arguments.strip() and not is_json(arguments) else \
             json.dumps(block["input"], ensure_ascii=False)
         yield event("content_block_delta", index=index, delta={
             "type": "input_json_delta", "partial_json": partial})

@@ -92,8 +92,8 @@ class OpenAIServing(StreamedReplies):
             else self.limits.max_tokens_for(room)
         # Never below min_tokens where the body allows that many: a min_tokens past the
         # context is then refused for the context, not for a max_tokens the body never sent.
-        return make(max(cut, min(min_tokens, requested if requested is not None
-                                 else min_tokens)))
+        floor = min_tokens if requested is None else min(min_tokens, requested)
+        return make(max(cut, floor))
 
     def completion_inputs(self, req: CompletionRequest) -> list[tuple[dict, SamplingParams]]:
         self.check_model(req.model)

@@ -76,7 +76,7 @@ def call_from(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str) and not _is_json(args):
+    if isinstance(args, str) and not is_json(args):
         # Arguments a model wrote as plain text ("Paris") go out as a JSON string, as vLLM
         # sends them, so a client's json.loads of them works; JSON text is kept as it is.
         args = json.dumps(args, ensure_ascii=False)
@@ -88,7 +88,8 @@ def call_from(obj: Any) -> ToolCall | None:
     return call if _sendable(call) else None
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """Whether ``text`` parses as JSON (a call's arguments as the model wrote them)."""
     try:
         json.loads(text)
     except ValueError:
