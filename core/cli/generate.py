@@ -95,7 +95,7 @@ def _json_line(path: str, lineno: int, line: str) -> PromptSpec:
                          f"{', '.join(valid)}")
     bias = obj.get("logit_bias")
     if isinstance(bias, dict):
-        from cadence.sampling_params import token_id_key
+        from cadence.field_errors import token_id_key
 
         # JSON object keys are strings: token ids written as digits become ids (OpenAI's
         # form); anything else ("05" too, which would collide with "5") stays a string for

@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from cadence.config import GENERATION_DEFAULT_FIELDS
-from cadence.sampling_params import FieldError, SamplingParams, token_id_key
+from cadence.field_errors import token_id_key
+from cadence.sampling_params import FieldError, SamplingParams
 from cadence.structured_output.params import StructuredOutputsParams
 
 # Entries one request's logit_bias may hold: each is work on every step the request is in,
