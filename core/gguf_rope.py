@@ -63,7 +63,12 @@ def gguf_rope_parameters(reader: Any, theta: float, head_dim: int) -> dict[str, 
 
 
 def _field(reader: Any, key: str) -> Any:
-    value = reader.fields[key].contents()
+    f = reader.fields[key]
+    if hasattr(f, "contents"):
+        value = f.contents()
+    else:  # gguf before ``contents()`` (0.10 has none): a scalar or a string, last part
+        part = f.parts[f.data[0]]
+        value = bytes(part) if f.types and f.types[0].name == "STRING" else part[0].item()
     return value.decode() if isinstance(value, bytes) else value
 
 

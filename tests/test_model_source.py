@@ -190,6 +190,19 @@ def test_gguf_rope_scaling_cadence_cannot_reproduce_is_refused(tmp_path, monkeyp
     with pytest.raises(ValueError, match="RoPE scaling 'longrope'.*linear and yarn"):
         gguf_rope_parameters(reader(rope_scaling_type=gguf.RopeScalingType.LONGROPE,
                                     rope_scaling_factor=2.0), 10000.0, 64)
+    # gguf 0.10 (the oldest the extra allows) has no ReaderField.contents(): the scaling
+    # is read from the field's parts there.
+    from types import SimpleNamespace
+
+    from cadence.gguf_rope import _field
+
+    yarn = reader(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0,
+                  rope_scaling_orig_ctx_len=128)
+    for key in ("general.architecture", "llama.rope.scaling.type",
+                "llama.rope.scaling.factor", "llama.rope.scaling.original_context_length"):
+        f = yarn.fields[key]
+        old = SimpleNamespace(name=f.name, parts=f.parts, data=f.data, types=f.types)
+        assert _field(SimpleNamespace(fields={key: old}), key) == _field(yarn, key)
     with pytest.raises(ValueError, match="yarn_log_multiplier"):
         gguf_rope_parameters(reader(rope_scaling_type=gguf.RopeScalingType.YARN,
                                     rope_scaling_factor=4.0,
