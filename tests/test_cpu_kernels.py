@@ -891,12 +891,42 @@ def test_tiled_choice_refused_by_name(monkeypatch) -> None:
         cpu_linear.TiledLinear(lin)
 
 
+def test_auto_weighs_one_row_against_64(ops, tmp_path, monkeypatch) -> None:
+    """A GEMM 2 % faster at 64 rows and 1.4x slower at one row (packed oneDNN against the
+    tiled kernel on an AVX2 EPYC) loses: auto times both batches and takes the least
+    relative cost over them, and the cached verdict records both."""
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    rows_seen: list[int] = []
+    speed = {1: {"packed": 1.4, "tiled": 1.0, "torch": 3.0},
+             64: {"packed": 0.98, "tiled": 1.0, "torch": 1.5}}
+
+    def fake_measure(shapes, dtype, rows=64, choices=()):
+        rows_seen.append(rows)
+        return {f"{c}_s": speed[rows][c] for c in choices}
+
+    monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
+    monkeypatch.setattr(cpu_choice, "_rows_independent", lambda gemm, shapes, dtype: True)
+    monkeypatch.setattr(cpu_linear, "packed_available", lambda: True)
+    assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) == "tiled"
+    assert sorted(rows_seen) == [1, 64]
+    verdict = next(iter(json.loads((tmp_path / "tuning" / "linear.json").read_text())
+                        .values()))
+    assert verdict["choice"] == "tiled" and verdict["packed_s"] == 0.98
+    assert verdict["relative_cost"]["tiled"] == pytest.approx((1 / 0.98) ** 0.5)
+    assert verdict["relative_cost"]["packed"] == pytest.approx(1.4 ** 0.5)
+    # Where one GEMM is fastest at both batches it wins outright, with cost 1.
+    cost = cpu_choice._relative_cost({1: {"a_s": 1.0, "b_s": 2.0},
+                                      64: {"a_s": 3.0, "b_s": 4.0}}, ["a", "b"])
+    assert cost == {"a": 1.0, "b": pytest.approx((2.0 * 4 / 3) ** 0.5)}
+
+
 def test_auto_measures_tiled_in_fp32_only(ops, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     seen: list[tuple[str, ...]] = []
 
     def fake_measure(shapes, dtype, rows=64, choices=()):
-        seen.append(tuple(choices))
+        if rows == cpu_choice._ROWS[0]:  # one entry per verdict, whatever the batches timed
+            seen.append(tuple(choices))
         return {f"{c}_s": {"tiled": 1.0}.get(c, 2.0) for c in choices}
 
     monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
@@ -999,7 +1029,7 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     calls: list[tuple] = []
 
     def fake_measure(shapes, dtype, rows=64, choices=()):
-        calls.append((tuple(shapes), dtype))
+        calls.append((tuple(shapes), dtype, rows))
         return {"torch_s": 2.0, "packed_s": 1.0}  # packed "wins"
 
     monkeypatch.setattr(cpu_choice, "_measure", fake_measure)
@@ -1008,14 +1038,16 @@ def test_choose_linear_auto_measures_once_and_caches(tmp_path, monkeypatch, capl
     model = _two_linears()
     with caplog.at_level(logging.INFO, logger="cadence.backends.cpu.linear_choice"):
         assert cpu_choice.choose_linear("auto", model, torch.float32) == "packed"
-    assert calls == [(((32, 64), (64, 32)), torch.float32)]
+    # Timed at one row and at 64 (a decode streaming its weights, and one computing).
+    assert calls == [(((32, 64), (64, 32)), torch.float32, 1),
+                     (((32, 64), (64, 32)), torch.float32, 64)]
     assert any("measured GEMMs" in r.getMessage() for r in caplog.records)
     saved = json.loads(verdict_file.read_text())
     assert [v["choice"] for v in saved.values()] == ["packed"]
 
     # The second call (same CPU, torch, dtype, threads and shapes) reads the verdict.
     assert cpu_choice.choose_linear("auto", _two_linears(), torch.float32) == "packed"
-    assert len(calls) == 1
+    assert len(calls) == 2
     # A verdict of "torch" for other shapes is kept beside the first, not over it.
     monkeypatch.setattr(cpu_choice, "_measure",
                         lambda shapes, dtype, rows=64, choices=(): {"torch_s": 1.0,

@@ -3,7 +3,8 @@ per CPU and cached.
 
 ``auto`` times every candidate of linear.py that runs here (F.linear, packed oneDNN, the
 tiled fp32 micro-kernel, the brgemm micro-kernel, the AMX tile loop) on the model's own
-shapes, with the weights streamed from memory as a decode step streams them, and leaves out
+shapes at one row and at 64 (``_ROWS``), with the weights streamed from memory as a decode
+step streams them, takes the one with the least relative cost over the two, and leaves out
 any whose rows depend on the batch (linear.py's NOTE: the engine's exactness rests on rows
 that do not). The verdict is kept in the cache folder under a key of the CPU, torch, dtype,
 threads, shapes and candidates, so every later engine on the machine runs the same GEMM.
@@ -94,6 +95,25 @@ def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
     return {f"{c}_s": best[c] / max(copies, 1) for c in choices}
 
 
+# The batches a verdict is timed at: one row, where a decode step streams its weights (memory
+# bound), and 64, where it computes (the headline's batch). Timed at 64 rows alone, auto took
+# packed oneDNN on an AVX2 EPYC (Zen 3), 2 % ahead of the tiled kernel there, while the tiled
+# kernel ran a one-request decode 1.38x faster end to end (docs/performance.md).
+_ROWS = (1, 64)
+
+
+def _relative_cost(by_rows: dict[int, dict], choices: list[str]) -> dict[str, float]:
+    """Each choice's geometric mean, over the timed batches, of its time over the fastest
+    one's at that batch: 1.0 for a choice that is fastest everywhere. A kernel 1.4x slower at
+    one row does not win on being 2 % faster at 64."""
+    cost = dict.fromkeys(choices, 1.0)
+    for times in by_rows.values():
+        best = min(times[f"{c}_s"] for c in choices)
+        for c in choices:
+            cost[c] *= times[f"{c}_s"] / best
+    return {c: v ** (1 / len(by_rows)) for c, v in cost.items()}
+
+
 _CHECK_ROWS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _CHECK_BATCH = 256
 _CHECK_MAX_N = 8192  # a wider weight (an LM head) is checked on its first 8192 rows
@@ -170,11 +190,11 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
         (["amx"] if amx else [])
     if candidates == ["torch"]:
         return "torch"
-    # "rows checked", "streamed in layer order": verdicts from before the batch-independence
-    # check, or timed on cached weights, are measured again.
+    # "rows checked", "streamed in layer order", "rows (1, 64)": verdicts from before the
+    # batch-independence check, timed on cached weights or at 64 rows only are measured again.
     key = json.dumps([info.model, info.relevant_flags, torch.__version__, str(dtype),
                       torch.get_num_threads(), shapes, candidates, "rows checked",
-                      "streamed in layer order"])
+                      "streamed in layer order", f"rows {_ROWS}"])
     path = _verdict_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     # One process measures; others wait on the lock and read its verdict, so two engines
@@ -187,25 +207,30 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             verdicts = {}  # unreadable or half-written by a killed process: measure again
         if key not in verdicts:
             small = [s for s in shapes if s[0] <= 8192]
-            times = _measure(small, dtype, choices=tuple(candidates))
+            by_rows = {rows: _measure(small, dtype, rows=rows, choices=tuple(candidates))
+                       for rows in _ROWS}
             # Ties go to the earlier of packed, tiled, amx, brgemm, torch; a kernel whose rows
             # depend on the batch is out (async == sync exactness needs them independent).
             order = [c for c in ("packed", "tiled", "amx", "brgemm", "torch")
-                     if f"{c}_s" in times]
+                     if f"{c}_s" in by_rows[_ROWS[0]]]
             dependent = [c for c in order
                          if not _rows_independent(_gemm_of(c), shapes, dtype)]
-            choice = min([c for c in order if c not in dependent] or order,
-                         key=lambda c: times[f"{c}_s"])
+            score = _relative_cost(by_rows, order)
+            choice = min([c for c in order if c not in dependent] or order, key=score.get)
+            times = {f"{c}_s": by_rows[_ROWS[-1]][f"{c}_s"] for c in order}
             if choice in dependent:
                 logger.warning("no GEMM on this CPU (%s) gives a row the same bits in every "
                                "batch; taking the fastest, %s: outputs may then differ with "
                                "batch composition, and async on and off may differ",
                                str(dtype), _LABELS[choice])
-            verdicts[key] = {"choice": choice, **times, "rows_depend_on_batch": dependent}
+            verdicts[key] = {"choice": choice, **times, "rows_depend_on_batch": dependent,
+                             "by_rows": by_rows, "relative_cost": score}
             path.write_text(json.dumps(verdicts, indent=1))
-            logger.info("measured GEMMs on this CPU (%s): %s per layer%s -> %s (cached in %s)",
-                        str(dtype), ", ".join(f"{_LABELS[c]} {times[f'{c}_s'] * 1e3:.2f} ms"
-                                              for c in order),
+            logger.info("measured GEMMs on this CPU (%s), per layer at %s rows: %s%s -> %s "
+                        "(cached in %s)", str(dtype), " and ".join(map(str, _ROWS)),
+                        ", ".join(_LABELS[c] + " " + " / ".join(
+                            f"{by_rows[r][f'{c}_s'] * 1e3:.2f}" for r in _ROWS) + " ms"
+                            for c in order),
                         "".join(f"; {_LABELS[c]} left out: its rows depend on the batch"
                                 for c in dependent), choice, path)
     return verdicts[key]["choice"]
