@@ -18,6 +18,7 @@ from typing import Any
 from cadence.backend import Backend, ModelInput, PostSample
 from cadence.config import EngineConfig
 from cadence.engine_args import EngineArgs
+from cadence.engine_health import EngineHealth
 from cadence.executor import create_executor
 from cadence.faults import StepGuard
 from cadence.input_builder import build_model_input
@@ -33,21 +34,14 @@ from cadence.request import Request
 from cadence.request_factory import RequestFactory
 from cadence.request_intake import eos_token_ids, vocab_size_from_config
 from cadence.sampling_params import FieldError, SamplingParams, resolve_output_kind
-from cadence.scheduling import (
-    check_backend_supports,
-    check_quantization_support,
-    check_speculation_support,
-    make_scheduler,
-    make_step_loop,
-    require_backend_flag,
-)
+from cadence.scheduling import check_backend_runs, make_scheduler, make_step_loop
 from cadence.step_plan import RequestTooLargeError, StepPlan
 from cadence.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineHealth):
     """Hardware-independent engine core; the device work is delegated to a ``Backend``."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
@@ -55,15 +49,7 @@ class LLMEngine:
         registry = get_registry()
         backend_cls, self.backend_reason = registry.select(config.backend)
         logger.info("%s", self.backend_reason)
-        if config.plans_with_placeholders:
-            check_backend_supports(backend_cls, registry)
-        if config.lora_config is not None:
-            require_backend_flag(backend_cls, registry, "supports_lora", "LoRA adapters are",
-                                 "or start without enable_lora")
-        if config.speculative_config is not None:
-            check_speculation_support(backend_cls, registry, config)
-        check_quantization_support(backend_cls, registry, config.model_config.quantization,
-                                   config.model_config.model)
+        check_backend_runs(backend_cls, registry, config)
         # The backend itself (uniproc), or an executor running its ranks (core/executor/).
         self.backend: Backend = create_executor(backend_cls, config)
         try:
@@ -297,48 +283,6 @@ class LLMEngine:
         mi.sampling.grammar = self.structured.bitmask_for(
             [plan.scheduled[i].request for i in mi.sample_seq_indices])
         return mi
-
-    def _fail_all(self, message: str) -> None:
-        if self._loop is not None:
-            self._loop.discard()  # the device state those steps ran on is gone
-        self._drain()
-        self.output_processor.fail_all(message)
-
-    def _reset_kv(self, num_blocks: int) -> None:
-        # The restarted backend's cache holds nothing: every block, cached prefixes included,
-        # starts free. Every request was failed first, so none still holds one.
-        cc = self.config.cache_config
-        self.block_manager.reset(num_blocks)
-        self.num_blocks = num_blocks
-        logger.info("KV cache reset: %d blocks of %d tokens", num_blocks, cc.block_size)
-
-    def check_health(self) -> list[RequestOutput]:
-        """Between steps: ask the backend whether its worker lives. If it was lost, every
-        request ends with an error (their final outputs are returned) and a restart is
-        planned for ``repair()`` or the next ``step()``; raises ``EngineFailedError`` when
-        it may not be restarted."""
-        self.guard.check_health()
-        return self.output_processor.take_ready()
-
-    def after_interrupt(self) -> list[RequestOutput]:
-        """Call when a ``KeyboardInterrupt`` (or another ``BaseException`` that is not an
-        ``Exception``) has left ``step()``, after aborting the requests it was running that
-        the caller no longer wants (``LLM`` aborts its call's). The steps still in flight
-        are dropped (``Backend.discard_in_flight``): their samples would otherwise be read
-        as a later step's; the engine takes back its advance of them, so a request kept
-        computes those tokens again. A backend that stopped its
-        worker because the interrupt cut their exchange short is restarted before the next
-        step runs, rather than failing its requests (``StepGuard.after_interrupt``).
-        Returns the final outputs of the requests that ended."""
-        try:
-            self.guard.after_interrupt(self._loop)
-        finally:
-            ended = self.output_processor.take_ready()
-        return ended
-
-    def repair(self) -> None:
-        """Restart a lost backend now, if one is waiting for it (``step`` does it too)."""
-        self.guard.repair()
 
     def _finish_step(self) -> list[RequestOutput]:
         self.stats.times.num_steps += 1

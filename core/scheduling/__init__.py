@@ -121,3 +121,17 @@ def check_quantization_support(backend_cls: type, registry: Any, method: str | N
     raise ValueError(f"quantization {method!r} is not supported by backend "
                      f"{backend_cls.name!r}; backends that run it: {', '.join(able) or '(none)'} "
                      "(or drop --quantization)")
+
+
+def check_backend_runs(backend_cls: type, registry: Any, config: EngineConfig) -> None:
+    """Refuse, before anything loads, what ``config`` asks of a backend that does not run it
+    (async scheduling, LoRA, speculative decoding, quantization), naming those that do."""
+    if config.plans_with_placeholders:
+        check_backend_supports(backend_cls, registry)
+    if config.lora_config is not None:
+        require_backend_flag(backend_cls, registry, "supports_lora", "LoRA adapters are",
+                             "or start without enable_lora")
+    if config.speculative_config is not None:
+        check_speculation_support(backend_cls, registry, config)
+    check_quantization_support(backend_cls, registry, config.model_config.quantization,
+                               config.model_config.model)
