@@ -6,8 +6,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cadence.beam_search import (
@@ -22,6 +21,7 @@ from cadence.chat import render_chat, split_conversations
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
 from cadence.generation_defaults import default_sampling_params, describe_generation_defaults
+from cadence.llm_inputs import per_lora, per_prompt, prompt_list, with_tokenization
 from cadence.lora import LoRARequest
 from cadence.output_state import OutputKind
 from cadence.outputs import (
@@ -102,11 +102,11 @@ class LLM:
         ``tokenization_kwargs`` (vLLM's): ``{"truncate_prompt_tokens": k}`` cuts every prompt
         to its last ``k`` tokens (-1: as many as the context holds).
         """
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
-        params = _with_tokenization(params, tokenization_kwargs)
+        params = per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
+        params = with_tokenization(params, tokenization_kwargs)
         for sp in params:
             self._check_logprobs(sp)
         if priority is not None and (not isinstance(priority, (list, tuple))
@@ -114,7 +114,7 @@ class LLM:
             raise FieldError(f"priority must be None or a list of integers with one entry "
                              f"per prompt ({len(prompts)}), got {priority!r:.60}", "priority")
         return self._run_all(prompts, params, priority, use_tqdm,
-                             _per_lora(lora_request, len(prompts)))
+                             per_lora(lora_request, len(prompts)))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -131,14 +131,14 @@ class LLM:
         ``truncate_prompt_tokens=k`` embeds each prompt's last ``k`` tokens. A request the
         engine failed on comes back with ``outputs=None`` and the reason in ``error``.
         """
-        prompts = _prompt_list(prompts)
-        params = _per_prompt(pooling_params or PoolingParams(), PoolingParams,
+        prompts = prompt_list(prompts)
+        params = per_prompt(pooling_params or PoolingParams(), PoolingParams,
                              "pooling_params", len(prompts))
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]
         return self._run_all(prompts, params, None, use_tqdm,
-                             _per_lora(lora_request, len(prompts)))
+                             per_lora(lora_request, len(prompts)))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams, lora_request: LoRARequest | None = None
@@ -155,12 +155,12 @@ class LLM:
         searches = [BeamSearch(tokenize_prompt(engine.tokenizer, p)[1], params,
                                engine.eos_token_ids,
                                engine.config.scheduler_config.max_model_len)
-                    for p in _prompt_list(prompts)]
+                    for p in prompt_list(prompts)]
         step = step_params(params)
 
         def run_round(ids: list[list[int]]) -> list[RequestOutput]:
             return self._run_all([{"prompt_token_ids": p} for p in ids], [step] * len(ids),
-                                 None, False, _per_lora(lora_request, len(ids)))
+                                 None, False, per_lora(lora_request, len(ids)))
 
         search(searches, run_round)
         decode = detokenizer(engine.tokenizer)
@@ -173,7 +173,7 @@ class LLM:
         """Similarity scores of text pairs (vLLM's ``LLM.score`` with an embedding model):
         the cosine similarity of their embeddings, for ``data_1`` against each of
         ``data_2`` (one and N), or pair by pair (N and N)."""
-        one, two = _prompt_list(data_1), _prompt_list(data_2)
+        one, two = prompt_list(data_1), prompt_list(data_2)
         try:
             pairs = score_pairs(len(one), len(two))
         except FieldError as e:  # named for the server's body; here they are data_1/2
@@ -291,54 +291,3 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _prompt_list(prompts: Any) -> list:
-    """One prompt (a string, token ids or a dict) or a list of them, as a list."""
-    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
-        raise FieldError("prompts must be a prompt (a string, a list of token ids or a "
-                         "dict) or a list of prompts, got " + type(prompts).__name__,
-                         "prompts")
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                            and isinstance(prompts[0], numbers.Integral)):
-        return [prompts]
-    return list(prompts)
-
-
-def _per_prompt(given: Any, cls: type, name: str, n: int) -> list:
-    """``given`` (one ``cls`` for every prompt, or a list with one per prompt) as a list."""
-    if isinstance(given, cls):
-        return [given] * n
-    bad = given if not isinstance(given, (list, tuple)) else next(
-        (p for p in given if not isinstance(p, cls)), None)
-    if bad is not None:
-        raise FieldError(f"{name} must be {cls.__name__}, a list of them (one per prompt) or "
-                         f"None, got {type(bad).__name__}", name)
-    if len(given) != n:
-        raise FieldError(f"{name} has {len(given)} entries for {n} prompts; pass one, or one "
-                         "per prompt", name)
-    return list(given)
-
-
-def _with_tokenization(params: list, kwargs: dict[str, Any] | None) -> list:
-    """vLLM's ``tokenization_kwargs`` of ``generate``: only ``truncate_prompt_tokens``
-    changes how cadence tokenizes a prompt."""
-    if kwargs is None:
-        return params
-    if not isinstance(kwargs, dict) or set(kwargs) - {"truncate_prompt_tokens"}:
-        raise FieldError(f"tokenization_kwargs may hold truncate_prompt_tokens only, got "
-                         f"{kwargs!r:.80}", "tokenization_kwargs")
-    if "truncate_prompt_tokens" not in kwargs:
-        return params
-    k = kwargs["truncate_prompt_tokens"]
-    return [dataclasses.replace(p, truncate_prompt_tokens=k) for p in params]
-
-
-def _per_lora(given: Any, n: int) -> list | None:
-    """One LoRA request (or None) per prompt, from one for all or a list of them."""
-    if given is None or isinstance(given, LoRARequest):
-        return None if given is None else [given] * n
-    if not isinstance(given, (list, tuple)) or len(given) != n:
-        raise FieldError(f"lora_request must be a LoRARequest, None, or a list with one "
-                         f"entry per prompt ({n}), got {given!r:.80}", "lora_request")
-    return list(given)
