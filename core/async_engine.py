@@ -5,6 +5,7 @@ touches the engine. Requests and aborts reach the thread through a command queue
 applied between steps; outputs come back to per-request ``asyncio.Queue``s with one
 ``call_soon_threadsafe`` per step. The engine's own overlap (finalize of step N while the
 device computes step N+1) is unchanged: this layer only moves its outputs across threads.
+The thread's side is core/engine_thread.py.
 
 NOTE on the GIL: the step loop's host work is short and the CPU backend's default strategy
 computes in a worker process (the thread waits on a pipe, without the GIL), so HTTP handling
@@ -16,65 +17,38 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import logging
 import queue
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cadence.async_stream import (
     Channel,
     RequestFailedError,
     RequestStream,
-    call_soon,
-    deliver,
 )
 from cadence.engine import LLMEngine
 from cadence.engine_args import EngineArgs
+from cadence.engine_thread import (
+    _STOP,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineThread,
+    _Abort,
+    _Add,
+)
 from cadence.generation_defaults import default_sampling_params
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
-from cadence.outputs import RequestOutput
 from cadence.pooling import PoolingParams
-from cadence.request_front import RequestFront
+from cadence.request_front import RequestFront, request_ids
 from cadence.sampling_params import SamplingParams, resolve_output_kind
-from cadence.structured_output.manager import BLOCK_S
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFailedError",
            "RequestStream"]
 
 
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are in flight; the caller should retry later (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; no request can be served (HTTP 503)."""
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams | PoolingParams
-    priority: int
-    output_kind: OutputKind
-    done: concurrent.futures.Future
-    lora_request: Any = None
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-_STOP = object()
-
-
-class AsyncLLM(RequestFront):
+class AsyncLLM(EngineThread, RequestFront):
     """Serve many concurrent streams from one engine.
 
     ``generate`` is an async generator: it yields one ``RequestOutput`` each time the
@@ -183,12 +157,14 @@ class AsyncLLM(RequestFront):
         queue_ = await self._add(rid, prompt, params, priority, output_kind, lora_request)
         return RequestStream(self, rid, queue_)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a final output (finish_reason 'abort')."""
-        with self._lock:
-            engine_id = self._by_user_id.get(request_id)
-        if engine_id is not None:
-            self._commands.put(_Abort(engine_id))
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of several ids (vLLM takes both); its stream ends with a
+        final output (finish_reason 'abort'). An id not in flight is ignored."""
+        for rid in request_ids(request_id):
+            with self._lock:
+                engine_id = self._by_user_id.get(rid)
+            if engine_id is not None:
+                self._commands.put(_Abort(engine_id))
 
     async def shutdown(self) -> None:
         """Stop the loop (pending requests end with ``EngineDeadError``) and the backend."""
@@ -243,111 +219,7 @@ class AsyncLLM(RequestFront):
             if self._by_user_id.get(channel.user_id) == channel.engine_id:
                 del self._by_user_id[channel.user_id]
 
-    # ---- the engine thread ------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        stalled = False
-        try:
-            while True:
-                # Block when idle, and when the last step could run nothing (requests that
-                # wait for blocks only a command can free): only a command changes that.
-                # Otherwise take what arrived during the last step.
-                cmds = []
-                # A worker lost in the last step: its requests' errors went out with that
-                # step's outputs; restart it before anything else.
-                engine.repair()
-                if stalled or not engine.has_unfinished_requests():
-                    # A stall while grammars compile ends when one is ready: look again soon.
-                    wait_s = BLOCK_S if engine.structured.num_waiting else \
-                        self.health_check_interval_s
-                    try:
-                        cmds.append(self._commands.get(timeout=wait_s))
-                    except queue.Empty:
-                        self._dispatch(engine.check_health())
-                        stalled = False
-                        continue
-                while True:
-                    try:
-                        cmds.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                if any(c is _STOP for c in cmds):
-                    error = EngineDeadError("the engine was shut down")
-                    for cmd in cmds:
-                        if isinstance(cmd, _Add) and not cmd.done.done():
-                            cmd.done.set_exception(error)
-                    self._fail_all(error)
-                    return
-                for cmd in cmds:
-                    self._apply(cmd)
-                if engine.has_unfinished_requests():
-                    steps = engine.stats.num_steps
-                    outputs = engine.step()
-                    stalled = engine.stats.num_steps == steps and not outputs
-                    # Snapshot first: a caller woken by its final output sees stats with it.
-                    self._stats = engine.stats.snapshot()
-                    self._dispatch(outputs)
-        except BaseException as e:  # a bug or a device failure: every stream must learn it
-            logger.exception("engine loop failed")
-            self._error = e
-            # The gauges of a dead engine: nothing runs, waits or holds the cache (the last
-            # snapshot would report its failed requests as running forever). Set before the
-            # streams learn of the failure, so none of them reads the old ones after it.
-            self._stats = replace(self._stats, num_running=0, num_waiting=0,
-                                  kv_cache_usage=0.0, running_loras=(), waiting_loras=())
-            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
-        finally:
-            try:
-                engine.shutdown()
-            except Exception:
-                logger.exception("engine shutdown failed")
-
-    def _apply(self, cmd: Any) -> None:
-        if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id)
-            return
-        if not cmd.done.set_running_or_notify_cancel():
-            return  # the caller was cancelled before its request got here: never add it
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
-                                    cmd.output_kind, cmd.lora_request)
-        except Exception as e:  # ValueError for bad input; anything else is reported too
-            cmd.done.set_exception(e)
-        else:
-            cmd.done.set_result(None)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for out in outputs:
-                if out.finished:
-                    self._in_engine.discard(out.request_id)
-                target = self._streams.get(out.request_id)
-                if target is None:  # the caller left; its abort is queued
-                    continue
-                if target.engine_id != target.user_id:
-                    # A copy: the post-sample hook may hold the engine's output.
-                    out = replace(out, request_id=target.user_id)
-                by_loop.setdefault(target.loop, []).append((target.outputs, out))
-        for loop, items in by_loop.items():
-            call_soon(loop, deliver, items)
-
     def _release(self, channel: Channel, finished: bool) -> None:
         self._forget(channel)
         if not finished and self.is_running:
             self._commands.put(_Abort(channel.engine_id))
-
-    def _fail_all(self, error: BaseException) -> None:
-        """End every stream and every queued submission with ``error``; take no more."""
-        with self._lock:
-            self._closed = True
-            targets = list(self._streams.values())
-            while True:
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, _Add) and not cmd.done.done():
-                    cmd.done.set_exception(error)
-        for channel in targets:
-            call_soon(channel.loop, channel.outputs.put_nowait, error)
