@@ -3,7 +3,7 @@ data-parallel replicas share it, so a request kind added here reaches both. No t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from cadence.beam_search import BeamSearchOutput, BeamSearchParams
 from cadence.lora import LoRARequest
@@ -13,20 +13,38 @@ from cadence.pooling import PoolingParams
 from cadence.sampling_params import SamplingParams
 
 
+def request_ids(request_id: str | Iterable[str]) -> list[str]:
+    """An ``abort`` argument as a list: one id, or several (vLLM's ``AsyncLLM.abort`` takes
+    both)."""
+    if isinstance(request_id, str):
+        return [request_id]
+    if not isinstance(request_id, Iterable):
+        raise ValueError(f"request_id must be a string or an iterable of strings, got "
+                         f"{type(request_id).__name__}")
+    ids = list(request_id)
+    bad = next((r for r in ids if not isinstance(r, str)), None)
+    if bad is not None:
+        raise ValueError(f"request ids must be strings, got {type(bad).__name__}")
+    return ids
+
+
 class RequestFront:
     """Mixed into a front end that has ``add_request``, ``tokenizer``, ``eos_token_ids``
     and ``max_model_len``."""
 
     async def generate(self, prompt: str | Sequence[int] | dict,
-                       params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: OutputKind | None = None,
+                       sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       output_kind: OutputKind | None = None,
                        lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs as they become ready: each with
         everything so far unless ``output_kind`` (or the params' ``output_kind``) says
-        ``DELTA`` or ``FINAL_ONLY`` (vLLM's default and field)."""
-        stream = await self.add_request(prompt, params, request_id, priority, output_kind,
-                                        lora_request)
+        ``DELTA`` or ``FINAL_ONLY`` (vLLM's default and field). The arguments are named as
+        vLLM's ``AsyncLLM.generate`` names them; ``sampling_params=None`` takes the model's
+        generation defaults."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority,
+                                        output_kind, lora_request)
         async for out in stream:
             yield out
 

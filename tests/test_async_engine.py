@@ -172,6 +172,41 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
     with_engine(model, body)
 
 
+def test_vllm_argument_names_and_abort_of_several_ids(model, reference):
+    """Code written for vLLM's AsyncLLM runs: ``generate(prompt, sampling_params=...,
+    request_id=...)`` by keyword, and ``abort`` of a list of ids ends each of them."""
+    expected, greedy, _ = reference
+
+    async def body(engine):
+        outs = [o async for o in engine.generate(PROMPTS[0], sampling_params=greedy,
+                                                 request_id="kw")]
+        assert outs[-1].request_id == "kw" and outs[-1].finished
+        assert outs[-1].outputs[0].text == expected["greedy"][0][0][0]
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        streams = [await engine.add_request(PROMPTS[i], long, request_id=f"a{i}")
+                   for i in range(3)]
+        await wait_until(lambda: engine.stats().num_running == 3)
+        await engine.abort(["a0", "a2", "not-in-flight"])
+        finals = {}
+        for s in (streams[0], streams[2]):
+            async for out in s:
+                finals[out.request_id] = out
+        assert {k: v.outputs[0].finish_reason for k, v in finals.items()} == {
+            "a0": "abort", "a2": "abort"}
+        assert engine.has_request("a1")
+        await engine.abort(iter(["a1"]))  # any iterable of ids
+        async for out in streams[1]:
+            last = out
+        assert last.outputs[0].finish_reason == "abort"
+        await wait_until(lambda: all_blocks_free(engine))
+        for bad, word in ((7, "int"), (["a", 3], "int")):
+            with pytest.raises(ValueError, match=f"request_id.*string.*{word}|must be strings"
+                                                 f", got {word}"):
+                await engine.abort(bad)
+
+    with_engine(model, body)
+
+
 def test_bad_input_raises_before_queueing(model):
     async def body(engine):
         with pytest.raises(ValueError, match="max_model_len"):

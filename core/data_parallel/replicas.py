@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cadence.async_engine import AsyncLLM, EngineDeadError
@@ -16,7 +16,7 @@ from cadence.engine_args import EngineArgs
 from cadence.metrics import EngineStats
 from cadence.output_state import OutputKind
 from cadence.pooling import PoolingParams
-from cadence.request_front import RequestFront
+from cadence.request_front import RequestFront, request_ids
 from cadence.sampling_params import SamplingParams
 
 
@@ -141,10 +141,11 @@ class DataParallelAsyncLLM(RequestFront):
         return await self.replicas[i].add_request(prompt, params, request_id, priority,
                                                   output_kind, lora_request)
 
-    async def abort(self, request_id: str) -> None:
-        for r in self.replicas:
-            if r.has_request(request_id):
-                await r.abort(request_id)
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        for rid in request_ids(request_id):
+            for r in self.replicas:
+                if r.has_request(rid):
+                    await r.abort(rid)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
