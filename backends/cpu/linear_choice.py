@@ -97,7 +97,7 @@ def _measure(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
 
 # The batches a verdict is timed at: one row, where a decode step streams its weights (memory
 # bound), and 64, where it computes (the headline's batch). Timed at 64 rows alone, auto took
-# packed oneDNN on an AVX2 EPYC (Zen 3), 2 % ahead of the tiled kernel there, while the tiled
+# packed oneDNN on an AVX2 EPYC (Zen 3), 2-5 % ahead of the tiled kernel there, while the tiled
 # kernel ran a one-request decode 1.38x faster end to end (docs/performance.md).
 _ROWS = (1, 64)
 
@@ -220,8 +220,9 @@ def choose_linear(requested: str, model: nn.Module, dtype: torch.dtype) -> str:
             times = {f"{c}_s": by_rows[_ROWS[-1]][f"{c}_s"] for c in order}
             if choice in dependent:
                 logger.warning("no GEMM on this CPU (%s) gives a row the same bits in every "
-                               "batch; taking the fastest, %s: outputs may then differ with "
-                               "batch composition, and async on and off may differ",
+                               "batch; taking the cheapest over the timed batches, %s: "
+                               "outputs may then differ with batch composition, and async "
+                               "on and off may differ",
                                str(dtype), _LABELS[choice])
             verdicts[key] = {"choice": choice, **times, "rows_depend_on_batch": dependent,
                              "by_rows": by_rows, "relative_cost": score}
