@@ -1200,11 +1200,39 @@ def _load_in_child(cache_root: Path) -> str:
     return out.stdout.strip()
 
 
+def _objects(build_dir: Path) -> dict[str, int]:
+    return {o.name: o.stat().st_mtime_ns for o in build_dir.glob("*.o")}
+
+
 def test_a_damaged_build_record_is_built_again(build_copy) -> None:
+    """The record is written again from a build that compiles nothing: the module's name is
+    its folder's, so a process other than the one that built it asks ninja for the same
+    commands (torch's own in-process `_v1` renaming once made this a whole rebuild)."""
+    objects = _objects(build_copy)
+    assert objects
     (build_copy / "built").write_text("gone\n")
     loaded = _load_in_child(build_copy.parent.parent)
     assert Path(loaded).parent == build_copy
     assert (build_copy / "built").read_text().strip() == Path(loaded).stem
+    assert _objects(build_copy) == objects
+
+
+def test_the_module_is_named_after_its_build_folder(tmp_path, monkeypatch) -> None:
+    """Two folders built in one process keep their own names, never torch's `_v1`."""
+    names: list[str] = []
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        names.append(name)
+        return SimpleNamespace(__name__=name)
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", fake_load)
+    for key in ("cpu_kernels_0123456789abcdef", "cpu_kernels_fedcba9876543210"):
+        folder = tmp_path / key
+        folder.mkdir()
+        kernels._compile(_sources(), folder, locked=True)
+        assert (folder / "built").read_text().strip() == names[-1]
+    assert names == ["cadence_cpu_kernels_0123456789abcdef",
+                     "cadence_cpu_kernels_fedcba9876543210"]
 
 
 def test_a_build_killed_midway_does_not_stall_the_next_load(build_copy) -> None:

@@ -130,13 +130,17 @@ def _compile(sources: list[Path], build_dir: Path, locked: bool) -> ModuleType:
     # filesystem that has none) it may be a live build's: left alone.
     if locked:
         (build_dir / "lock").unlink(missing_ok=True)
-    mod = load(name=_MODULE, sources=[str(s) for s in sources], build_directory=str(build_dir),
+    # Named after its folder: torch suffixes `_v1` to a name it already built in this process
+    # from another folder (a test's cache root, an ATEN_CPU_CAPABILITY cap), and a folder built
+    # under the suffixed name is compiled again, whole, by the next process that has to load
+    # it through torch (a damaged record). One name per folder is the same in every process.
+    name = f"{_MODULE}_{build_dir.name.rsplit('_', 1)[-1]}"
+    mod = load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
                extra_cflags=cflags(), extra_ldflags=["-fopenmp"], verbose=False)
     # Written last, and whole (a reader without the lock sees the old record or the new):
     # the folder's key names these exact sources and flags, so from here on a load is an
     # import, with no ninja run and no torch lock for a killed worker to leave. The module's
-    # name, not just its file: torch names a second build in one process `..._v1`, and an
-    # extension imports only under the name it was built with.
+    # name, not just its file: an extension imports only under the name it was built with.
     tmp = build_dir / f".{_BUILT}.{os.getpid()}"
     tmp.write_text(f"{mod.__name__}\n")
     os.replace(tmp, build_dir / _BUILT)
