@@ -189,13 +189,14 @@ void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const Src& src
   // level at 240, 256 and 2048.
   const RowChunks split = even_row_chunks(m, kMC, kMR);
   const int64_t chunk_rows = split.rows, chunks = split.count;
-  // With one or two row chunks (decode batches) each thread reads the weight once, from
-  // memory, and paces its prefetch over a panel's tiles; with more (prefill) the weight is
-  // read again per chunk, from cache, and a burst in the first tile is faster.
-  // Measured on an AMX Xeon, a decode step's GEMMs: paced 1.09-1.16x at 64 rows, level at
-  // 128-256; at 2048 rows the burst 1.05-1.13x faster (docs/backends/cpu.md, "Paced
-  // prefetch").
-  const bool paced = chunks <= 2;
+  // With one row chunk (a decode batch of up to kMC rows) each thread reads its share of
+  // the panels once, from memory, and paces its prefetch over a panel's tiles. With more,
+  // both threads read every panel (a thread's run of items is a chunk's whole row of
+  // panels), the second read mostly from cache, and a burst in the first tile is faster.
+  // Measured, a decode step's GEMMs: paced 1.09-1.16x at 64 rows on an AMX Xeon; with two
+  // chunks level there, and the burst 1.15-1.35x faster at 136-256 rows on an AVX2 Zen 3;
+  // at 2048 rows the burst 1.05-1.13x faster (docs/backends/cpu.md, "Paced prefetch").
+  const bool paced = chunks == 1;
   // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
   // streams them in order, which is what the prefetch of "the next one" relies on.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
