@@ -4,10 +4,10 @@ and cached under ``~/.cache/cadence/kernels``.
 The build targets the CPU it runs on (``-march=native``), so the cache folder is keyed by the
 source, the compiler flags, torch's and Python's versions and the CPU's model and flags: a
 home directory shared by machines with different CPUs never loads a kernel built for
-another. The first build announces itself on stderr (it takes ~30-60 s); later loads
-import the finished module directly. Concurrent first builds (several worker processes)
-wait for one another on a lock the OS releases when its holder dies, so a worker killed
-mid-build never stalls the next one.
+another. The first build announces itself on stderr (one to five minutes: about four on
+two Zen 3 cores); later loads import the finished module directly. Concurrent first builds
+(several worker processes) wait for one another on a lock the OS releases when its holder
+dies, so a worker killed mid-build never stalls the next one.
 Where there is no compiler, or the build fails, ``load_kernels`` returns None after one
 warning that says so and names the fallback (the torch reference path).
 """
@@ -121,7 +121,7 @@ def _compile(sources: list[Path], build_dir: Path, locked: bool) -> ModuleType:
         target = "this CPU" if cpu_info().isa_limit is None else \
             f"ATEN_CPU_CAPABILITY={cpu_info().isa_limit}"
         print("cadence: compiling the CPU kernels (attention, norm, activation, rotary, logits, "
-              f"GEMM, LoRA) for {target} (once, ~30-60 s); cached in {build_dir}",
+              f"GEMM, LoRA) for {target} (once, 1-5 minutes); cached in {build_dir}",
               file=sys.stderr, flush=True)
     # torch's own build lock is a plain file that a killed process leaves behind, and every
     # later load would wait on it forever. Every cadence build holds the flock taken in
