@@ -26,6 +26,7 @@ constexpr int64_t kNR = 2 * kVec;  // columns per panel: two vectors
 constexpr int kMR = kVec >= 16 ? 12 : 6;
 constexpr int64_t kMaxKC = 1536;   // a panel's K block: at most 96 KiB on AVX2, 192 on AVX-512
 constexpr int64_t kMC = 128;       // most rows per chunk, before the even split
+constexpr int64_t kPacedTiles = 6;  // most tiles of a chunk that paces its prefetch
 
 // How a tile prefetches the block its thread reads next (into L2; it never changes a bit):
 //   kBurst: one row of kNR floats (two lines on AVX-512) per K step from the start of the
@@ -189,14 +190,16 @@ void run_tiled(const float* a, int64_t m, int64_t k, int64_t lda, const Src& src
   // level at 240, 256 and 2048.
   const RowChunks split = even_row_chunks(m, kMC, kMR);
   const int64_t chunk_rows = split.rows, chunks = split.count;
-  // With one row chunk (a decode batch of up to kMC rows) each thread reads its share of
-  // the panels once, from memory, and paces its prefetch over a panel's tiles. With more,
-  // both threads read every panel (a thread's run of items is a chunk's whole row of
-  // panels), the second read mostly from cache, and a burst in the first tile is faster.
-  // Measured, a decode step's GEMMs: paced 1.09-1.16x at 64 rows on an AMX Xeon; with two
-  // chunks level there, and the burst 1.15-1.35x faster at 136-256 rows on an AVX2 Zen 3;
-  // at 2048 rows the burst 1.05-1.13x faster (docs/backends/cpu.md, "Paced prefetch").
-  const bool paced = chunks == 1;
+  // With one row chunk of few tiles (a small decode batch) each thread reads its share of
+  // the panels once, from memory, with little compute per panel to hide it behind, and
+  // paces its prefetch over the panel's tiles. With more tiles the burst in the first tile
+  // has the rest of the panel's work to land behind; with more chunks both threads read
+  // every panel (a thread's run of items is a chunk's whole row of panels), the second read
+  // mostly from cache. Measured, a decode step's GEMMs (docs/backends/cpu.md, "Paced
+  // prefetch"): paced 1.09-1.16x at 64 rows (6 tiles) on an AMX Xeon, level at 128-256;
+  // on an AVX2 Zen 3 paced 1.2x at 16 rows (3 tiles), the burst 1.16x at 64 rows (11),
+  // 1.4-1.5x at 96-128 and 1.15-1.35x at 136-256; at 2048 rows the burst 1.05-1.13x.
+  const bool paced = chunks == 1 && (chunk_rows + kMR - 1) / kMR <= kPacedTiles;
   // Work items are (row chunk, panel), chunk-major: a thread takes a run of panels and
   // streams them in order, which is what the prefetch of "the next one" relies on.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
