@@ -38,7 +38,6 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 # Under an ISA cap (cadence.cpuinfo.isa_limit) the build targets that level instead of
 # this CPU: the x86-64 micro-architecture levels, tuned for the CPU at hand.
 _MARCH_FOR_LIMIT = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64-v2"}
-_MODULE = "cadence_cpu_kernels"
 _BUILT = "built"  # names the finished .so; see _compile
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -134,9 +133,9 @@ def _compile(sources: list[Path], build_dir: Path, locked: bool) -> ModuleType:
     # from another folder (a test's cache root, an ATEN_CPU_CAPABILITY cap), and a folder built
     # under the suffixed name is compiled again, whole, by the next process that has to load
     # it through torch (a damaged record). One name per folder is the same in every process.
-    name = f"{_MODULE}_{build_dir.name.rsplit('_', 1)[-1]}"
-    mod = load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
-               extra_cflags=cflags(), extra_ldflags=["-fopenmp"], verbose=False)
+    mod = load(name=f"cadence_{build_dir.name}", sources=[str(s) for s in sources],
+               build_directory=str(build_dir), extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+               verbose=False)
     # Written last, and whole (a reader without the lock sees the old record or the new):
     # the folder's key names these exact sources and flags, so from here on a load is an
     # import, with no ninja run and no torch lock for a killed worker to leave. The module's
